@@ -1,0 +1,45 @@
+# servelm: the two commands a new user needs.
+#   make serve   venv + install + pull the default model + run it
+#   make test    venv + test extras + the whole suite
+# TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine override it,
+# e.g. `make serve TORCH_SPEC=torch==2.13.0 PIP_TORCH_ARGS="--index-url <cuda index>"`.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PIP_TORCH_ARGS ?=
+MODEL ?= smollm2-135m-instruct
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: serve chat test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(BIN)/servelm models pull $(MODEL)
+	$(BIN)/servelm chat $(MODEL)
+
+chat: serve
+
+test: $(VENV)/.installed-test
+	$(BIN)/servelm models pull $(MODEL)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

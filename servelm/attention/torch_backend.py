@@ -1,0 +1,99 @@
+"""Torch attention over the paged KV cache: the reference backend and the CPU path.
+
+Decodes (one query token each) are batched: their context slots are gathered into one padded
+[B, C, K, D] tensor and masked; GQA needs no repeat, as the G query heads sharing a KV head
+ride in the query-length dimension. Prefill chunks run one sequence at a time: a chunk with no
+earlier context attends its own K/V causally; a later chunk gathers its context from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servelm.runner.forward_batch import ForwardBatch
+from servelm.runner.kv_cache import KVCache
+
+
+@dataclass
+class TorchAttentionMetadata:
+    decode_slots: torch.Tensor | None  # [Bd, C] context slots of each decode, padded
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, C] True where a slot is real
+    prefill_slots: list[torch.Tensor | None]  # per prefill: context slots, None if fresh
+    prefill_masks: list[torch.Tensor | None]  # per prefill: [q, C] causal-with-offset mask
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float):
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.scale = scale
+
+    def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        bs = batch.block_size
+        device = batch.slot_mapping.device
+        nd = batch.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            max_len = max(batch.seq_lens[:nd])
+            pos = torch.arange(max_len, device=device)
+            tables = batch.block_tables[:nd, : -(-max_len // bs)]
+            decode_slots = tables[:, pos // bs] * bs + pos % bs  # [Bd, C]
+            lens = torch.tensor(batch.seq_lens[:nd], device=device)
+            decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+            decode_slots = decode_slots.masked_fill(~decode_mask[:, 0, 0], 0)
+        prefill_slots, prefill_masks = [], []
+        for i in range(nd, batch.num_seqs):
+            ctx, total = batch.context_lens[i], batch.seq_lens[i]
+            if ctx == 0:
+                prefill_slots.append(None)
+                prefill_masks.append(None)
+                continue
+            pos = torch.arange(total, device=device)
+            prefill_slots.append(batch.block_tables[i, pos // bs] * bs + pos % bs)
+            q_pos = torch.arange(ctx, total, device=device)
+            prefill_masks.append(pos[None, :] <= q_pos[:, None])
+        return TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
+        k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        meta: TorchAttentionMetadata = batch.attn_metadata
+        nd = batch.num_decodes
+        outs = []
+        if nd:
+            outs.append(self._decode(q[:nd], k_cache, v_cache, meta))
+        qsl = batch.query_start_loc
+        for j, i in enumerate(range(nd, batch.num_seqs)):
+            s, e = qsl[i], qsl[i + 1]
+            slots = meta.prefill_slots[j]
+            if slots is None:
+                outs.append(self._prefill(q[s:e], k[s:e], v[s:e], None))
+            else:
+                outs.append(self._prefill(q[s:e], k_cache[slots], v_cache[slots],
+                                          meta.prefill_masks[j]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        bd, h, d = q.shape
+        kh = k_cache.shape[1]
+        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, K, C, D]
+        values = v_cache[meta.decode_slots].transpose(1, 2)
+        q = q.view(bd, kh, h // kh, d)  # the G heads of a group share one KV head
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=meta.decode_mask, scale=self.scale)
+        return out.reshape(bd, h, d)
+
+    def _prefill(self, q, k, v, mask) -> torch.Tensor:
+        # q: [Q, H, D]; k, v: [C, K, D]
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1)

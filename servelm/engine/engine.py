@@ -1,0 +1,229 @@
+"""Engine: requests in, token deltas out, one scheduling step at a time.
+
+Owns: admission (reject at once what can never fit), the request -> sequences map, the update
+step (append sampled tokens, detokenize, decide every finish: EOS, stop token, stop string,
+length, abort) and freeing finished sequences. Never: tensors; the runner it is given does the
+math, so the simulator can drive this same code with a modelled runner.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from servelm.config import SchedulerConfig
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.scheduler import ScheduledBatch, Scheduler
+from servelm.engine.sequence import Sequence, SequenceStatus
+from servelm.protocol import (EngineRequest, FinishReason, InvalidParameterError,
+                              RequestTimings, TokenDelta)
+
+
+@dataclass
+class _RequestState:
+    request: EngineRequest
+    seqs: list[Sequence]
+    timings: RequestTimings
+    detokenizers: dict[int, IncrementalDetokenizer | None]
+    num_unfinished: int
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    last_step_s: float = 0.0
+    last_num_seqs: int = 0
+    last_num_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens admitted
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens the model ran (prefill + decode, recompute too)
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, block_manager: BlockManager,
+                 scheduler_config: SchedulerConfig, max_model_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], model_name: str = ""):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = block_manager
+        self.scheduler = Scheduler(scheduler_config, block_manager)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.model_name = model_name
+        self.stats = EngineStats()
+        self._requests: dict[str, _RequestState] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._pending: list[TokenDelta] = []  # deltas produced between steps (aborts)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue. Raises InvalidParameterError for what can never be served."""
+        if request.request_id in self._requests:
+            raise InvalidParameterError(f"request_id {request.request_id!r} is already running",
+                                        param="request_id")
+        max_tokens = self._check_request(request)
+        params = request.sampling_params
+        timings = RequestTimings(arrival_time=request.arrival_time or time.monotonic())
+        extra_key = params.cache_salt
+        seqs = [Sequence(request.request_id, i, request.prompt_token_ids, params, timings,
+                         max_tokens, extra_key) for i in range(params.n)]
+        detoks = {s.seq_id: self._detokenizer(request) for s in seqs}
+        self._requests[request.request_id] = _RequestState(request, seqs, timings, detoks,
+                                                           len(seqs))
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n
+
+    def _check_request(self, request: EngineRequest) -> int:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)),
+                   None)
+        if bad is not None:
+            raise InvalidParameterError(
+                f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+                param="prompt")
+        n_prompt = len(ids)
+        params = request.sampling_params
+        if n_prompt >= self.max_model_len:
+            raise InvalidParameterError(
+                f"prompt has {n_prompt} tokens; this model's context is {self.max_model_len} "
+                f"tokens and at least one must be left to generate", param="prompt",
+                code="context_length_exceeded")
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.max_model_len, pool_tokens) - n_prompt
+        elif n_prompt + max_tokens > self.max_model_len:
+            raise InvalidParameterError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model "
+                f"context of {self.max_model_len} tokens", param="max_tokens",
+                code="context_length_exceeded")
+        if n_prompt + max_tokens > pool_tokens:
+            raise InvalidParameterError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the whole KV "
+                f"cache ({pool_tokens} tokens); lower max_tokens or raise --kv-cache-memory",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = request.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop,
+                                      p.skip_special_tokens)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of a request now; its final deltas come with the next step."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "",
+                                                  [], None, time.monotonic()))
+        return True
+
+    # -- the step --------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[TokenDelta]:
+        deltas, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return deltas
+        start = time.monotonic()
+        for s in batch.seqs:
+            if s.seq.timings.first_scheduled_time is None:
+                s.seq.timings.first_scheduled_time = start
+        result = self.runner.execute(batch)
+        now = time.monotonic()
+        self._account(batch, now - start)
+        for sampled in result.sampled:
+            seq = self._seqs[sampled.seq_id]
+            deltas.append(self._on_token(seq, sampled.token_id, sampled.logprob, now))
+        return deltas
+
+    def _account(self, batch: ScheduledBatch, step_s: float) -> None:
+        prefilling = set()
+        for s in batch.seqs:
+            seq = s.seq
+            if s.start < seq.num_prompt_tokens and seq.request_id not in prefilling:
+                prefilling.add(seq.request_id)
+                seq.timings.prefill_time += step_s
+            seq.num_computed_tokens += s.num_new_tokens
+        st = self.stats
+        st.num_steps += 1
+        st.last_step_s = step_s
+        st.last_num_seqs = len(batch.seqs)
+        st.last_num_tokens = batch.num_batched_tokens
+        st.num_computed_tokens += batch.num_batched_tokens
+
+    def _on_token(self, seq: Sequence, token: int, logprob, now: float) -> TokenDelta:
+        seq.append_token(token)
+        self.stats.num_generated_tokens += 1
+        timings = seq.timings
+        if timings.first_token_time is None:
+            timings.first_token_time = now
+        timings.last_token_time = now
+        params = seq.params
+        detok = self._requests[seq.request_id].detokenizers[seq.seq_id]
+        logprobs = [logprob] if logprob is not None else None
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            text = detok.flush() if detok else ""
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
+                                now)
+        match = detok.add_token(token, seq.num_output_tokens >= params.min_tokens) if detok \
+            else None
+        text = match.text if match else ""
+        if match and match.stopped:
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
+                                now)
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            text += detok.flush() if detok else ""
+            return self._finish(seq, SequenceStatus.FINISHED_LENGTH, text, [token], logprobs,
+                                now)
+        return TokenDelta(seq.request_id, seq.index, text, [token], logprobs,
+                          num_prompt_tokens=seq.num_prompt_tokens,
+                          num_output_tokens=seq.num_output_tokens)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
+                logprobs, now: float) -> TokenDelta:
+        self.scheduler.finish(seq, status)
+        self.runner.release(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        state = self._requests[seq.request_id]
+        state.num_unfinished -= 1
+        reason = status.finish_reason
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+        timings = None
+        if state.num_unfinished == 0:
+            state.timings.finish_time = now
+            timings = state.timings
+            del self._requests[seq.request_id]
+        return TokenDelta(seq.request_id, seq.index, text, token_ids, logprobs, reason,
+                          num_prompt_tokens=seq.num_prompt_tokens,
+                          num_output_tokens=seq.num_output_tokens, timings=timings)
+
+    def check_invariants(self) -> None:
+        """free + held == total; no finished sequence holds a block."""
+        live = self.scheduler.live_sequences()
+        self.block_manager.check_invariants(live)
+        assert all(not s.is_finished for s in live)
+
+
+FINISH_REASONS = [r.value for r in FinishReason]

@@ -1,0 +1,92 @@
+"""build_engine: EngineArgs -> a ready Engine (weights loaded, KV cache allocated).
+
+The one place that wires loader, model, attention backend, runner and engine together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from servelm.attention import get_backend_class
+from servelm.config import EngineArgs, ModelConfig
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.engine import Engine
+from servelm.layers.rotary import RotaryEmbedding
+from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from servelm.models import get_model_class
+from servelm.runner.kv_cache import KVCache
+from servelm.runner.model_runner import ModelRunner, num_kv_blocks
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(config: ModelConfig, weights, dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """Build on the meta device (no throwaway init), then fill from the checkpoint."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, None)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.materialize(device)
+    model.load_weights((name, t.to(dtype)) for name, t in weights)
+    return model.eval()
+
+
+def bind_attention(model: torch.nn.Module, backend) -> None:
+    """Attach the attention backend once the KV cache is sized (after the weights)."""
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
+
+
+def build_engine(args: EngineArgs) -> Engine:
+    """Resolve the model (cached name, GGUF file or HF directory) and assemble an engine."""
+    start = time.monotonic()
+    source = resolve_model(args.model)
+    config = load_model_config(source)
+    tokenizer = load_tokenizer(source)
+    engine = assemble_engine(args, config, iter_weights(source, config), tokenizer, source.name)
+    logger.info("engine ready in %.1fs", time.monotonic() - start)
+    return engine
+
+
+def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
+                    name: str = "") -> Engine:
+    """Engine from a config and a weights iterator (tests pass in-memory checkpoints)."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    eos = set(config.eos_token_ids)
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    eos = tuple(sorted(eos))
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"{config.max_position_embeddings} positions")
+    cache_config = args.cache_config()
+    # Weights first, so a KV budget given as a fraction counts the memory left after them.
+    model = build_model(config, weights, dtype, device)
+    num_blocks = num_kv_blocks(config, cache_config, dtype, device)
+    kv_cache = KVCache(config, num_blocks, cache_config.block_size, dtype, device)
+    backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
+                                                        config.head_dim ** -0.5)
+    bind_attention(model, backend)
+    runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed)
+    block_manager = BlockManager(num_blocks, cache_config.block_size)
+    max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
+    engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
+                    config.vocab_size, eos, model_name=name or config.name)
+    engine.model_config = config
+    logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
+                cache_config.block_size,
+                num_blocks * KVCache.bytes_per_block(config, cache_config.block_size, dtype) / 1e9,
+                max_model_len)
+    return engine

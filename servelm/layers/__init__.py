@@ -1,0 +1,1 @@
+"""Building blocks shared by model families: norms, rotary embeddings, activations."""

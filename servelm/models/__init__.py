@@ -1,0 +1,20 @@
+"""Model families, registered by name (ModelConfig.architecture) and imported when chosen."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "llama": "servelm.models.llama:LlamaForCausalLM",
+    "qwen2": "servelm.models.qwen2:Qwen2ForCausalLM",
+    "qwen3": "servelm.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def get_model_class(architecture: str):
+    try:
+        module, cls = _MODELS[architecture].split(":")
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{sorted(_MODELS)}") from None
+    return getattr(importlib.import_module(module), cls)

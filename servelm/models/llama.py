@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2), the base of Qwen2 and Qwen3.
+
+Takes `(input_ids[T], positions[T], batch)` over a flat batch of tokens from many sequences:
+no padding, no per-request state. q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from servelm.config import ModelConfig
+from servelm.layers.activation import silu_and_mul
+from servelm.layers.norm import RMSNorm
+from servelm.layers.rotary import RotaryEmbedding
+from servelm.runner.forward_batch import ForwardBatch
+
+
+def _linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                bias=config.attention_bias)
+        self.o_proj = _linear(self.q_size, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # q: [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # k: [T, K, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(self.layer, q, k, v, batch)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, x, residual, batch):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    # HF name fragment -> (fused parameter, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            target, shard = name, None
+            for part, (fused, idx) in self._FUSED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused), idx
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            self._copy_shard(params[target], tensor, shard, target)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if "qkv_proj" in fused:
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def _copy_shard(self, param, tensor, shard, target) -> None:
+        if shard is None:
+            dst = param.data
+        else:
+            sizes = self._shard_sizes(target)
+            dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{target} shard {shard}: checkpoint shape {tuple(tensor.shape)} "
+                             f"!= model shape {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def _check_complete(self, params, loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            fused = "qkv_proj" in name or "gate_up_proj" in name
+            if fused and name.endswith("weight") or fused and name.endswith("bias"):
+                n = len(self._shard_sizes(name))
+                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,225 @@
+"""Torch-free request and response types shared by the engine, the server and the tools.
+
+Owns: SamplingParams (validated at construction), EngineRequest, TokenDelta, FinishReason,
+RequestTimings, RequestOutput/CompletionOutput.
+Never: imports torch, or holds engine state.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidParameterError(ValueError):
+    """Bad input. `param` names the offending parameter (OpenAI's `error.param`)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model context
+    ABORT = "abort"  # client abort or deadline
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Validation names the parameter at fault."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token + k top alternatives
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+    MAX_LOGPROBS = 20
+    MAX_STOP_STRINGS = 16
+    MAX_STOP_LEN = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> InvalidParameterError:
+            return InvalidParameterError(f"{param} {msg}", param=param)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise bad(name, f"must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise bad(name, f"must be finite, got {value!r}")
+        for name in ("n", "min_tokens", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(name, f"must be an integer, got {value!r}")
+        if self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if self.max_tokens is not None:
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+                raise bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+            if self.max_tokens < 1:
+                raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens "
+                      f"({self.max_tokens})")
+        if self.temperature < 0.0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool):
+                raise bad("logprobs", f"must be an integer, got {self.logprobs!r}")
+            if not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+                raise bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise bad("stop", f"has {len(self.stop)} strings; at most {self.MAX_STOP_STRINGS}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "entries must be non-empty strings")
+            if len(s) > self.MAX_STOP_LEN:
+                raise bad("stop", f"entries must be at most {self.MAX_STOP_LEN} characters")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock instants (time.monotonic seconds) and counters of one request."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prefill_time: float = 0.0  # seconds of steps spent on this request's prompt
+
+    @property
+    def queued_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "queued_s": self.queued_s,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "prefill_s": self.prefill_time,
+            "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
+
+
+@dataclass
+class EngineRequest:
+    """What the engine is asked to do: token ids in, sampling rules."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float | None = None
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    # top alternatives: (token_id, logprob), best first
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenDelta:
+    """What one engine step produced for one sequence (choice `index`) of a request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    timings: RequestTimings | None = None  # set on the request's last delta
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as returned by LLM.generate."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    timings: RequestTimings

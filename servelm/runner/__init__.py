@@ -1,0 +1,1 @@
+"""Runner: turns a tensor-free ScheduledBatch into tensors, runs the model, samples."""
