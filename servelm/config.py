@@ -204,7 +204,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="torch")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--engine-seed", dest="seed", type=int, default=0,
+                   help="seed of the stream unseeded requests sample from")
     g.add_argument("--threads", dest="num_threads", type=int, default=None)
 
 

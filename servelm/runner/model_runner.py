@@ -32,6 +32,9 @@ class StepResult:
     forward_s: float = 0.0  # wall time of model + sampling
 
 
+CPU_DEFAULT_KV_BYTES = 2 * 2**30
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -51,6 +54,10 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
     budget = cache_config.kv_cache_memory_bytes
     if budget is None:
         budget = int(available_memory_bytes(device) * cache_config.memory_fraction)
+        if device.type == "cpu":
+            # Host memory is shared with everything else on the machine (as vLLM's CPU
+            # backend, default to a few GiB rather than a share of all RAM).
+            budget = min(budget, CPU_DEFAULT_KV_BYTES)
     per_block = KVCache.bytes_per_block(model_config, cache_config.block_size, dtype)
     blocks = budget // per_block
     if blocks < 1:
@@ -78,7 +85,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         start = time.perf_counter()
-        order = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        order = _decodes_first(batch.seqs)
         fb = self._build_forward_batch(order)
         fb.attn_metadata = self.backend.build_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
@@ -90,6 +97,15 @@ class ModelRunner:
         result = self._to_step_result(sampling, out)
         result.forward_s = time.perf_counter() - start
         return result
+
+    @torch.inference_mode()
+    def score(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits at every computed position, decodes first as in execute: [T, V] (parity
+        tests, perplexity). Writes the batch's K/V into the cache like a normal step."""
+        fb = self._build_forward_batch(_decodes_first(batch.seqs))
+        fb.attn_metadata = self.backend.build_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden).float()
 
     def _build_forward_batch(self, order: list[ScheduledSeq]) -> ForwardBatch:
         bs = self.block_size
@@ -184,6 +200,11 @@ class ModelRunner:
                 lp = Logprob(token_ids[row], logprobs[row], top)
             sampled.append(SampledToken(s.seq.seq_id, token_ids[row], lp))
         return StepResult(sampled)
+
+
+def _decodes_first(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The attention backends take single-token sequences first (a stable sort)."""
+    return sorted(seqs, key=lambda s: s.num_new_tokens != 1)
 
 
 def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""The `servelm` command: generate, chat, serve, models, bench, plan.
+
+Each sub-package registers its own sub-command (`add_parser(subparsers)`); this file wires
+them and holds the two that drive the engine directly: `generate` and `chat`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+
+from servelm.config import add_engine_cli_args, engine_args_from_cli
+from servelm.protocol import InvalidParameterError, SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Sub-packages that register their own sub-commands.
+_SUBCOMMAND_MODULES = ["servelm.loader.cli", "servelm.bench.cli", "servelm.planner.cli",
+                       "servelm.server.cli"]
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+
+
+def _sampling_params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+                          stop=args.stop)
+
+
+def _build_llm(args):
+    from servelm.llm import LLM
+
+    start = time.monotonic()
+    llm = LLM(engine=_engine(args))
+    print(f"[servelm] loaded {args.model} in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    return llm
+
+
+def _engine(args):
+    from servelm.engine_builder import build_engine
+
+    return build_engine(engine_args_from_cli(args))
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)
+    llm = _build_llm(args)
+    start = time.monotonic()
+    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    elapsed = time.monotonic() - start
+    print(out.outputs[0].text)
+    n = len(out.outputs[0].token_ids)
+    t = out.timings
+    print(f"[servelm] {len(out.prompt_token_ids)} prompt + {n} new tokens in {elapsed:.2f}s; "
+          f"TTFT {t.ttft_s * 1000:.0f} ms; finish: {out.outputs[0].finish_reason.value}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    llm = _build_llm(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model. Empty line or Ctrl-D to quit; /reset to start over.",
+          file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not user:
+            return 0
+        if user == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": user})
+        reply = _stream_reply(llm, messages, params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, messages: list[dict], params: SamplingParams) -> str:
+    """Print the answer token by token as the engine produces it."""
+    from servelm.protocol import EngineRequest
+
+    ids = llm.encode_chat(messages)
+    rid = f"chat-{time.monotonic_ns()}"
+    llm.engine.add_request(EngineRequest(rid, ids, params))
+    print("assistant> ", end="", flush=True)
+    text = ""
+    while llm.engine.has_unfinished:
+        for delta in llm.engine.step():
+            text += delta.text
+            print(delta.text, end="", flush=True)
+    print()
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servelm", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt; prints only the completion")
+    gen.add_argument("model", help="cached model name, .gguf file or HF directory")
+    gen.add_argument("--prompt", required=True)
+    _sampling_args(gen, max_tokens=128)
+    add_engine_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(chat, max_tokens=512)
+    add_engine_cli_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    for name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="[servelm] %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except InvalidParameterError as e:
+        print(f"servelm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""`servelm plan ...`: argparse wiring for the planner subcommands.
+
+Owns: `add_parser(subparsers)` (registers `plan` and its subcommands, sets func=handler),
+flag parsing and validation (bad values exit 2 with the flag named), building a Deployment
+from flags, and printing text or `--json`.
+Never: computes planner numbers; each subcommand calls one pure plan_* function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Callable
+
+from servelm.planner.calibration import load_calibration
+from servelm.planner.capacity import plan_capacity
+from servelm.planner.chain import PlanResult
+from servelm.planner.coldstart import plan_coldstart
+from servelm.planner.decode import plan_decode
+from servelm.planner.deployment import Deployment, auto_tp
+from servelm.planner.disagg import plan_disagg
+from servelm.planner.errors import PlanInputError
+from servelm.planner.fleet import Workload, plan_fleet
+from servelm.planner.hardware import (
+    ACCELERATORS,
+    LINKS,
+    TIERS,
+    get_accelerator,
+    get_link,
+    get_tier,
+)
+from servelm.planner.kv import plan_kv
+from servelm.planner.model_catalog import catalog_names, resolve_model
+from servelm.planner.offload import plan_offload
+from servelm.planner.prefill import plan_prefill
+from servelm.planner.report import render_json, render_text
+from servelm.planner.speculative import plan_spec
+from servelm.planner.units import DTYPE_BYTES, KV_DTYPES
+from servelm.planner.weights import plan_weights
+
+
+def _checked(kind: type, test: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+pos_int = _checked(int, lambda v: v > 0, "a positive integer")
+pos_float = _checked(float, lambda v: v > 0, "positive")
+non_neg_float = _checked(float, lambda v: v >= 0, ">= 0")
+fraction = _checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+acceptance = _checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def _model_flags(p: argparse.ArgumentParser, kv: bool = True, weights: bool = True) -> None:
+    p.add_argument("--model", default="Llama-3.1-8B",
+                   help=f"built-in ({', '.join(catalog_names())}), HF repo id of a built-in, "
+                        "a config.json, a model directory or a .gguf file")
+    if weights:
+        p.add_argument("--weight-dtype", default="bf16", choices=list(DTYPE_BYTES))
+    if kv:
+        p.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES))
+    p.add_argument("--json", action="store_true", help="print stable JSON fields")
+
+
+_AUTO_TP = "default: smallest power of two whose weight shard leaves room for KV"
+
+
+def _hw_flags(p: argparse.ArgumentParser, tp_default: str = _AUTO_TP) -> None:
+    _model_flags(p)
+    p.add_argument("--gpu", default="H100-SXM", help=f"one of {', '.join(ACCELERATORS)}")
+    p.add_argument("--tp", type=pos_int, default=None,
+                   help=f"tensor-parallel size per replica ({tp_default})")
+    p.add_argument("--mem-util", type=fraction, default=0.9,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    p.add_argument("--reserve-gb", type=non_neg_float, default=2.0,
+                   help="activation/workspace reserve per GPU, decimal GB (default 2)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="JSON Calibration (bandwidth_fraction, prefill_mfu, decode_mfu, "
+                        "step_overhead_s, ...), e.g. from `servelm bench`")
+
+
+def _slo_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ttft", type=pos_float, default=1.0, help="TTFT budget/SLO, s")
+    p.add_argument("--tpot", type=pos_float, default=0.05, help="TPOT SLO, s per token")
+
+
+def _mfu_flag(p: argparse.ArgumentParser, default_doc: str) -> None:
+    p.add_argument("--mfu", type=fraction, default=None,
+                   help=f"model FLOPs utilisation (default: calibration, else {default_doc})")
+
+
+def _register(sub, name: str, helptext: str, fn: Callable) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=helptext, description=helptext)
+    p.set_defaults(plan_fn=fn)
+    return p
+
+
+# ---------------------------------------------------------------- flags -> plan_* calls
+
+
+def _deployment(args: argparse.Namespace, default_tp: int | None = None) -> Deployment:
+    model = resolve_model(args.model)
+    gpu = get_accelerator(args.gpu)
+    tp = args.tp or default_tp or auto_tp(model, gpu, args.weight_dtype, args.mem_util,
+                                          args.reserve_gb)
+    return Deployment(model, gpu, tp=tp, weight_dtype=args.weight_dtype,
+                      kv_dtype=args.kv_dtype, mem_util=args.mem_util,
+                      reserve_gb=args.reserve_gb,
+                      calibration=load_calibration(args.calibration))
+
+
+def _run_kv(a):
+    return plan_kv(resolve_model(a.model), a.kv_dtype, a.context)
+
+
+def _run_weights(a):
+    return plan_weights(resolve_model(a.model), a.weight_dtype)
+
+
+def _run_capacity(a):
+    return plan_capacity(_deployment(a, default_tp=a.num_gpus), a.num_gpus, a.context)
+
+
+def _decode_deployment(a) -> Deployment:
+    """decode and spec: --mfu overrides the calibration's decode MFU."""
+    d = _deployment(a)
+    if a.mfu is None:
+        return d
+    return dataclasses.replace(d, calibration=dataclasses.replace(d.calibration,
+                                                                  decode_mfu=a.mfu))
+
+
+def _run_decode(a):
+    return plan_decode(_decode_deployment(a), a.batch, a.context)
+
+
+def _run_prefill(a):
+    return plan_prefill(_deployment(a), a.tokens, mfu=a.mfu, ttft_s=a.ttft, batch=a.batch,
+                        context=a.context, tpot_s=a.tpot)
+
+
+def _run_spec(a):
+    return plan_spec(_decode_deployment(a), a.acceptance, a.draft_len, batch=a.batch,
+                     context=a.context, draft_cost=a.draft_cost)
+
+
+def _run_disagg(a):
+    return plan_disagg(_deployment(a), a.input_len, get_link(a.link), mfu=a.mfu)
+
+
+def _run_offload(a):
+    return plan_offload(_deployment(a), a.tokens, get_tier(a.tier), mfu=a.mfu)
+
+
+def _run_coldstart(a):
+    return plan_coldstart(_deployment(a), get_tier(a.tier))
+
+
+def _run_fleet(a):
+    w = Workload(a.rps, a.input_len, a.output_len, a.ttft, a.tpot, a.max_load)
+    return plan_fleet(_deployment(a), w, tp_fixed=a.tp is not None, mfu=a.mfu)
+
+
+def _print_catalog(as_json: bool) -> None:
+    import json
+
+    from servelm.planner.model_catalog import builtin_model
+    from servelm.planner.models import count_params
+
+    models = {n: {"attention": builtin_model(n).attention_kind,
+                  "total_params": count_params(builtin_model(n)).total,
+                  "source": builtin_model(n).source} for n in catalog_names()}
+    gpus = {n: {"memory_bytes": g.memory_bytes, "hbm_bandwidth_Bps": g.hbm_bandwidth_Bps,
+                "bf16_flops": g.bf16_flops, "fp8_flops": g.fp8_flops,
+                "interconnect": g.interconnect, "sources": g.sources}
+            for n, g in ACCELERATORS.items()}
+    links = {n: {"bandwidth_Bps": link.bandwidth_Bps, "source": link.source}
+             for n, link in LINKS.items()}
+    tiers = {n: {"storage": t.storage, "description": t.description} for n, t in TIERS.items()}
+    data = {"models": models, "gpus": gpus, "links": links, "tiers": tiers}
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    for section, rows in data.items():
+        print(f"{section}:")
+        for name, row in rows.items():
+            src = row.get("source") or next(iter(row.get("sources", {}).values()), "")
+            print(f"  {name:16} {src}")
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _add_sizing_subcommands(sub) -> None:
+    """kv, weights, capacity, decode, prefill: sizes and times of one replica."""
+    p = _register(sub, "kv", "KV bytes per token/request, vs MHA/GQA/MQA/MLA layouts", _run_kv)
+    _model_flags(p, weights=False)
+    p.add_argument("--context", type=pos_int, default=8192)
+
+    p = _register(sub, "weights", "parameter count (total/active) and bytes per dtype",
+                  _run_weights)
+    _model_flags(p, kv=False)
+
+    p = _register(sub, "capacity", "concurrent users at a context on N GPUs", _run_capacity)
+    _hw_flags(p, tp_default="default: --num-gpus, one replica")
+    p.add_argument("--num-gpus", type=pos_int, default=8)
+    p.add_argument("--context", type=pos_int, default=8192)
+
+    p = _register(sub, "decode", "decode step-time lower bound, ridge batch, tokens/s",
+                  _run_decode)
+    _hw_flags(p)
+    p.add_argument("--batch", type=pos_int, default=32)
+    p.add_argument("--context", type=pos_int, default=2048)
+    _mfu_flag(p, "1.0 (peak: a lower bound)")
+
+    p = _register(sub, "prefill", "prefill time, TTFT budget, decode stall, chunk size",
+                  _run_prefill)
+    _hw_flags(p)
+    p.add_argument("--tokens", type=pos_int, default=8192, help="prompt tokens")
+    p.add_argument("--batch", type=pos_int, default=32, help="active decode streams")
+    p.add_argument("--context", type=pos_int, default=2048, help="their context length")
+    _slo_flags(p)
+    _mfu_flag(p, "0.5")
+
+
+def _add_what_if_subcommands(sub) -> None:
+    """spec, disagg, offload, coldstart, fleet: questions about a serving design."""
+    p = _register(sub, "spec", "speculative decoding: tokens/step, speedup, break-even batch",
+                  _run_spec)
+    _hw_flags(p)
+    p.add_argument("--acceptance", type=acceptance, default=0.7)
+    p.add_argument("--draft-len", type=pos_int, default=4)
+    p.add_argument("--draft-cost", type=non_neg_float, default=0.05,
+                   help="one draft step / one target step (default 0.05; 0 for n-gram)")
+    p.add_argument("--batch", type=pos_int, default=1)
+    p.add_argument("--context", type=pos_int, default=2048)
+    _mfu_flag(p, "1.0 (decode MFU, peak)")
+
+    p = _register(sub, "disagg", "KV shipped per request, transfer time, break-even link",
+                  _run_disagg)
+    _hw_flags(p)
+    p.add_argument("--input-len", type=pos_int, default=8192)
+    p.add_argument("--link", default="nic-400g", help=f"one of {', '.join(LINKS)}")
+    _mfu_flag(p, "0.5")
+
+    p = _register(sub, "offload", "reload a cached prefix from DRAM/NVMe vs recompute it",
+                  _run_offload)
+    _hw_flags(p)
+    p.add_argument("--tokens", type=pos_int, default=8192, help="cached prefix tokens")
+    p.add_argument("--tier", default="dram", help=f"one of {', '.join(TIERS)}")
+    _mfu_flag(p, "0.5")
+
+    p = _register(sub, "coldstart", "where a new replica's start-up seconds go",
+                  _run_coldstart)
+    _hw_flags(p)
+    p.add_argument("--tier", default="nvme", help=f"weights source: {', '.join(TIERS)}")
+
+    p = _register(sub, "fleet", "GPUs and replicas for a request rate and SLOs", _run_fleet)
+    _hw_flags(p)
+    p.add_argument("--rps", type=pos_float, default=10.0, help="requests per second")
+    p.add_argument("--input-len", type=pos_int, default=2000)
+    p.add_argument("--output-len", type=pos_int, default=300)
+    _slo_flags(p)
+    p.add_argument("--max-load", type=fraction, default=0.8,
+                   help="target utilisation of each replica, headroom for queueing")
+    _mfu_flag(p, "0.5")
+
+    p = sub.add_parser("catalog", help="list built-in models, GPUs, links, tiers and sources")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(plan_fn=None)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `plan` on the top-level `servelm` subparsers; sets func=handler."""
+    plan = subparsers.add_parser(
+        "plan", help="capacity planner: serving arithmetic with the work shown",
+        description="Capacity planner. Every subcommand prints its formula chain with the "
+                    "numbers plugged in; --json prints stable fields (docs/planner.md).")
+    sub = plan.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
+    sub.required = True
+    _add_sizing_subcommands(sub)
+    _add_what_if_subcommands(sub)
+    plan.set_defaults(func=handler)
+    return plan
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Run one plan subcommand; bad input -> message naming the flag on stderr, exit 2."""
+    try:
+        if args.plan_command == "catalog":
+            _print_catalog(args.json)
+            return 0
+        result: PlanResult = args.plan_fn(args)
+    except PlanInputError as e:
+        print(f"servelm plan {args.plan_command}: error: {e}", file=sys.stderr)
+        return 2
+    print(render_json(result) if args.json else render_text(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="servelm")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
