@@ -146,7 +146,8 @@ def _top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p; always keep one.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_ps[:, None]
+    # (top_p == 1 rows keep all: a float cumsum can reach 1.0 before the tail.)
+    drop = (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
