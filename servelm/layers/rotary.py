@@ -22,7 +22,10 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "freq_factors":  # GGUF files store Llama 3 scaling as per-frequency divisors
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                     f"(supported: linear, llama3, freq_factors)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

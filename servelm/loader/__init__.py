@@ -1,0 +1,119 @@
+"""Model loading: from a name or a path to a ModelConfig, weights and a Tokenizer.
+
+Owns: resolving what the user asked to serve (a cached registry name, a .gguf file or a
+Hugging Face directory) into a `ModelSource`, and dispatching to the GGUF or HF loader.
+
+Never: downloads at load time (registry models are fetched only by `servelm models pull`),
+or builds the model itself: weights are handed out as (HF name, float32 CPU tensor) pairs for
+`models/` to place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from servelm.config import ModelConfig
+from servelm.loader import model_cache
+from servelm.loader.model_cache import ModelPullError, cached_path, list_cached, pull
+from servelm.loader.tokenizer import Tokenizer
+from servelm.protocol import InvalidParameterError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ModelNotFoundError",
+    "ModelPullError",
+    "ModelSource",
+    "Tokenizer",
+    "cached_path",
+    "iter_weights",
+    "list_cached",
+    "load_model_config",
+    "load_tokenizer",
+    "pull",
+    "resolve_model",
+]
+
+
+class ModelSource(NamedTuple):
+    kind: str  # "gguf" | "hf"
+    path: Path
+    name: str  # the name the model is served under
+
+
+class ModelNotFoundError(InvalidParameterError):
+    """`model` names nothing loadable; the message says what was tried and what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model", code="model_not_found")
+
+
+def resolve_model(model: str) -> ModelSource:
+    """A cached registry name, a path to a .gguf file, or an HF directory with config.json."""
+    if not isinstance(model, str) or not model.strip():
+        raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}")
+    if model in model_cache.REGISTRY:
+        path = cached_path(model)
+        if path is None:
+            raise ModelNotFoundError(
+                f"model {model!r} is known but not downloaded yet; run "
+                f"`servelm models pull {model}` first (cache: {model_cache.cache_home()})"
+            )
+        return ModelSource("gguf", path, model)
+    path = Path(model).expanduser().resolve()  # absolute: "." still gets a served name
+    if path.is_file() and _is_gguf(path):
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    if path.is_dir():
+        why = f"{path} is a directory without config.json"
+    elif path.is_file():
+        why = f"{path} is a file but not a GGUF file"
+    else:
+        why = f"no file or directory {path} exists"
+    raise ModelNotFoundError(
+        f"cannot load model {model!r}: it is not a registry name "
+        f"({', '.join(sorted(model_cache.REGISTRY))}) and {why}. Pass a registry name (then "
+        "`servelm models pull NAME`), a path to a .gguf file, or a Hugging Face model "
+        "directory containing config.json, *.safetensors and tokenizer.json."
+    )
+
+
+def _is_gguf(path: Path) -> bool:
+    # The magic bytes decide, not the file name.
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
+
+    if source.kind == "gguf":
+        return gguf_loader.load_gguf_config(source.path, source.name)
+    if source.kind == "hf":
+        return hf_loader.load_hf_config(source.path, source.name)
+    raise ValueError(f"unknown model source kind {source.kind!r}")
+
+
+def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF Llama name, float32 CPU tensor) for every weight; `lm_head.weight` absent if tied."""
+    from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
+
+    if source.kind == "gguf":
+        return gguf_loader.iter_gguf_weights(source.path, config)
+    if source.kind == "hf":
+        return hf_loader.iter_hf_weights(source.path, config)
+    raise ValueError(f"unknown model source kind {source.kind!r}")
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
+
+    if source.kind == "gguf":
+        return gguf_loader.load_gguf_tokenizer(source.path)
+    if source.kind == "hf":
+        return hf_loader.load_hf_tokenizer(source.path)
+    raise ValueError(f"unknown model source kind {source.kind!r}")

@@ -1,0 +1,423 @@
+"""Loading a GGUF file: its metadata as a ModelConfig, its tensors as HF-named float32
+weights, and its vocabulary as a Tokenizer.
+
+Owns: the mapping from llama.cpp's names and conventions to the Hugging Face ones the models
+use -- tensor names, undoing the converter's rotary row permutation, and rebuilding the HF
+tokenizer (byte-level BPE with the original pre-tokenizer, or SentencePiece BPE; special
+tokens; the BOS rule) from `tokenizer.ggml.*` metadata.
+
+Never: runs quantized kernels (every tensor is dequantized to float32 with gguf-py's own
+`dequantize`), or writes to the file (it is memory-mapped read-only).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from servelm.config import ModelConfig
+from servelm.loader.hf_loader import hf_weight_names
+from servelm.loader.tokenizer import Tokenizer, end_of_generation_ids
+
+__all__ = ["iter_gguf_weights", "load_gguf_config", "load_gguf_tokenizer", "unpermute_rotary"]
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> servelm family.
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_TOKEN_UNKNOWN = 2  # llama.cpp token types
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: Path) -> GGUFReader:
+    # Parsing the metadata (50k-entry vocab arrays) takes a moment; config, weights and
+    # tokenizer are each asked for separately, so share one memory-mapped reader per file.
+    return GGUFReader(path, "r")
+
+
+def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def load_gguf_config(path: Path, name: str) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata and the tensors present."""
+    reader = _reader(path)
+    arch = _get(reader, "general.architecture")
+    if arch not in _FAMILIES:
+        raise ValueError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {sorted(_FAMILIES)}"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _get(reader, f"{arch}.{key}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    tokens = _get(reader, "tokenizer.ggml.tokens") or []
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    return ModelConfig(
+        architecture=_FAMILIES[arch],
+        vocab_size=len(tokens) or int(meta("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, meta),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=_get(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_gguf_eos_ids(reader, vocab.get),
+        name=name,
+    )
+
+
+def _rope_scaling(reader: GGUFReader, meta) -> dict[str, Any] | None:
+    """HF-style rope_scaling from `rope.scaling.*`, or the file's per-frequency factors."""
+    kind = meta("rope.scaling.type")
+    if kind not in (None, "none"):
+        scaling: dict[str, Any] = {
+            "rope_type": kind,
+            "factor": float(meta("rope.scaling.factor", 1.0)),
+        }
+        if (orig := meta("rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    # Llama 3.x files carry no scaling keys: the converter bakes the llama3 rule into a
+    # `rope_freqs` tensor (one divisor per rotary frequency), which llama.cpp applies as is.
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            return {
+                "rope_type": "freq_factors",
+                "freq_factors": [float(x) for x in np.asarray(tensor.data).ravel()],
+            }
+    return None
+
+
+def _gguf_eos_ids(reader: GGUFReader, lookup) -> tuple[int, ...]:
+    declared = [_get(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return end_of_generation_ids(declared, lookup)
+
+
+# --- weights ------------------------------------------------------------------------------
+
+# llama.cpp tensor name (within blk.N.) -> HF name (within model.layers.N.)
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SKIPPED_TENSORS = {"rope_freqs.weight"}  # carried in ModelConfig.rope_scaling instead
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a llama q/k projection (weight or bias).
+
+    HF Llama rotates half-split pairs (i, i + D/2) of each head; llama.cpp rotates adjacent
+    pairs (2i, 2i + 1), so its converter reorders each head's rows from
+    [x0 .. x_{D/2-1}, y0 .. y_{D/2-1}] to [x0, y0, x1, y1, ...]. Viewing the rows as
+    [heads, D/2, 2] and swapping the last two axes puts them back:
+
+        gguf rows of one head:  x0 y0 x1 y1 ...   -> [D/2, 2] -> swap -> [2, D/2]
+        hf rows of one head:    x0 x1 ... y0 y1 ...
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor [out, in]) for every tensor in the file."""
+    reader = _reader(path)
+    permuted = _get(reader, "general.architecture") == "llama"  # qwen2/qwen3 use neox rotary
+    seen: set[str] = set()
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        # dequantize returns numpy shape order (ggml's ne reversed): [out, in] like torch.
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        if permuted and ".attn_q." in tensor.name:
+            weight = unpermute_rotary(weight, config.num_heads)
+        elif permuted and ".attn_k." in tensor.name:
+            weight = unpermute_rotary(weight, config.num_kv_heads)
+        seen.add(name)
+        # F32 tensors come back as views of the read-only memory map: copy those only.
+        if not weight.flags.writeable:
+            weight = weight.copy()
+        yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    missing = set(hf_weight_names(config)) - seen
+    if missing:
+        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
+
+
+# --- tokenizer ----------------------------------------------------------------------------
+
+# Split regexes of the original HF tokenizer.json files, by `tokenizer.ggml.pre`.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_split(split: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    # ByteLevel's built-in regex is GPT-2's.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    # SmolLM / StarCoder: every digit is its own pre-token, then GPT-2's split.
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+
+
+class _PreSpec:
+    """How the original HF tokenizer of a `tokenizer.ggml.pre` family splits and merges."""
+
+    def __init__(self, pre_tokenizer, normalizer=None, ignore_merges: bool = False):
+        self.pre_tokenizer = pre_tokenizer  # factory: tokenizers objects are not shareable
+        self.normalizer = normalizer
+        self.ignore_merges = ignore_merges  # Llama 3: a word found whole in the vocab wins
+
+
+_PRE_SPECS = {
+    "gpt-2": _PreSpec(_gpt2_pre),
+    "default": _PreSpec(_gpt2_pre),
+    "smollm": _PreSpec(_digits_gpt2_pre),
+    "starcoder": _PreSpec(_digits_gpt2_pre),
+    "llama-bpe": _PreSpec(lambda: _byte_level_split(_LLAMA3_SPLIT), ignore_merges=True),
+    "llama3": _PreSpec(lambda: _byte_level_split(_LLAMA3_SPLIT), ignore_merges=True),
+    "llama-v3": _PreSpec(lambda: _byte_level_split(_LLAMA3_SPLIT), ignore_merges=True),
+    # Qwen2's tokenizer.json normalizes to NFC before splitting.
+    "qwen2": _PreSpec(lambda: _byte_level_split(_QWEN2_SPLIT), normalizers.NFC),
+    "deepseek-r1-qwen": _PreSpec(lambda: _byte_level_split(_QWEN2_SPLIT), normalizers.NFC),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The original model's tokenizer, rebuilt from `tokenizer.ggml.*` metadata."""
+    reader = _reader(path)
+    kind = _get(reader, "tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(
+            f"{path.name}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE "
+            "'gpt2' and SentencePiece 'llama' are); use the model's Hugging Face directory "
+            "with its tokenizer.json instead"
+        )
+    tokens: list[str] = _get(reader, "tokenizer.ggml.tokens")
+    types = _get(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_backend(reader, tokens, types)
+    else:
+        backend = _sentencepiece_backend(reader, tokens, types)
+    bos_id = _get(reader, "tokenizer.ggml.bos_token_id")
+    # BOS follows the file's add_bos_token flag, which llama.cpp's converter copies from the
+    # original tokenizer; transformers' GGUF conversion reads the same flag. Without a flag:
+    # SentencePiece vocabularies (Llama 2, Mistral) add BOS, byte-level ones (GPT-2, SmolLM,
+    # Qwen) do not -- as llama.cpp and transformers assume. The default SmolLM2 file says False,
+    # matching its HF tokenizer.json, whose post-processor adds nothing.
+    add_bos = _get(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    elif kind == "gpt2":
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    return Tokenizer(
+        backend,
+        bos_token_id=bos_id,
+        eos_token_ids=_gguf_eos_ids(reader, vocab.get),
+        chat_template=_get(reader, "tokenizer.chat_template"),
+    )
+
+
+def _add_special_tokens(backend, tokens: list[str], types: list[int], special: set[int]) -> None:
+    """Types in `special` become special added tokens, user-defined ones plain added tokens.
+
+    Both are matched whole in the text before the model splits it, as llama.cpp does.
+    """
+    pairs = list(zip(tokens, types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in pairs if k in special]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in pairs
+            if k == _TOKEN_USER_DEFINED
+        ]
+    )
+
+
+def _byte_level_backend(
+    reader: GGUFReader, tokens: list[str], types: list[int]
+) -> tokenizers.Tokenizer:
+    pre = _get(reader, "tokenizer.ggml.pre", "default")
+    spec = _PRE_SPECS.get(pre)
+    if spec is None:
+        logger.warning(
+            "GGUF pre-tokenizer %r is unknown; splitting text like GPT-2, which may "
+            "tokenize differently from the original model",
+            pre,
+        )
+        spec = _PRE_SPECS["default"]
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # Normal tokens are stored in the byte alphabet already; respell any that are not so BPE
+    # can reach them. Control/user-defined tokens stay raw: they are matched whole as added
+    # tokens, before BPE runs.
+    vocab = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) or set(tok) <= spelled:
+            vocab.setdefault(tok, i)
+        else:
+            vocab.setdefault("".join(alphabet[b] for b in tok.encode("utf-8")), i)
+    merges = [tuple(m.split(" ", 1)) for m in _get(reader, "tokenizer.ggml.merges") or []]
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
+    if spec.normalizer is not None:
+        backend.normalizer = spec.normalizer()
+    backend.pre_tokenizer = spec.pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    _add_special_tokens(backend, tokens, types, {_TOKEN_CONTROL})
+    return backend
+
+
+def _sentencepiece_backend(
+    reader: GGUFReader, tokens: list[str], types: list[int]
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (Llama 2, Mistral) as HF's fast LlamaTokenizer runs it.
+
+    Spaces are spelled "▁" and one is prepended to the text (`add_space_prefix`); bytes missing
+    from the vocabulary fall back to the `<0xNN>` tokens.
+    """
+    merges = [tuple(m.split(" ", 1)) for m in _get(reader, "tokenizer.ggml.merges") or []]
+    if not merges:  # SentencePiece files carry scores, not merges
+        merges = _merges_from_scores(tokens, _get(reader, "tokenizer.ggml.scores"))
+    unk_id = _get(reader, "tokenizer.ggml.unknown_token_id", 0)
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    bpe = models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
+    backend = tokenizers.Tokenizer(bpe)
+    add_prefix = bool(_get(reader, "tokenizer.ggml.add_space_prefix", True))
+    # "first": the prefix space goes before the text only, not after each special token.
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    _add_special_tokens(backend, tokens, types, {_TOKEN_UNKNOWN, _TOKEN_CONTROL})
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: a token that splits into two vocabulary
+    tokens is a merge of them, ranked by its score (higher merges first).
+
+    Equal scores are ordered as transformers orders them when it converts the same files
+    (longer left, then longer right piece first; then vocabulary order), so both agree.
+    """
+    ids = {}
+    for i, tok in enumerate(tokens):
+        ids.setdefault(tok, i)
+    candidates = []
+    for tok, score in zip(tokens, scores, strict=True):
+        splits = [
+            (tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in ids and tok[k:] in ids
+        ]
+        splits.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        candidates += [(left, right, score) for left, right in splits]
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]

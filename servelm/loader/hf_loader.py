@@ -1,0 +1,144 @@
+"""Loading a Hugging Face model directory: config.json, *.safetensors, tokenizer.json.
+
+Owns: reading an HF checkpoint folder into a ModelConfig, a stream of float32 weights under HF
+Llama names, and a Tokenizer; and the list of weight names a ModelConfig implies
+(`hf_weight_names`), which the GGUF loader maps onto too.
+
+Never: downloads (the folder must be local), imports model code, or reads pickled
+`pytorch_model.bin` files (unsafe to unpickle, and safetensors can be memory-mapped).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+
+from servelm.config import ModelConfig
+from servelm.loader.tokenizer import Tokenizer, end_of_generation_ids
+
+__all__ = ["hf_weight_names", "iter_hf_weights", "load_hf_config", "load_hf_tokenizer"]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_hf_config(model_dir: Path, name: str) -> ModelConfig:
+    """ModelConfig from config.json, with generation_config.json's extra EOS ids folded in."""
+    config = ModelConfig.from_hf_config(_read_json(model_dir / "config.json"))
+    eos_ids = list(config.eos_token_ids)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        # Instruct models often list their end-of-turn token only here (Llama 3: 128009).
+        gen_eos = _read_json(gen_path).get("eos_token_id")
+        eos_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    eos = tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None))
+    return config.replace(name=name, eos_token_ids=eos)
+
+
+def hf_weight_names(config: ModelConfig) -> list[str]:
+    """Every tensor a model of this config needs, under HF Llama names."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
+        if config.qk_norm:
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor) for every weight `config` needs, read memory-mapped."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; only safetensors checkpoints are supported "
+            "(re-save a pytorch_model.bin checkpoint with transformers' save_pretrained)"
+        )
+    wanted = set(hf_weight_names(config))
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            # Extra tensors (a tied lm_head saved anyway, rotary inv_freq buffers) are skipped.
+            for name in f.keys():
+                if name in wanted and name not in seen:
+                    seen.add(name)
+                    yield name, f.get_tensor(name).to(torch.float32)
+    missing = wanted - seen
+    if missing:
+        raise ValueError(
+            f"{model_dir} lacks {len(missing)} weights the config needs, e.g. {sorted(missing)[:3]}"
+        )
+
+
+def load_hf_tokenizer(model_dir: Path) -> Tokenizer:
+    """Tokenizer from tokenizer.json, with special tokens and template from tokenizer_config.json.
+
+    BOS: tokenizer.json's post-processor is what the HF fast tokenizer runs, so encode() adds a
+    BOS exactly when the original does; `add_bos_token` in tokenizer_config.json is not re-read.
+    """
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no tokenizer.json; save the tokenizer with transformers "
+            "(tokenizer.save_pretrained) to produce one"
+        )
+    backend = tokenizers.Tokenizer.from_file(str(path))
+    tok_cfg_path = model_dir / "tokenizer_config.json"
+    tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
+    model_cfg = (
+        _read_json(model_dir / "config.json") if (model_dir / "config.json").is_file() else {}
+    )
+
+    bos_id = _token_id(backend, tok_cfg.get("bos_token"), model_cfg.get("bos_token_id"))
+    declared_eos = [_token_id(backend, tok_cfg.get("eos_token"), None)]
+    for cfg_name in ("generation_config.json", "config.json"):
+        cfg_path = model_dir / cfg_name
+        if cfg_path.is_file():
+            eos = _read_json(cfg_path).get("eos_token_id")
+            declared_eos += eos if isinstance(eos, list) else [eos]
+    return Tokenizer(
+        backend,
+        bos_token_id=bos_id,
+        eos_token_ids=end_of_generation_ids(declared_eos, backend.token_to_id),
+        chat_template=_chat_template(model_dir, tok_cfg),
+    )
+
+
+def _token_id(backend: tokenizers.Tokenizer, token: Any, fallback: int | None) -> int | None:
+    """Id of a special token given as a string or an AddedToken dict, else `fallback`."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str):
+        token_id = backend.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return fallback
+
+
+def _chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
+    # Newer transformers save the template as its own file; older ones inline it, sometimes as
+    # a list of named templates of which "default" is the chat one.
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
