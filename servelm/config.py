@@ -120,7 +120,7 @@ class CacheConfig:
     memory_fraction: float = 0.25
     # Hard cap on the number of blocks (tests use it to force preemption).
     num_blocks_override: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -157,7 +157,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "torch"
@@ -200,7 +200,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="disable prefix caching (for comparison)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="torch")

@@ -80,7 +80,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed)
-    block_manager = BlockManager(num_blocks, cache_config.block_size)
+    block_manager = BlockManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
                     config.vocab_size, eos, model_name=name or config.name)

@@ -1,7 +1,8 @@
 """BlockManager: the paged KV pool as plain integers.
 
-Owns: which KV blocks are free, how many holders each used block has (ref counts), and each
-sequence's block table. Never: tensors; the runner owns the KV memory the block ids index.
+Owns: which KV blocks are free, how many sequences hold each block (ref counts), each
+sequence's block table, and (when enabled) the prefix cache's view of which full blocks can
+be shared. Never: tensors; the runner owns the KV memory the block ids index.
 
 A sequence's block table maps its token positions to slots:
 
@@ -9,59 +10,129 @@ A sequence's block table maps its token positions to slots:
 
     tokens:  [t0 .. t15 | t16 .. t31 | t32 t33 _ _ ...]     block_size = 16
     table:   [   7      |    2       |    9          ]      (block 9 partly filled)
+
+Every block is in exactly one state:
+    free           on the free list, ref count 0
+    held           ref count >= 1 (by sequences; full ones may also be in the prefix cache)
+    cached-only    in the prefix cache, ref count 0: reusable on a hit, evicted when needed
+so free + held + cached-only == total, and cached-only blocks count as free capacity.
+Only full blocks enter the cache, and a sequence only ever writes past its cached prefix, so
+a shared block is never written: no copy-on-write is needed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from servelm.engine.prefix_cache import PrefixCache, PrefixMatch
 from servelm.engine.sequence import Sequence
+
+_NO_MATCH = PrefixMatch([], 0)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        # seq_id -> blocks of that sequence already in the prefix cache
+        self._num_cached: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones plus unreferenced cached ones."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return len(self._free) + evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so that seq can hold KV for `num_new_tokens` more tokens."""
-        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
+    # -- prefix matching -------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) + reserve <= len(self._free)
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached full blocks at the start of seq. At least one token is always left to
+        compute, so that the step yields a next-token distribution."""
+        if self.prefix_cache is None or seq.block_table:
+            return _NO_MATCH
+        return self.prefix_cache.match(seq.token_ids, seq.extra_key, seq.num_tokens - 1)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        needed = self.num_blocks_needed(seq, num_new_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"allocate without can_allocate: need {needed}, "
-                               f"have {len(self._free)}")
-        for _ in range(needed):
-            block = self._free.popleft()
-            assert self._ref_counts[block] == 0, f"free block {block} has holders"
-            self._ref_counts[block] = 1
+    # -- allocation ------------------------------------------------------------------------
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
+                          match: PrefixMatch = _NO_MATCH) -> int:
+        """Blocks to add so seq holds KV for `num_new_tokens` more tokens (past a match)."""
+        computed = seq.num_computed_tokens + match.num_tokens
+        total = self.blocks_for_tokens(computed + num_new_tokens)
+        return max(0, total - len(seq.block_table) - len(match.blocks))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0,
+                     match: PrefixMatch = _NO_MATCH) -> bool:
+        # A hit on an unreferenced cached block takes it out of the evictable pool.
+        revived = sum(1 for b in match.blocks if self._ref_counts[b] == 0)
+        needed = self.num_blocks_needed(seq, num_new_tokens, match)
+        return needed + reserve + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 match: PrefixMatch = _NO_MATCH) -> None:
+        """Take the matched blocks (if any), then fresh ones for num_new_tokens; register
+        the blocks this step fills in the prefix cache (see register_computed)."""
+        if not self.can_allocate(seq, num_new_tokens, match=match):
+            raise RuntimeError("allocate without can_allocate")
+        needed = self.num_blocks_needed(seq, num_new_tokens, match)
+        for block in match.blocks:
+            self._take(block)
             seq.block_table.append(block)
+        if match.blocks:
+            seq.num_computed_tokens += match.num_tokens
+            self._num_cached[seq.seq_id] = len(match.blocks)
+        for _ in range(needed):
+            block = self._pop_free()
+            self._take(block)
+            seq.block_table.append(block)
+        self.register_computed(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def register_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Put seq's full blocks below position `num_tokens` into the prefix cache.
+
+        Called at scheduling time for the tokens this step will compute: a sequence matched
+        later in the same step reads them in the same forward pass, after every layer has
+        written its K/V and before it attends."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        done = self._num_cached.get(seq.seq_id, 0)
+        full = min(num_tokens // self.block_size, len(seq.block_table))
+        if full <= done or done < 0:
+            return
+        parent = seq.block_table[done - 1] if done else None
+        cached = cache.insert(seq.token_ids, seq.block_table[:full], seq.extra_key, done, parent)
+        # A block found cached under another id stops the path: its copy stays private.
+        self._num_cached[seq.seq_id] = cached if cached == full else -1
+
+    def _pop_free(self) -> int:
+        if not self._free:
+            self._free.extend(self.prefix_cache.evict(1))
+        return self._free.popleft()
+
+    def _take(self, block: int) -> None:
+        if self._ref_counts[block] == 0 and self.prefix_cache and self.prefix_cache.contains(block):
+            self.prefix_cache.set_evictable(block, False)
+        self._ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
         """Release every block of seq (newest first, so older blocks are reused last)."""
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        self._num_cached.pop(seq.seq_id, None)
 
     def _release(self, block: int) -> None:
         count = self._ref_counts[block]
@@ -69,13 +140,16 @@ class BlockManager:
             raise RuntimeError(f"double free of block {block}")
         self._ref_counts[block] = count - 1
         if count == 1:
-            self._free.append(block)
+            if self.prefix_cache is not None and self.prefix_cache.contains(block):
+                self.prefix_cache.set_evictable(block, True)
+            else:
+                self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """free + held == total, and each block's ref count equals its holders."""
+        """Ref counts equal holders; free + held + cached-only == total."""
         holders = [0] * self.num_blocks
         for seq in live:
             for block in seq.block_table:
@@ -83,5 +157,16 @@ class BlockManager:
         assert holders == self._ref_counts, "ref counts disagree with block tables"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
+        cache = self.prefix_cache
+        cached_only = 0
         for block in range(self.num_blocks):
-            assert (block in free) == (holders[block] == 0), f"block {block} leaked or shared"
+            in_cache = cache is not None and cache.contains(block)
+            assert not (block in free and (holders[block] or in_cache)), f"block {block} misfiled"
+            if holders[block] == 0 and block not in free:
+                assert in_cache, f"block {block} leaked"
+                cached_only += 1
+        held = sum(1 for h in holders if h)
+        assert len(free) + held + cached_only == self.num_blocks
+        if cache is not None:
+            assert cache.num_evictable_blocks == cached_only
+            cache.check_invariants()

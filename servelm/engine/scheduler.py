@@ -93,16 +93,21 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            match = self.block_manager.match_prefix(seq)
+            num_new = seq.num_uncomputed_tokens - match.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             reserve = self.admission_reserve if self.running else 0
-            if not self.block_manager.can_allocate(seq, num_new, reserve):
+            if not self.block_manager.can_allocate(seq, num_new, reserve, match):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.allocate(seq, num_new, match)
+            if seq.status == SequenceStatus.WAITING:  # first admission, not a resume
+                seq.num_cached_tokens = match.num_tokens
+                seq.timings.num_cached_tokens = max(seq.timings.num_cached_tokens,
+                                                    match.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))

@@ -39,11 +39,11 @@ class FakeRunner:
 
 
 def make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
-                max_model_len=512, chunked=True):
+                max_model_len=512, chunked=True, prefix_caching=False):
     from servelm.config import SchedulerConfig
     from servelm.engine.block_manager import BlockManager
     from servelm.engine.engine import Engine
 
-    return Engine(FakeRunner(), None, BlockManager(num_blocks, block_size),
+    return Engine(FakeRunner(), None, BlockManager(num_blocks, block_size, prefix_caching),
                   SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked),
                   max_model_len, 1000, (1,))

@@ -1,0 +1,174 @@
+"""PrefixCache: a radix tree over token ids at block granularity.
+
+Owns: which KV blocks hold which token prefixes, per namespace (`extra_key`: cache salt,
+adapter id), and least-recently-used eviction of blocks no sequence references.
+Never: tensors, or reference counting of blocks (the BlockManager counts holders and tells
+the cache when a cached block becomes free to evict or is taken again).
+
+Each edge is one full block of tokens; a node is the block holding them:
+
+    root[salt=None]
+      ├─ (t0..t15) blk 7 ── (t16..t31) blk 2 ── (t32..t47) blk 9     "system prompt + turn 1"
+      │                   └ (u16..u31) blk 4                          "system prompt + turn 1'"
+      └─ (v0..v15) blk 3
+
+A sequence holding a node's block also holds every ancestor's, so an unreferenced node has
+only unreferenced descendants: eviction takes unreferenced leaves, oldest access first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class PrefixMatch(NamedTuple):
+    blocks: list[int]
+    num_tokens: int
+
+
+@dataclass(eq=False)
+class _Node:
+    block: int
+    key: tuple[int, ...]
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    last_access: int = 0
+    is_evictable: bool = False  # no sequence holds the block
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class PrefixCache:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._roots: dict[object, _Node] = {}
+        self._nodes: dict[int, _Node] = {}  # block id -> node
+        self._clock = itertools.count(1)
+        self._lru: list[tuple[int, int, _Node]] = []  # (last_access, tiebreak, node), lazy
+        self._tiebreak = itertools.count()
+        self.num_evictable_blocks = 0
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._nodes)
+
+    def contains(self, block: int) -> bool:
+        return block in self._nodes
+
+    def _root(self, extra_key) -> _Node:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self._roots[extra_key] = _Node(-1, (), None)
+        return root
+
+    def _block_keys(self, tokens: list[int], num_blocks: int):
+        bs = self.block_size
+        return (tuple(tokens[i * bs:(i + 1) * bs]) for i in range(num_blocks))
+
+    def match(self, tokens: list[int], extra_key=None, max_tokens: int | None = None,
+              record: bool = True) -> PrefixMatch:
+        """Longest cached prefix of `tokens` in whole blocks, at most `max_tokens` long."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        node, blocks = self._roots.get(extra_key), []
+        now = next(self._clock)
+        if node is not None:
+            for key in self._block_keys(tokens, limit // self.block_size):
+                node = node.children.get(key)
+                if node is None:
+                    break
+                node.last_access = now
+                blocks.append(node.block)
+        if record:
+            self.stats.num_queries += 1
+            self.stats.num_query_tokens += len(tokens)
+            self.stats.num_hit_tokens += len(blocks) * self.block_size
+        return PrefixMatch(blocks, len(blocks) * self.block_size)
+
+    def insert(self, tokens: list[int], blocks: list[int], extra_key=None,
+               start: int = 0, parent_block: int | None = None) -> int:
+        """Add the full blocks blocks[start:] holding tokens[start*bs:]. Stops at the first
+        block whose tokens are already cached under another block (that copy stays private
+        to its sequence). Returns how many blocks are now cached along this path."""
+        parent = self._root(extra_key) if start == 0 else self._nodes.get(parent_block)
+        if parent is None:
+            return start
+        now = next(self._clock)
+        keys = self._block_keys(tokens, len(blocks))
+        for i, key in enumerate(keys):
+            if i < start:
+                continue
+            node = parent.children.get(key)
+            if node is None:
+                node = _Node(blocks[i], key, parent, last_access=now)
+                parent.children[key] = node
+                self._nodes[blocks[i]] = node
+            elif node.block != blocks[i]:
+                return i
+            parent = node
+        return len(blocks)
+
+    def set_evictable(self, block: int, evictable: bool) -> None:
+        """The BlockManager's word: no sequence holds `block` now (or one holds it again)."""
+        node = self._nodes[block]
+        if node.is_evictable == evictable:
+            return
+        node.is_evictable = evictable
+        self.num_evictable_blocks += 1 if evictable else -1
+        if evictable and not node.children:
+            self._push(node)
+
+    def _push(self, node: _Node) -> None:
+        heapq.heappush(self._lru, (node.last_access, next(self._tiebreak), node))
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks unreferenced blocks, least recently used leaves first."""
+        freed = []
+        while len(freed) < num_blocks and self._lru:
+            access, _, node = heapq.heappop(self._lru)
+            if (self._nodes.get(node.block) is not node or not node.is_evictable
+                    or node.children):
+                continue  # stale entry
+            if access != node.last_access:
+                self._push(node)  # touched since queued: requeue at its real age
+                continue
+            self._remove(node)
+            freed.append(node.block)
+        self.stats.num_evicted_blocks += len(freed)
+        return freed
+
+    def _remove(self, node: _Node) -> None:
+        del self._nodes[node.block]
+        self.num_evictable_blocks -= 1
+        parent = node.parent
+        del parent.children[node.key]
+        if parent.parent is not None and parent.is_evictable and not parent.children:
+            self._push(parent)
+
+    def check_invariants(self) -> None:
+        seen = 0
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                assert child.parent is node and self._nodes[child.block] is child
+                if not child.is_evictable:
+                    assert not node.is_evictable or node.parent is None, \
+                        "a held block under an unheld parent"
+                seen += 1
+                stack.append(child)
+        assert seen == len(self._nodes), "tree and block index disagree"
+        assert self.num_evictable_blocks == sum(n.is_evictable for n in self._nodes.values())
