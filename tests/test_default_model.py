@@ -76,3 +76,15 @@ def test_cli_rejects_bad_parameter_naming_it(default_model_path):
          "hi", "--top-p", "1.5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "top_p" in proc.stderr
+
+
+def test_cli_chat_answers_and_keeps_history(default_model_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelm.cli", "chat", "--kv-cache-memory", "64MiB",
+         "--max-tokens", "40"],
+        input="What is the capital of France?\nAnd of Germany?\n\n", capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.split("assistant> ") if line.strip()]
+    assert len(replies) >= 2  # (the first element is the first 'you>' prompt)
+    assert "Paris" in proc.stdout and "Berlin" in proc.stdout
