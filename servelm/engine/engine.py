@@ -38,6 +38,9 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens admitted
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # tokens the model ran (prefill + decode, recompute too)
+    # For bandwidth/FLOP estimates of the last step (server metrics):
+    last_num_context_tokens: int = 0  # KV positions the step attended over (sum of seq lens)
+    last_num_attention_pairs: int = 0  # sum over seqs of new tokens x seq len (causal bound)
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
 
@@ -49,6 +52,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager)
+        if not scheduler_config.enable_chunked_prefill:
+            # Unchunked, a whole sequence (after preemption: prompt + output) must fit one
+            # step's budget, so the budget bounds the context.
+            max_model_len = min(max_model_len, scheduler_config.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -144,6 +151,10 @@ class Engine:
         deltas, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Admission guarantees every request fits an empty pool: this is a bug.
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]}, "
+                                   f"{self.block_manager.num_free_blocks} free blocks")
             return deltas
         start = time.monotonic()
         for s in batch.seqs:
@@ -170,6 +181,9 @@ class Engine:
         st.last_step_s = step_s
         st.last_num_seqs = len(batch.seqs)
         st.last_num_tokens = batch.num_batched_tokens
+        st.last_num_context_tokens = sum(s.start + s.num_new_tokens for s in batch.seqs)
+        st.last_num_attention_pairs = sum(s.num_new_tokens * (s.start + s.num_new_tokens)
+                                          for s in batch.seqs)
         st.num_computed_tokens += batch.num_batched_tokens
 
     def _on_token(self, seq: Sequence, token: int, logprob, now: float) -> TokenDelta:
