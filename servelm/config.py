@@ -161,6 +161,7 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "torch"
+    cuda_graphs: bool = False  # capture decode steps (needs --device cuda, triton backend)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
 
@@ -204,7 +205,9 @@ def add_engine_cli_args(parser) -> None:
                    help="disable prefix caching (for comparison)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="torch")
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="capture decode steps as CUDA graphs (GPU, triton backend)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of the stream unseeded requests sample from")
     g.add_argument("--threads", dest="num_threads", type=int, default=None)

@@ -79,7 +79,17 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
-    runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed)
+    graphs = None
+    if args.cuda_graphs:
+        if device.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device (--device cuda)")
+        from servelm.runner.cuda_graph import CudaGraphRunner
+
+        graphs = CudaGraphRunner(model, backend, args.max_num_seqs,
+                                 -(-min(max_model_len, num_blocks * cache_config.block_size)
+                                   // cache_config.block_size), device)
+        logger.info("CUDA graphs captured in %.1fs", graphs.capture())
+    runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs)
     block_manager = BlockManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)

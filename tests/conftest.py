@@ -12,55 +12,7 @@ def default_model_path():
     return pull("smollm2-135m-instruct")
 
 
-# -- tiny random-weight models (the unit tests' models) ----------------------------------------
-
-TINY_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-}
-
-
-def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A random-weight transformers model small enough for a unit test (float32, eval)."""
-    import torch
-    import transformers
-
-    cfg_name, model_name, extra = TINY_ARCHS[arch]
-    kwargs = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-    )
-    kwargs.update(extra)
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    config = getattr(transformers, cfg_name)(**kwargs)
-    model = getattr(transformers, model_name)(config).eval()
-    # Larger-than-default weights make logits spread out, so greedy picks are rarely ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model
-
-
-def make_tiny_engine(hf_model, **engine_kwargs):
-    """A servelm engine holding the same weights as `hf_model` (no tokenizer: ids only)."""
-    from servelm.config import EngineArgs, ModelConfig
-    from servelm.engine_builder import assemble_engine
-
-    config = ModelConfig.from_hf_config(hf_model.config.to_dict())
-    engine_kwargs.setdefault("num_blocks", 256)
-    engine_kwargs.setdefault("block_size", 4)
-    args = EngineArgs(model="tiny", **engine_kwargs)
-    return assemble_engine(args, config, hf_model.state_dict().items(), None, "tiny")
+from tiny_models import make_tiny_engine, make_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture

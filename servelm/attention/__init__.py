@@ -10,6 +10,7 @@ import importlib
 
 _BACKENDS = {
     "torch": "servelm.attention.torch_backend:TorchAttentionBackend",
+    "triton": "servelm.attention.triton_backend:TritonAttentionBackend",  # imports triton
 }
 
 

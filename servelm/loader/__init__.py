@@ -39,7 +39,7 @@ __all__ = [
 
 
 class ModelSource(NamedTuple):
-    kind: str  # "gguf" | "hf"
+    kind: str  # "gguf" | "hf" | "dummy"
     path: Path
     name: str  # the name the model is served under
 
@@ -55,6 +55,14 @@ def resolve_model(model: str) -> ModelSource:
     """A cached registry name, a path to a .gguf file, or an HF directory with config.json."""
     if not isinstance(model, str) or not model.strip():
         raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}")
+    if model.lower().startswith("dummy:"):  # random weights at a built-in shape (speed tests)
+        from servelm.loader.dummy import dummy_model_config
+
+        try:
+            config = dummy_model_config(model)
+        except ValueError as e:
+            raise ModelNotFoundError(str(e)) from None
+        return ModelSource("dummy", Path(model), config.name)
     if model in model_cache.REGISTRY:
         path = cached_path(model)
         if path is None:
@@ -95,6 +103,10 @@ def load_model_config(source: ModelSource) -> ModelConfig:
         return gguf_loader.load_gguf_config(source.path, source.name)
     if source.kind == "hf":
         return hf_loader.load_hf_config(source.path, source.name)
+    if source.kind == "dummy":
+        from servelm.loader.dummy import dummy_model_config
+
+        return dummy_model_config(source.name)
     raise ValueError(f"unknown model source kind {source.kind!r}")
 
 
@@ -106,12 +118,19 @@ def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str
         return gguf_loader.iter_gguf_weights(source.path, config)
     if source.kind == "hf":
         return hf_loader.iter_hf_weights(source.path, config)
+    if source.kind == "dummy":
+        from servelm.loader.dummy import dummy_weights
+
+        return dummy_weights(config, seed=0)
     raise ValueError(f"unknown model source kind {source.kind!r}")
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer:
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    """None for dummy models: they serve token ids only."""
     from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
 
+    if source.kind == "dummy":
+        return None
     if source.kind == "gguf":
         return gguf_loader.load_gguf_tokenizer(source.path)
     if source.kind == "hf":

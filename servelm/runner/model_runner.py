@@ -68,8 +68,10 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
-                 backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0):
+                 backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
+                 graphs=None):
         self.model = model
+        self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
         self.config = model_config
         self.kv_cache = kv_cache
         self.backend = backend
@@ -87,8 +89,7 @@ class ModelRunner:
         start = time.perf_counter()
         order = _decodes_first(batch.seqs)
         fb = self._build_forward_batch(order)
-        fb.attn_metadata = self.backend.build_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = self._forward(fb)
         sampling = [s for s in order if s.is_sampling]
         if not sampling:
             return StepResult([], time.perf_counter() - start)
@@ -103,9 +104,15 @@ class ModelRunner:
         """Logits at every computed position, decodes first as in execute: [T, V] (parity
         tests, perplexity). Writes the batch's K/V into the cache like a normal step."""
         fb = self._build_forward_batch(_decodes_first(batch.seqs))
-        fb.attn_metadata = self.backend.build_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(self._forward(fb)).float()
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Replay a captured graph for a decode batch when one fits, else run eagerly."""
+        hidden = self.graphs.maybe_run(fb) if self.graphs is not None else None
+        if hidden is None:
+            fb.attn_metadata = self.backend.build_metadata(fb)
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+        return hidden
 
     def _build_forward_batch(self, order: list[ScheduledSeq]) -> ForwardBatch:
         bs = self.block_size

@@ -39,7 +39,7 @@ def _alone(hf, tiny_engine, prompts, **kw):
 
 @pytest.fixture(scope="module")
 def hf():
-    from conftest import make_tiny_hf_model
+    from tiny_models import make_tiny_hf_model
 
     return make_tiny_hf_model("llama")
 
@@ -51,7 +51,7 @@ def prompts(hf):
 
 @pytest.fixture(scope="module")
 def alone(hf, prompts):
-    from conftest import make_tiny_engine
+    from tiny_models import make_tiny_engine
 
     return _alone(hf, make_tiny_engine, prompts)
 

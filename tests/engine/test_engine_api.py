@@ -11,7 +11,7 @@ from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParam
 
 @pytest.fixture(scope="module")
 def llm():
-    from conftest import make_tiny_engine, make_tiny_hf_model
+    from tiny_models import make_tiny_engine, make_tiny_hf_model
 
     return LLM(engine=make_tiny_engine(make_tiny_hf_model("llama"), num_blocks=64,
                                        max_model_len=200))
@@ -59,7 +59,7 @@ def test_requests_that_can_never_fit_are_rejected_at_once(llm, prompt, params, p
 
 def test_request_bigger_than_kv_pool_is_rejected(llm):
     # 64 blocks * 4 tokens = 256 > context 200, so shrink through a new engine's pool.
-    from conftest import make_tiny_engine, make_tiny_hf_model
+    from tiny_models import make_tiny_engine, make_tiny_hf_model
 
     small = LLM(engine=make_tiny_engine(make_tiny_hf_model("llama"), num_blocks=8))
     with pytest.raises(InvalidParameterError, match="KV cache|context") as e:

@@ -17,13 +17,13 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf():
-    from conftest import make_tiny_hf_model
+    from tiny_models import make_tiny_hf_model
 
     return make_tiny_hf_model("llama", max_position_embeddings=4096)
 
 
 def _llm(hf, **kw):
-    from conftest import make_tiny_engine
+    from tiny_models import make_tiny_engine
 
     kw.setdefault("num_blocks", 1200)
     return LLM(engine=make_tiny_engine(hf, block_size=16, **kw))

@@ -1,0 +1,104 @@
+"""Triton attention over the paged KV cache: the GPU path (and, interpreted, a CPU check).
+
+Per layer and step: store_kv writes the new K/V into their slots; decodes (the first
+`num_decodes` sequences, one query each) go to the split-K decode kernel; prefill chunks go to
+the paged prefill/extend kernel, which reads cached prefix and new keys through the block table.
+
+    q: [T, H, D] = [ decode tokens (Bd) | prefill chunk tokens (Tp) ]
+    metadata (built once per step, shared by every layer):
+        block_tables [B, max_blocks] int32, seq_lens [B] int32,
+        prefill_query_start_loc [Bp + 1] int32 (rebased to the first prefill token)
+
+Decode-only metadata can also be built over a CUDA graph's static buffers (`decode_metadata`),
+so `forward` reads nothing but tensors and a few ints fixed at capture time.
+
+Owns the metadata and the kernel dispatch. Never: imported unless chosen (it imports triton);
+touches scheduling, sampling or model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+from servelm.kernels.decode_attention import choose_num_splits, decode_attention
+from servelm.kernels.prefill_attention import prefill_attention
+from servelm.kernels.store_kv import store_kv
+from servelm.runner.forward_batch import ForwardBatch
+from servelm.runner.kv_cache import KVCache
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_decodes: int
+    num_kv_splits: int  # decode splits; fixed per CUDA graph
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [Bd] int32
+    prefill_block_tables: torch.Tensor | None = None  # [Bp, max_blocks] int32
+    prefill_seq_lens: torch.Tensor | None = None  # [Bp] int32
+    prefill_query_start_loc: torch.Tensor | None = None  # [Bp + 1] int32, from 0
+    max_prefill_query_len: int = 0
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float):
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_cache.k.shape[2]
+        self.scale = scale
+        device = kv_cache.k.device
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 132)
+
+    def build_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        device = batch.slot_mapping.device
+        nd = batch.num_decodes
+        tables = batch.block_tables.to(torch.int32)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=device)
+        splits = self.num_kv_splits(nd, max(batch.seq_lens[:nd], default=1))
+        meta = self.decode_metadata(tables[:nd], seq_lens[:nd], splits)
+        if nd < batch.num_seqs:
+            qsl = batch.query_start_loc
+            rebased = [x - qsl[nd] for x in qsl[nd:]]
+            meta.prefill_block_tables = tables[nd:]
+            meta.prefill_seq_lens = seq_lens[nd:]
+            meta.prefill_query_start_loc = torch.tensor(rebased, dtype=torch.int32,
+                                                        device=device)
+            meta.max_prefill_query_len = max(b - a for a, b in pairwise(rebased))
+        return meta
+
+    def num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
+        return choose_num_splits(num_decodes, self.num_kv_heads, max_seq_len, self.num_sms)
+
+    @staticmethod
+    def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        num_kv_splits: int) -> TritonAttentionMetadata:
+        """Metadata for a batch of decodes only; the tensors are used as given (not copied),
+        so a CUDA graph can pass views of its static buffers."""
+        nd = seq_lens.shape[0]
+        return TritonAttentionMetadata(nd, num_kv_splits, block_tables if nd else None,
+                                       seq_lens if nd else None)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
+        k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        meta: TritonAttentionMetadata = batch.attn_metadata
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd, bs = meta.num_decodes, self.kv_cache.block_size
+        if nd:
+            decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                             meta.decode_seq_lens, bs, self.scale, meta.num_kv_splits,
+                             out=out[:nd])
+        if meta.prefill_seq_lens is not None:
+            prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens,
+                              meta.max_prefill_query_len, bs, self.scale, out=out[nd:])
+        return out
