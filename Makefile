@@ -1,5 +1,6 @@
 # servelm: the two commands a new user needs.
-#   make serve   venv + install + pull the default model + run it
+#   make serve   venv + install + pull the default model + start the OpenAI server on 127.0.0.1:8000
+#   make chat    the same, but an interactive chat in the terminal
 #   make test    venv + test extras + the whole suite
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine override it,
 # e.g. `make serve TORCH_SPEC=torch==2.13.0 PIP_TORCH_ARGS="--index-url <cuda index>"`.
@@ -33,9 +34,11 @@ install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(BIN)/servelm models pull $(MODEL)
-	$(BIN)/servelm chat $(MODEL)
+	$(BIN)/servelm serve $(MODEL) --host $(HOST) --port $(PORT)
 
-chat: serve
+chat: $(VENV)/.installed
+	$(BIN)/servelm models pull $(MODEL)
+	$(BIN)/servelm chat $(MODEL)
 
 test: $(VENV)/.installed-test
 	$(BIN)/servelm models pull $(MODEL)

@@ -1,0 +1,209 @@
+"""The FastAPI app: routes, auth, error shapes, lifespan of the engine thread.
+
+Owns: ServerConfig (server flags), ServerState (what the routes share: the AsyncEngine,
+metrics, idempotency store, drain flag, in-flight count), `build_app(engine, config)`, and
+the pure-ASGI middleware that checks the API key before any routing happens.
+Never: runs model code on the event loop, or answers bad input with a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import servelm
+from servelm.engine.async_engine import AsyncEngine
+from servelm.server.errors import APIError, error_response
+from servelm.server.idempotency import IdempotencyStore
+from servelm.server.metrics import CostModel, ServerMetrics
+from servelm.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health"})  # exact, decoded paths that need no API key
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_n: int = 16
+    max_queue: int = 1024
+    request_timeout: float | None = None  # seconds; None: no default deadline
+    drain_timeout: float = 30.0
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 100.0
+    max_body_bytes: int = 8 * 2**20
+    write_timeout: float = 30.0  # a stream reader stalled this long is dropped
+    retry_after_s: int = 1
+    idempotency_ttl_s: float = 600.0
+    idempotency_max_entries: int = 1024
+    peak_bandwidth: float | None = None  # bytes/s
+    peak_flops: float | None = None  # FLOP/s
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    idempotency: IdempotencyStore
+    draining: bool = False
+    num_inflight: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting; wait for in-flight requests up to `timeout`. True if all done."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_inflight == 0:
+            return True
+        # Past the grace period: abort what is left so its handlers finish now (streams end
+        # with finish_reason "abort" and [DONE]) instead of being cancelled mid-write.
+        self.async_engine.abort_all()
+        deadline = time.monotonic() + 5.0
+        while self.num_inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return False
+
+
+class AuthMiddleware:
+    """Bearer-token check on the decoded path before routing, so no spelling of a path
+    (`//v1/models`, `/V1/models`, `/health/../v1/models`, %-escapes) reaches a route without
+    the key; only the exact path /health is public."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS \
+                and not self._authorized(scope):
+            resp = error_response(401, "Invalid or missing API key: send 'Authorization: "
+                                  "Bearer <key>'", "invalid_request_error",
+                                  code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, self._counting(send))
+        return await self.app(scope, receive, self._counting(send))
+
+    def _authorized(self, scope) -> bool:
+        values = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(token.strip(), self.api_key)
+
+    def _counting(self, send):
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_responses.labels(str(message["status"])).inc()
+            await send(message)
+        return wrapped
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    cost = CostModel.from_engine(engine, config.peak_bandwidth, config.peak_flops)
+    metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,
+                            config.slo_tpot_ms / 1000, cost)
+    metrics.start_from(engine)
+    async_engine = AsyncEngine(engine, observer=metrics.observe_step)
+    state = ServerState(config, async_engine, metrics,
+                        IdempotencyStore(config.idempotency_ttl_s, config.idempotency_max_entries))
+    serving = OpenAIServing(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            state.draining = True
+            state.idempotency.cancel_all()
+            await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="servelm", version=servelm.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.servelm = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error_response(400, str(exc.errors()[:1]))
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal server error", "server_error",
+                              code="internal_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(config, engine, state)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != config.served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(_model_card(config, engine, state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.refresh(async_engine)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": servelm.__version__})
+
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
+    return app
+
+
+def _model_card(config: ServerConfig, engine, state: ServerState) -> dict:
+    return {"id": config.served_model_name, "object": "model", "created": int(
+        time.time() - (time.monotonic() - state.started)), "owned_by": "servelm",
+        "root": getattr(engine, "model_name", config.served_model_name),
+        "max_model_len": engine.max_model_len}

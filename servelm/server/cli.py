@@ -1,0 +1,108 @@
+"""`servelm serve MODEL`: build the engine, then serve the OpenAI API with uvicorn.
+
+Owns: the serve flags, logging of the per-request JSON lines, and SIGTERM/SIGINT handling:
+the first signal drains (new requests get 503, in-flight ones finish for up to
+--drain-timeout seconds, then the rest are aborted and the process exits 0); a second SIGINT
+exits at once.
+Never: imports FastAPI or torch before the command runs (the CLI's --help stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def add_parser(subparsers) -> None:
+    from servelm.config import add_engine_cli_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve MODEL over the OpenAI API (docs/server.md).")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"cached model name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients use in `model` (default: the model's name)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SERVELM_API_KEY)")
+    g.add_argument("--max-n", type=int, default=16, help="largest n accepted")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests before new ones get 429")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="default per-request deadline in seconds (the `timeout` header "
+                        "overrides it)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    g.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    g.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a stream reader may stall before it is dropped")
+    g.add_argument("--peak-bandwidth", type=float, default=None,
+                   help="bytes/s for bandwidth utilisation (default: 50e9 on CPU, 3.35e12 "
+                        "on CUDA)")
+    g.add_argument("--peak-flops", type=float, default=None,
+                   help="FLOP/s for compute utilisation (default: 1e12 on CPU, 989e12 on "
+                        "CUDA)")
+    g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per finished request on stderr (logger "
+                        "servelm.requests)")
+    add_engine_cli_args(p)
+    p.set_defaults(func=handler)
+
+
+def server_config_from_cli(args, model_name: str):
+    from servelm.server.app import ServerConfig
+
+    return ServerConfig(
+        served_model_name=args.served_model_name or model_name,
+        api_key=args.api_key or os.environ.get("SERVELM_API_KEY") or None,
+        max_n=args.max_n, max_queue=args.max_queue, request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms, max_body_bytes=args.max_body_bytes,
+        write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
+        peak_flops=args.peak_flops)
+
+
+def _setup_request_log(enabled: bool) -> None:
+    log = logging.getLogger("servelm.requests")
+    log.propagate = False
+    if enabled:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+
+
+def handler(args) -> int:
+    import uvicorn
+
+    from servelm.config import engine_args_from_cli
+    from servelm.engine_builder import build_engine
+    from servelm.server.app import build_app
+    from servelm.server.draining_server import DrainingServer
+
+    _setup_request_log(args.log_requests)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))  # fail before the slow model load if the port is taken
+    engine = build_engine(engine_args_from_cli(args))
+    config = server_config_from_cli(args, engine.model_name or args.model)
+    app = build_app(engine, config)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5),
+                            state=app.state.servelm, drain_timeout=config.drain_timeout,
+                            ready_message=f"[servelm] serving {config.served_model_name} at "
+                                          f"http://{shown}:{port}/v1")
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,301 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry.
+
+Owns: every `servelm_*` metric, the per-step observer the engine thread calls (step time,
+batch shape, estimated bandwidth / compute utilisation, per-token latency), per-request
+histograms from RequestTimings (TTFT, TPOT, e2e, queue, prefill, decode), goodput against the
+SLOs, and the request timing breakdown (`timing_breakdown`) used by the log line and the
+`x-servelm-timing` header.
+Never: blocks (prometheus_client is thread-safe; the observer only does arithmetic), or holds
+per-request state beyond the last token time of live sequences.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from servelm.protocol import RequestTimings, TokenDelta
+
+# Defaults when --peak-bandwidth / --peak-flops are not given (documented in docs/server.md):
+# a CPU socket's DRAM bandwidth and fp32 FLOPs, and an H100-SXM's HBM3 and dense bf16 FLOPs.
+DEFAULT_PEAKS = {"cpu": (50e9, 1e12), "cuda": (3.35e12, 989e12)}
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                          0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_RATIO_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
+                  0.8, 0.9, 1.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def timing_breakdown(timings: RequestTimings | None, num_prompt_tokens: int,
+                     num_output_tokens: int) -> dict[str, Any]:
+    """Where one request's time went; None fields were never reached (e.g. aborted early)."""
+    if timings is None:
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens}
+    out = timings.to_dict()
+    decode = None
+    if timings.first_token_time is not None and timings.last_token_time is not None:
+        decode = timings.last_token_time - timings.first_token_time
+    out["decode_s"] = decode
+    out["tpot_s"] = (decode / (num_output_tokens - 1)
+                     if decode is not None and num_output_tokens > 1 else None)
+    # Time between being scheduled and the first token, not spent computing this prompt:
+    # the share of TTFT lost to other requests' work sharing the steps.
+    if timings.first_token_time is not None and timings.first_scheduled_time is not None:
+        out["prefill_wait_s"] = max(0.0, timings.first_token_time - timings.first_scheduled_time
+                                    - timings.prefill_time)
+    out["prompt_tokens"] = num_prompt_tokens
+    out["completion_tokens"] = num_output_tokens
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Bytes and FLOPs one step must move / do, from the model's shape."""
+
+    num_params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    attention_flops_per_pair: int  # QK^T and PV over all layers, per (query, key) pair
+    peak_bandwidth: float
+    peak_flops: float
+
+    @classmethod
+    def from_engine(cls, engine, peak_bandwidth: float | None,
+                    peak_flops: float | None) -> "CostModel":
+        num_params, weight_bytes, dtype_bytes = 0, 0, 4
+        device = "cpu"
+        model = getattr(getattr(engine, "runner", None), "model", None)
+        if model is not None:
+            for p in model.parameters():
+                num_params += p.numel()
+                weight_bytes += p.numel() * p.element_size()
+                dtype_bytes = p.element_size()
+                device = p.device.type
+        cfg = getattr(engine, "model_config", None)
+        kv_per_token = cfg.kv_bytes_per_token(dtype_bytes) if cfg is not None else 0
+        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim if cfg is not None else 0
+        bw, flops = DEFAULT_PEAKS.get(device, DEFAULT_PEAKS["cpu"])
+        return cls(num_params, weight_bytes, kv_per_token, attn, peak_bandwidth or bw,
+                   peak_flops or flops)
+
+    def step_cost(self, stats) -> tuple[float, float]:
+        """(bytes, flops) of the engine's last step."""
+        num_tokens = stats.last_num_tokens
+        context = getattr(stats, "last_num_context_tokens", num_tokens)
+        pairs = getattr(stats, "last_num_attention_pairs", 0)
+        # weights once per step + KV read over the context + KV written for new tokens
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * (context + num_tokens)
+        flops = 2 * self.num_params * num_tokens + self.attention_flops_per_pair * pairs
+        return float(nbytes), float(flops)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, slo_ttft_s: float, slo_tpot_s: float,
+                 cost: CostModel | None = None):
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        self.cost = cost
+        self._lock = threading.Lock()
+        self._last_token_time: dict[tuple[str, int], float] = {}
+        self._num_preemptions_seen = 0
+        self._num_slo_met = 0
+        self._num_slo_judged = 0
+        self._num_cached = 0
+        self._num_cache_queried = 0
+
+        def hist(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(name, doc, registry=r, buckets=buckets)
+
+        self.ttft = hist("servelm_time_to_first_token_seconds", "Time to first token")
+        self.tpot = hist("servelm_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request",
+                         _TOKEN_LATENCY_BUCKETS)
+        self.itl = hist("servelm_inter_token_latency_seconds",
+                        "Time between consecutive tokens of a sequence", _TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("servelm_e2e_request_latency_seconds", "Arrival to last token")
+        self.queue_time = hist("servelm_request_queue_time_seconds",
+                               "Arrival to first scheduled step")
+        self.prefill_time = hist("servelm_request_prefill_time_seconds",
+                                 "Seconds of steps that computed the request's prompt")
+        self.decode_time = hist("servelm_request_decode_time_seconds",
+                                "First token to last token")
+        self.finished = Counter("servelm_requests_finished_total",
+                                "Requests the engine finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("servelm_requests_rejected_total",
+                                "Requests refused before reaching the engine, by reason",
+                                ["reason"], registry=r)
+        self.http_responses = Counter("servelm_http_responses_total",
+                                      "HTTP responses by status code", ["code"], registry=r)
+        self.prompt_tokens = Counter("servelm_prompt_tokens_total",
+                                     "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("servelm_generation_tokens_total",
+                                         "Tokens generated", registry=r)
+        self.preemptions = Counter("servelm_preemptions_total",
+                                   "Sequences preempted (KV dropped, recomputed later)",
+                                   registry=r)
+        self.running = Gauge("servelm_num_requests_running", "Requests with a running sequence",
+                             registry=r)
+        self.waiting = Gauge("servelm_num_requests_waiting",
+                             "Requests admitted and not yet scheduled", registry=r)
+        self.blocks_total = Gauge("servelm_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.blocks_used = Gauge("servelm_kv_blocks_used", "KV blocks held", registry=r)
+        self.blocks_free = Gauge("servelm_kv_blocks_free", "KV blocks free", registry=r)
+        self.kv_usage = Gauge("servelm_kv_cache_usage_ratio", "Used / total KV blocks",
+                              registry=r)
+        self.prefix_hit_rate = Gauge("servelm_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / prompt tokens "
+                                     "(finished requests)", registry=r)
+        self.prefix_hit_tokens = Counter("servelm_prefix_cache_hit_tokens_total",
+                                         "Prompt tokens found in the prefix cache", registry=r)
+        self.step_time = hist("servelm_step_time_seconds", "Wall time of one engine step",
+                              _TOKEN_LATENCY_BUCKETS)
+        self.step_batch = hist("servelm_step_batch_size", "Sequences per step", _COUNT_BUCKETS)
+        self.step_tokens = hist("servelm_step_tokens", "Tokens computed per step",
+                                _COUNT_BUCKETS)
+        self.step_bw_util = hist("servelm_step_bandwidth_utilization",
+                                 "Estimated bytes moved per second / peak bandwidth, per step",
+                                 _RATIO_BUCKETS)
+        self.step_flops_util = hist("servelm_step_compute_utilization",
+                                    "Estimated FLOPs per second / peak FLOPs, per step",
+                                    _RATIO_BUCKETS)
+        self.bw_util = Gauge("servelm_bandwidth_utilization",
+                             "Estimated bandwidth utilisation of the last step", registry=r)
+        self.flops_util = Gauge("servelm_compute_utilization",
+                                "Estimated compute utilisation of the last step", registry=r)
+        self.step_bytes = Counter("servelm_step_bytes_total",
+                                  "Estimated bytes moved by steps", registry=r)
+        self.step_flops = Counter("servelm_step_flops_total", "Estimated FLOPs done by steps",
+                                  registry=r)
+        self.step_seconds = Counter("servelm_step_seconds_total", "Seconds spent in steps",
+                                    registry=r)
+        self.slo_met = Counter("servelm_requests_slo_met_total",
+                               "Finished requests meeting both the TTFT and TPOT SLOs",
+                               registry=r)
+        self.slo_judged = Counter("servelm_requests_slo_judged_total",
+                                  "Finished requests judged against the SLOs (not aborted)",
+                                  registry=r)
+        self.goodput = Gauge("servelm_goodput_ratio",
+                             "Share of finished requests meeting the SLOs", registry=r)
+        self.idempotent_replays = Counter(
+            "servelm_idempotent_replays_total",
+            "Requests answered by attaching to an earlier one with the same Idempotency-Key",
+            registry=r)
+        self.alive = Gauge("servelm_engine_alive", "1 while the engine loop runs", registry=r)
+        info = Gauge("servelm_info", "Served model and peak numbers", ["model", "peak_bandwidth",
+                                                                        "peak_flops"],
+                     registry=r)
+        info.labels(model_name, str(cost.peak_bandwidth if cost else ""),
+                    str(cost.peak_flops if cost else "")).set(1)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(reason)
+        for reason in ("queue_full", "draining", "invalid"):
+            self.rejected.labels(reason)
+
+    def start_from(self, engine) -> None:
+        """Count from the engine's current totals (an engine may outlive one app)."""
+        self._num_preemptions_seen = engine.scheduler.num_preemptions
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def observe_step(self, engine, deltas: list[TokenDelta], step_s: float | None) -> None:
+        now = time.monotonic()
+        if step_s is not None:
+            self._observe_step_shape(engine.stats, step_s)
+        num_preemptions = engine.scheduler.num_preemptions
+        if num_preemptions > self._num_preemptions_seen:
+            self.preemptions.inc(num_preemptions - self._num_preemptions_seen)
+            self._num_preemptions_seen = num_preemptions
+        for d in deltas:
+            self._observe_delta(d, now)
+
+    def _observe_step_shape(self, stats, step_s: float) -> None:
+        self.step_time.observe(step_s)
+        self.step_batch.observe(stats.last_num_seqs)
+        self.step_tokens.observe(stats.last_num_tokens)
+        self.step_seconds.inc(step_s)
+        if self.cost is None or step_s <= 0:
+            return
+        nbytes, flops = self.cost.step_cost(stats)
+        bw = nbytes / step_s / self.cost.peak_bandwidth
+        fl = flops / step_s / self.cost.peak_flops
+        self.step_bytes.inc(nbytes)
+        self.step_flops.inc(flops)
+        self.step_bw_util.observe(bw)
+        self.step_flops_util.observe(fl)
+        self.bw_util.set(bw)
+        self.flops_util.set(fl)
+
+    def _observe_delta(self, d: TokenDelta, now: float) -> None:
+        key = (d.request_id, d.index)
+        if d.token_ids:
+            self.generation_tokens.inc(len(d.token_ids))
+            last = self._last_token_time.get(key)
+            if last is not None:
+                self.itl.observe(now - last)
+            self._last_token_time[key] = now
+        if d.finish_reason is not None:
+            self._last_token_time.pop(key, None)
+        if d.timings is not None:
+            self._observe_request(d)
+
+    def _observe_request(self, d: TokenDelta) -> None:
+        t = d.timings
+        reason = d.finish_reason.value if d.finish_reason else "abort"
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(d.num_prompt_tokens)
+        for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s),
+                            (self.queue_time, t.queued_s)):
+            if value is not None:
+                hist.observe(value)
+        if t.first_scheduled_time is not None:
+            self.prefill_time.observe(t.prefill_time)
+        tpot = None
+        if t.first_token_time is not None and t.last_token_time is not None:
+            self.decode_time.observe(t.last_token_time - t.first_token_time)
+            if d.num_output_tokens > 1:
+                tpot = (t.last_token_time - t.first_token_time) / (d.num_output_tokens - 1)
+                self.tpot.observe(tpot)
+        with self._lock:
+            self._num_cached += t.num_cached_tokens
+            self._num_cache_queried += d.num_prompt_tokens
+            if self._num_cache_queried:
+                self.prefix_hit_rate.set(self._num_cached / self._num_cache_queried)
+            if t.num_cached_tokens:
+                self.prefix_hit_tokens.inc(t.num_cached_tokens)
+            if reason != "abort":
+                self._num_slo_judged += 1
+                self.slo_judged.inc()
+                met = (t.ttft_s is not None and t.ttft_s <= self.slo_ttft_s
+                       and (tpot is None or tpot <= self.slo_tpot_s))
+                if met:
+                    self._num_slo_met += 1
+                    self.slo_met.inc()
+                self.goodput.set(self._num_slo_met / self._num_slo_judged)
+
+    # -- event loop ------------------------------------------------------------------------
+
+    def refresh(self, async_engine) -> None:
+        """Before a scrape: values the engine thread publishes, read without locking it."""
+        snap = async_engine.snapshot
+        self.alive.set(1 if async_engine.is_alive else 0)
+        self.blocks_total.set(snap.num_total_blocks)
+        self.blocks_used.set(snap.num_used_blocks)
+        self.blocks_free.set(snap.num_free_blocks)
+        if snap.num_total_blocks:
+            self.kv_usage.set(snap.num_used_blocks / snap.num_total_blocks)
+        self.running.set(snap.num_running_requests)
+        self.waiting.set(async_engine.num_waiting)

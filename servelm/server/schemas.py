@@ -1,0 +1,201 @@
+"""OpenAI request schemas (pydantic) for /v1/completions and /v1/chat/completions.
+
+Owns: the shape and types of request bodies, and their conversion into SamplingParams.
+Never: range checks that SamplingParams already makes (one place decides what is valid; its
+InvalidParameterError names the parameter), or anything that needs the model.
+Unknown fields are ignored, as vLLM and SGLang do, so clients sending newer fields still work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from servelm.protocol import InvalidParameterError, SamplingParams
+
+# OpenAI's limit on stop sequences (SamplingParams allows more for the Python API, and checks
+# their length).
+MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1
+
+# A JSON number, not a bool or a numeric string (pydantic's lax float takes both).
+Number = Union[StrictInt, StrictFloat]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # extensions (vLLM / SGLang names)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    cache_salt: StrictStr | None = None
+    skip_special_tokens: StrictBool = True
+
+    def _max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self, max_n: int) -> SamplingParams:
+        """Raises InvalidParameterError naming the parameter."""
+        if self.n > max_n:
+            raise InvalidParameterError(f"n must be at most {max_n}, got {self.n}", param="n")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError(
+                f"stop has {len(stop)} sequences; at most {MAX_STOP_STRINGS} are allowed",
+                param="stop")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidParameterError(f"seed must be in [0, 2**63 - 1], got {self.seed}",
+                                        param="seed")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError("stream_options is only allowed when stream is true",
+                                        param="stream_options")
+        kwargs: dict[str, Any] = dict(
+            n=self.n, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
+            stop=stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
+            ignore_eos=self.ignore_eos, logprobs=self._num_logprobs(),
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.top_k is not None:
+            kwargs["top_k"] = -1 if self.top_k == 0 else self.top_k
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids. Raises on an empty prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif not p:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        for item in items:
+            if len(item) == 0:
+                raise InvalidParameterError("prompt must not be empty", param="prompt")
+        return items
+
+    def check_unsupported(self) -> None:
+        if self.suffix:
+            raise InvalidParameterError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameterError("best_of is not supported (only best_of == n)",
+                                        param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidParameterError(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+
+    def to_template(self, i: int) -> dict[str, Any]:
+        """{'role', 'content': str}, text parts joined; other part types are rejected."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidParameterError(
+                        f"messages[{i}].content: only text parts are supported",
+                        param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs needs logprobs to be true",
+                                        param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidParameterError("messages must be a non-empty list", param="messages")
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def check_unsupported(self) -> None:
+        if self.tools:
+            raise InvalidParameterError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise InvalidParameterError("response_format other than text is not supported",
+                                        param="response_format")
+
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_STOP_STRINGS",
+           "StreamOptions"]

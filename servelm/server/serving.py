@@ -1,0 +1,537 @@
+"""The completion and chat endpoints: request -> EngineRequests -> stream or full response.
+
+Owns: turning a validated OpenAI request into engine requests (tokenizing, chat template),
+admission (draining -> 503, queue full -> 429, engine rejection -> 4xx), the per-request
+deadline, disconnect handling (abort at once), Idempotency-Key attach/replay, and the one
+structured log line per request.
+Never: calls the Engine directly (only through AsyncEngine), or blocks the event loop on
+model work (long prompts are tokenized in a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams, TokenDelta
+from servelm.server.errors import APIError, read_json_object
+from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChoiceState,
+                                       CompletionFormatter, Formatter, finish_reason_name, sse)
+from servelm.server.idempotency import IdempotencyEntry, fingerprint
+from servelm.server.metrics import timing_breakdown
+from servelm.server.schemas import ChatCompletionRequest, CompletionRequest
+from servelm.server.sse import SSEResponse
+
+request_logger = logging.getLogger("servelm.requests")
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this many characters are tokenized off the event loop.
+_TOKENIZE_INLINE_CHARS = 16_384
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected or stalled; the request was aborted."""
+
+
+# -- one HTTP request's generation -----------------------------------------------------------
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt, each with n choices)."""
+
+    def __init__(self, async_engine: AsyncEngine, base_id: str, prompts: list[list[int]],
+                 params: SamplingParams, arrival: float, timeout_s: float | None):
+        self.async_engine = async_engine
+        self.base_id = base_id
+        self.n = params.n
+        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, arrival_time=arrival)
+                         for i, ids in enumerate(prompts)]
+        self._prompt_index = {r.request_id: i for i, r in enumerate(self.requests)}
+        self.arrival = arrival
+        self.timeout_s = timeout_s
+        self.deadline_hit = False
+        self.stream: RequestStream | None = None
+        self.timings: dict[str, Any] = {}  # request_id -> RequestTimings, when finished
+        self.num_prompt_tokens = sum(len(ids) for ids in prompts)
+        self.choices = [ChoiceState() for _ in range(len(prompts) * self.n)]
+        self.status = "running"
+        self.logged = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.choices)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    async def start(self) -> None:
+        """Submit and wait for admission; engine rejections raise APIError (4xx)."""
+        loop = asyncio.get_running_loop()
+        self.stream = self.async_engine.submit(self.requests)
+        if self.timeout_s is not None:
+            remaining = self.arrival + self.timeout_s - time.monotonic()
+            self._timer = loop.call_later(max(0.0, remaining), self._on_deadline)
+        try:
+            await self.stream.admitted
+        except InvalidParameterError as exc:
+            self.close("rejected")
+            raise APIError.from_invalid(exc) from None
+        except EngineDeadError as exc:
+            self.close("engine_dead")
+            raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
+        except BaseException:
+            self.close("cancelled")
+            raise
+
+    def _on_deadline(self) -> None:
+        self.deadline_hit = True
+        for r in self.requests:
+            self.async_engine.abort(r.request_id)
+
+    def cancel(self, why: str) -> None:
+        """The client went away: abort now and wake whoever waits on the stream."""
+        if self.stream is not None and not self.stream.is_finished:
+            self.close(why)
+            self.stream.fail(ClientGone(why))
+
+    def close(self, status: str | None = None) -> None:
+        if status is not None and self.status == "running":
+            self.status = status
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.stream is not None:
+            self.async_engine.release(self.stream)
+
+    def index_of(self, d: TokenDelta) -> int:
+        return self._prompt_index[d.request_id] * self.n + d.index
+
+    def apply(self, d: TokenDelta) -> tuple[int, str | None]:
+        """Fold a delta into its choice; (choice index, mapped finish reason or None)."""
+        i = self.index_of(d)
+        c = self.choices[i]
+        c.text += d.text
+        c.token_ids += d.token_ids
+        if d.logprobs:
+            c.logprobs += d.logprobs
+        c.num_prompt_tokens = d.num_prompt_tokens or c.num_prompt_tokens
+        if d.timings is not None:
+            self.timings[d.request_id] = d.timings
+        reason = finish_reason_name(d.finish_reason, self.deadline_hit)
+        if reason is not None:
+            c.finish_reason = reason
+        if d.error:
+            raise RuntimeError(d.error)
+        return i, reason
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def timing(self) -> Any:
+        """One breakdown per prompt (a dict when there is one prompt)."""
+        out = []
+        for i, r in enumerate(self.requests):
+            completion = sum(len(c.token_ids) for c in self.choices[i * self.n:(i + 1) * self.n])
+            out.append(timing_breakdown(self.timings.get(r.request_id),
+                                        len(r.prompt_token_ids), completion))
+        return out[0] if len(out) == 1 else out
+
+    def timeout_error(self) -> APIError:
+        return APIError(408, f"request timed out after {self.timeout_s:g}s before any token "
+                        "was generated", "timeout_error", param="timeout",
+                        code="request_timeout")
+
+
+# -- the endpoint logic ----------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to run."""
+
+    kind: str  # "completion" | "chat"
+    body: dict[str, Any]
+    request: CompletionRequest | ChatCompletionRequest
+    params: SamplingParams
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    timeout_s: float | None
+    arrival: float
+
+
+class OpenAIServing:
+    def __init__(self, state):
+        self.state = state  # ServerState (app.py)
+
+    @property
+    def config(self):
+        return self.state.config
+
+    @property
+    def tokenizer(self):
+        return self.state.async_engine.engine.tokenizer
+
+    # -- entry point -----------------------------------------------------------------------
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        arrival = time.monotonic()
+        state = self.state
+        state.num_inflight += 1
+        handed_off = False
+        try:
+            self._check_admission()
+            body = await read_json_object(request, self.config.max_body_bytes)
+            prepared = await self._prepare(kind, body, request, arrival)
+            key = request.headers.get("idempotency-key")
+            if key is not None:
+                return await self._idempotent(request, prepared, key)
+            if prepared.request.stream:
+                response = await self._start_stream(prepared)
+                handed_off = True  # the SSE response decrements num_inflight when done
+                return response
+            return await self._complete(request, prepared)
+        except APIError as exc:
+            self._count_rejection(exc)
+            return exc.response()
+        finally:
+            if not handed_off:
+                state.num_inflight -= 1
+
+    def _count_rejection(self, exc: APIError) -> None:
+        metrics = self.state.metrics
+        if exc.status == 429:
+            metrics.rejected.labels("queue_full").inc()
+        elif exc.status == 503:
+            metrics.rejected.labels("draining").inc()
+        elif 400 <= exc.status < 500 and exc.status != 408:
+            metrics.rejected.labels("invalid").inc()
+
+    def _check_admission(self) -> None:
+        if self.state.draining:
+            raise APIError(503, "the server is shutting down", "server_error",
+                           code="server_draining", headers={"Retry-After": "5"})
+        if not self.state.async_engine.is_alive:
+            raise APIError(503, "the engine is not running", "server_error",
+                           code="engine_unavailable")
+        if self.state.async_engine.num_waiting >= self.config.max_queue:
+            raise APIError(429, f"too many requests waiting ({self.config.max_queue}); retry "
+                           "later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+
+    # -- validation ------------------------------------------------------------------------
+
+    async def _prepare(self, kind: str, body: dict[str, Any], request: Request,
+                       arrival: float) -> Prepared:
+        schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as exc:
+            raise APIError.from_validation(exc) from None
+        if req.model is not None and req.model != self.config.served_model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                           f"`{self.config.served_model_name}`", param="model",
+                           code="model_not_found")
+        try:
+            req.check_unsupported()
+            params = req.sampling_params(self.config.max_n)
+            if kind == "completion":
+                prompts, texts = await self._completion_prompts(req)
+            else:
+                prompts, texts = await self._chat_prompts(req)
+        except InvalidParameterError as exc:
+            raise APIError.from_invalid(exc) from None
+        return Prepared(kind, body, req, params, prompts, texts,
+                        self._timeout(request), arrival)
+
+    def _timeout(self, request: Request) -> float | None:
+        raw = request.headers.get("timeout")
+        if raw is None:
+            return self.config.request_timeout
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise APIError(400, f"timeout header must be a positive number of seconds, got "
+                           f"{raw!r}", param="timeout")
+        return value
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidParameterError("this model has no tokenizer; send token ids",
+                                        param="prompt")
+        if len(text) > _TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+        return tok.encode(text, add_special_tokens)
+
+    async def _completion_prompts(self, req: CompletionRequest):
+        ids_list, texts = [], []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await self._encode(p)
+                texts.append(p)
+            else:
+                ids = list(p)
+                texts.append(self._decode_prompt(ids) if req.echo else None)
+            if not ids:
+                raise InvalidParameterError("prompt must not be empty", param="prompt")
+            ids_list.append(ids)
+        return ids_list, texts
+
+    def _decode_prompt(self, ids: list[int]) -> str | None:
+        vocab = self.state.async_engine.engine.vocab_size
+        if self.tokenizer is None or any(not 0 <= t < vocab for t in ids):
+            return None  # the engine rejects bad ids with a clear error
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _chat_prompts(self, req: ChatCompletionRequest):
+        messages = req.template_messages()
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidParameterError("this model has no tokenizer", param="messages")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=
+                                           req.add_generation_prompt)
+        except InvalidParameterError:
+            raise
+        except Exception as exc:  # a template error is about these messages
+            raise InvalidParameterError(f"cannot apply the chat template: {exc}",
+                                        param="messages") from None
+        ids = await self._encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidParameterError("messages render to an empty prompt", param="messages")
+        return [ids], [None]
+
+    # -- running ---------------------------------------------------------------------------
+
+    def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
+        prefix = "cmpl" if p.kind == "completion" else "chatcmpl"
+        base_id = f"{prefix}-{uuid.uuid4().hex}"
+        gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
+                         p.timeout_s)
+        name = self.config.served_model_name
+        if p.kind == "completion":
+            fmt: Formatter = CompletionFormatter(self.tokenizer, base_id, name,
+                                                 gen.num_choices, p.request.echo)
+        else:
+            fmt = ChatFormatter(self.tokenizer, base_id, name, gen.num_choices,
+                                p.request.logprobs)
+        return gen, fmt
+
+    async def _collect(self, gen: Generation, fmt: Formatter, p: Prepared) -> JSONResponse:
+        """Run to the end; the full response (or 408 when the deadline left nothing)."""
+        await gen.start()
+        try:
+            while True:
+                deltas = await gen.stream.get()
+                if not deltas:
+                    break
+                for d in deltas:
+                    gen.apply(d)
+        except EngineDeadError as exc:
+            gen.close("engine_dead")
+            raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
+        finally:
+            gen.close("finished")
+        if gen.deadline_hit and gen.num_completion_tokens == 0:
+            gen.status = "timeout"
+            self._log(gen, p)
+            raise gen.timeout_error()
+        timing = gen.timing()
+        self._log(gen, p)
+        body = fmt.response(gen.choices, p.prompt_texts, gen.usage())
+        return JSONResponse(body, headers={"x-servelm-timing": _header_json(timing)})
+
+    async def _complete(self, request: Request, p: Prepared) -> Response:
+        gen, fmt = self._generation(p)
+        task = asyncio.ensure_future(self._collect(gen, fmt, p))
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            gen.cancel("disconnect")
+            gen.status = "client_disconnected"
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, ClientGone, APIError):
+                pass
+            self._log(gen, p)
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                gen.close("cancelled")
+
+    async def _start_stream(self, p: Prepared) -> SSEResponse:
+        gen, fmt = self._generation(p)
+        await gen.start()  # 4xx before any byte of the stream is sent
+        state = self.state
+
+        def on_close() -> None:
+            gen.close("finished")
+            state.num_inflight -= 1
+            self._log(gen, p)
+
+        def on_disconnect(why: str) -> None:
+            gen.status = "client_disconnected" if why == "disconnect" else "write_timeout"
+            gen.cancel(why)
+
+        return SSEResponse(self._events(gen, fmt, p), write_timeout=self.config.write_timeout,
+                           on_disconnect=on_disconnect, on_close=on_close)
+
+    async def _events(self, gen: Generation, fmt: Formatter, p: Prepared) -> AsyncIterator[str]:
+        """SSE events of one started generation, ending with [DONE] (unless the client left).
+        Each `await gen.stream.get()` takes everything pending, merged per choice."""
+        try:
+            for i in range(gen.num_choices):
+                for chunk in fmt.first_chunks(i, p.prompt_texts[i // gen.n]):
+                    yield sse(chunk)
+            while True:
+                deltas = await gen.stream.get()
+                if not deltas:
+                    break
+                if (gen.deadline_hit and gen.num_completion_tokens == 0
+                        and not any(d.token_ids for d in deltas)):
+                    gen.status = "timeout"
+                    yield sse(gen.timeout_error().body())
+                    yield SSE_DONE
+                    return
+                for d in deltas:
+                    i, reason = gen.apply(d)
+                    if d.text or d.logprobs:
+                        yield sse(fmt.delta_chunk(i, d))
+                    if reason is not None:
+                        yield sse(fmt.finish_chunk(i, reason))
+            if p.request.include_usage:
+                yield sse(fmt.usage_chunk(gen.usage(), gen.timing()))
+            yield SSE_DONE
+        except ClientGone:
+            return
+        except Exception as exc:  # mid-stream failure: an error event, then [DONE]
+            logger.exception("stream %s failed", gen.base_id)
+            gen.status = "error"
+            err = APIError(500, f"generation failed: {exc}", "server_error",
+                           code="engine_unavailable" if isinstance(exc, EngineDeadError)
+                           else "internal_error")
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            gen.close("finished")
+
+    # -- Idempotency-Key -------------------------------------------------------------------
+
+    async def _idempotent(self, request: Request, p: Prepared, key: str) -> Response:
+        store = self.state.idempotency
+        route = p.kind
+        fp = fingerprint(route, p.body)
+        entry = store.lookup(route, key, fp)
+        if entry is None:
+            entry = store.start(route, key, fp, lambda e: self._produce(e, p))
+        else:
+            self.state.metrics.idempotent_replays.inc()
+        try:
+            await _until_ready_or_disconnect(entry.ready, request)
+        except ClientGone:
+            return Response(status_code=499)
+        if p.request.stream:
+            # Replays every event so far, then follows live; a reader leaving does not abort
+            # the generation (a retry is expected to come back for it).
+            return SSEResponse(entry.follow(), write_timeout=self.config.write_timeout,
+                               on_disconnect=lambda why: None)
+        status, body, headers = entry.result
+        return Response(body, status_code=status, media_type="application/json",
+                        headers=headers)
+
+    async def _produce(self, entry: IdempotencyEntry, p: Prepared) -> None:
+        """Runs the generation for an Idempotency-Key, whoever is (or is not) listening."""
+        self.state.num_inflight += 1  # a drain waits for it like for a connection
+        try:
+            await self._produce_inner(entry, p)
+        finally:
+            self.state.num_inflight -= 1
+
+    async def _produce_inner(self, entry: IdempotencyEntry, p: Prepared) -> None:
+        gen, fmt = self._generation(p)
+        if not p.request.stream:
+            response = await self._collect(gen, fmt, p)  # APIError: refused, not stored
+            entry.result = (response.status_code, response.body,
+                            {k: v for k, v in response.headers.items()
+                             if k.startswith("x-servelm")})
+            entry.ready.set_result(True)
+            return
+        await gen.start()
+        entry.ready.set_result(True)
+        try:
+            async for event in self._events(gen, fmt, p):
+                entry.events.append(event)
+                entry._notify()
+        finally:
+            self._log(gen, p)
+
+    # -- logging ---------------------------------------------------------------------------
+
+    def _log(self, gen: Generation, p: Prepared) -> None:
+        if gen.logged:
+            return
+        gen.logged = True
+        record = {
+            "request_id": gen.base_id,
+            "endpoint": p.kind,
+            "status": gen.status,
+            "stream": bool(p.request.stream),
+            "n": gen.n,
+            "num_prompts": len(gen.requests),
+            "finish_reasons": [c.finish_reason for c in gen.choices],
+            "deadline_hit": gen.deadline_hit,
+            "user": p.request.user,
+            "latency_s": round(time.monotonic() - gen.arrival, 6),
+            "timing": gen.timing(),
+        }
+        request_logger.info(json.dumps(record, ensure_ascii=False))
+
+
+def _header_json(obj: Any) -> str:
+    # Header values must be latin-1; the breakdown is numbers and ASCII keys.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_ready_or_disconnect(fut, request: Request) -> None:
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    waiter = asyncio.ensure_future(asyncio.shield(fut))
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            waiter.result()  # re-raise a refusal
+            return
+        raise ClientGone("disconnect")
+    finally:
+        watcher.cancel()
+        if not waiter.done():
+            waiter.cancel()
