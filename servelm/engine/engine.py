@@ -38,6 +38,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens admitted
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # tokens the model ran (prefill + decode, recompute too)
+    num_computed_prompt_tokens: int = 0  # of which at prompt positions
     # For bandwidth/FLOP estimates of the last step (server metrics):
     last_num_context_tokens: int = 0  # KV positions the step attended over (sum of seq lens)
     last_num_attention_pairs: int = 0  # sum over seqs of new tokens x seq len (causal bound)
@@ -185,6 +186,9 @@ class Engine:
         st.last_num_attention_pairs = sum(s.num_new_tokens * (s.start + s.num_new_tokens)
                                           for s in batch.seqs)
         st.num_computed_tokens += batch.num_batched_tokens
+        st.num_computed_prompt_tokens += sum(
+            max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+            for s in batch.seqs)
 
     def _on_token(self, seq: Sequence, token: int, logprob, now: float) -> TokenDelta:
         seq.append_token(token)

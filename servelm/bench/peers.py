@@ -1,0 +1,301 @@
+"""Offline benchmark of a peer system (llama.cpp, vLLM, HF transformers) on a servelm workload.
+
+A standalone script: it runs in the peer's own virtual environment with only the standard
+library, numpy and the peer's library, and loads workloads.py and results.py from this folder
+by path. It writes the same JSON schema as `servelm bench offline`.
+
+    /work/peers/llama/bin/python servelm/bench/peers.py --backend llama.cpp --model X.gguf \
+        --num-prompts 64 --input-len 32:256 --output-len 128 --threads 2 --out r.json
+
+Every backend: greedy, exactly max_tokens new tokens per request (EOS is ignored), one warm-up
+request (its own seed) before the clock starts, all requests "arrive" when the clock starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_servelm_bench_{name}",
+                                                  os.path.join(_HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+workloads = _load("workloads")
+results = _load("results")
+RequestTiming = results.RequestTiming
+
+WARMUP_SEED_OFFSET = 10_000
+
+
+def warmup_requests(vocab_size: int, seed: int) -> list:
+    return workloads.random_lengths(1, (16, 16), (8, 8), vocab_size, seed + WARMUP_SEED_OFFSET)
+
+
+# --- llama.cpp ---------------------------------------------------------------------------
+
+
+def run_llama_cpp(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]:
+    """One request after another: llama-cpp-python has no batched offline generate (its
+    low-level llama_batch can hold several sequences, but the Python Llama class drives one)."""
+    import llama_cpp
+
+    max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    n_ctx = max(512, ((max_len + 16 + 255) // 256) * 256)
+    llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads,
+                          n_threads_batch=args.threads, n_ctx=n_ctx, n_batch=512,
+                          n_ubatch=512, seed=args.seed, verbose=args.verbose)
+    # Llama.generate never stops by itself (EOS included): we take exactly max_tokens.
+
+    def one(req, arrival: float) -> RequestTiming:
+        times = []
+        gen = llm.generate(req.prompt_token_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                           repeat_penalty=1.0, reset=True)
+        for _ in gen:
+            times.append(time.monotonic())
+            if len(times) == req.max_tokens:
+                break
+        gen.close()
+        return RequestTiming(len(req.prompt_token_ids), len(times), arrival, times[0],
+                             times[-1], times[-1])
+
+    for req in warmup_requests(args.vocab_size, args.seed):
+        one(req, time.monotonic())
+    timings = []
+    t0 = time.monotonic()
+    for req in _progress(requests, args):
+        timings.append(one(req, t0))
+    elapsed = time.monotonic() - t0
+    extra = {"settings": {"n_threads": args.threads, "n_ctx": n_ctx, "n_batch": 512,
+                          "mode": "sequential (no batched offline API)"},
+             "peer_version": getattr(llama_cpp, "__version__", None)}
+    return timings, elapsed, extra
+
+
+# --- vLLM --------------------------------------------------------------------------------
+
+TCMALLOC_PATHS = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4"]
+
+
+def vllm_preload() -> list[str]:
+    """The libraries vLLM's CPU install guide asks to LD_PRELOAD: tcmalloc and Intel's OpenMP
+    (shipped in the venv by the intel-openmp wheel). Missing ones are left out."""
+    libs = [p for p in TCMALLOC_PATHS if os.path.exists(p)][:1]
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if os.path.exists(iomp):
+        libs.append(iomp)
+    return libs
+
+
+def maybe_reexec_with_preload(args: argparse.Namespace) -> None:
+    """LD_PRELOAD only works from process start: re-run this script once with it set."""
+    if args.backend != "vllm" or not args.preload or os.environ.get("_SERVELM_PEER_PRELOADED"):
+        return
+    libs = vllm_preload()
+    if not libs:
+        return
+    env = dict(os.environ, _SERVELM_PEER_PRELOADED="1")
+    env["LD_PRELOAD"] = ":".join(libs + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env)
+
+
+
+def run_vllm(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]:
+    # Two OpenMP threads on cores 0..threads-1 and no core held back for the scheduler
+    # process (vLLM's default reserves one, which on 2 cores halves the compute).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs, seed=args.seed,
+              max_model_len=max(2048, max_len), disable_log_stats=False)
+
+    def params(req):
+        return SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens,
+                              ignore_eos=True, temperature=0.0)
+
+    warm = warmup_requests(args.vocab_size, args.seed)
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm],
+                 [params(r) for r in warm], use_tqdm=False)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, [params(r) for r in requests], use_tqdm=args.progress)
+    elapsed = time.monotonic() - t0
+    timings = []
+    for req, out in zip(requests, outs):
+        m = out.metrics
+        n_out = len(out.outputs[0].token_ids)
+        if m is not None and m.first_token_ts:
+            # engine-core timestamps are time.monotonic() of another process: one clock
+            first, last = m.first_token_ts, m.last_token_ts
+        else:
+            first = last = None
+        timings.append(RequestTiming(len(req.prompt_token_ids), n_out, t0, first, last))
+    extra = {"settings": {"dtype": "float32", "max_num_seqs": args.max_num_seqs,
+                          "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                          "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                          "ld_preload": os.environ.get("LD_PRELOAD", "")},
+             "peer_version": vllm.__version__}
+    return timings, elapsed, extra
+
+
+# --- HF transformers ---------------------------------------------------------------------
+
+
+def run_hf(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]:
+    """All prompts of one output length in one left-padded generate call (greedy)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    pad_id = model.config.pad_token_id
+    if pad_id is None:
+        pad_id = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+
+    class StepClock(StoppingCriteria):
+        """Called once after every generated token: the time of each step."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.monotonic())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(batch: list, arrival: float) -> list[RequestTiming]:
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
+        n_new = batch[0].max_tokens
+        clock = StepClock()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
+                                 min_new_tokens=n_new, do_sample=False, pad_token_id=pad_id,
+                                 stopping_criteria=StoppingCriteriaList([clock]))
+        n_out = out.shape[1] - width
+        return [RequestTiming(len(r.prompt_token_ids), n_out, arrival, clock.times[0],
+                              clock.times[-1], clock.times[-1]) for r in batch]
+
+    generate(warmup_requests(args.vocab_size, args.seed), time.monotonic())
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(r.max_tokens, []).append(i)
+    batch_size = args.hf_batch_size or len(requests)
+    chunks = [idx[s:s + batch_size] for idx in groups.values()
+              for s in range(0, len(idx), batch_size)]
+    timings: list = [None] * len(requests)
+    t0 = time.monotonic()
+    for chunk in _progress(chunks, args):
+        for i, t in zip(chunk, generate([requests[i] for i in chunk], t0)):
+            timings[i] = t
+    elapsed = time.monotonic() - t0
+    extra = {"settings": {"dtype": "float32", "torch_threads": torch.get_num_threads(),
+                          "batch_size": batch_size, "padding": "left",
+                          "attn_implementation": getattr(model.config, "_attn_implementation",
+                                                         None)},
+             "peer_version": transformers.__version__}
+    return timings, elapsed, extra
+
+
+BACKENDS: dict[str, Callable] = {"llama.cpp": run_llama_cpp, "vllm": run_vllm, "hf": run_hf}
+
+
+def _progress(items, args):
+    if not args.progress:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, file=sys.stderr, desc=args.backend, unit="req" if
+                args.backend == "llama.cpp" else "batch")
+
+
+def load_workload(args: argparse.Namespace) -> list:
+    if args.workload:
+        with open(args.workload) as f:
+            data = json.load(f)
+        return [workloads.Request(list(r["prompt_token_ids"]), int(r["max_tokens"]))
+                for r in data["requests"]]
+    return workloads.random_lengths(args.num_prompts, args.input_len, args.output_len,
+                                    args.vocab_size, args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", required=True, choices=sorted(BACKENDS))
+    p.add_argument("--model", required=True, help="GGUF file (llama.cpp) or HF dir")
+    p.add_argument("--workload", help="JSON from servelm bench (overrides the shape flags)")
+    p.add_argument("--num-prompts", type=int, default=1)
+    p.add_argument("--input-len", default="128")
+    p.add_argument("--output-len", default="128")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="vllm")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="vllm")
+    p.add_argument("--no-preload", dest="preload", action="store_false",
+                   help="vllm: do not LD_PRELOAD tcmalloc and libiomp5")
+    p.add_argument("--hf-batch-size", type=int, default=0, help="hf; 0: all prompts at once")
+    p.add_argument("--label", help="system name in the result (default: the backend)")
+    p.add_argument("--out", help="write the result JSON here (default: stdout only)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if argv is None:
+        maybe_reexec_with_preload(args)
+    try:
+        requests = load_workload(args)
+    except workloads.RangeError as e:
+        print(f"error: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
+    with results.MemorySampler() as mem:
+        timings, elapsed, extra = BACKENDS[args.backend](args, requests)
+    expected = sum(r.max_tokens for r in requests)
+    produced = sum(t.num_output_tokens for t in timings)
+    if produced != expected:
+        extra["warning"] = f"generated {produced} output tokens, expected {expected}"
+    result = results.build_result(
+        system=args.label or args.backend, model=args.model, timings=timings,
+        elapsed_s=elapsed, peak_memory_bytes=mem.peak_bytes,
+        command=[os.path.basename(sys.executable)] + sys.argv, threads=args.threads,
+        extra=extra)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

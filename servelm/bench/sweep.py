@@ -1,0 +1,177 @@
+"""The throughput-latency curve of `servelm bench serve --sweep-rates`.
+
+Owns: find_knee (where latency starts to buy little throughput), goodput_threshold (the rate
+at which goodput drops below a target), summarize_sweep and plot_sweep (PNG, matplotlib Agg).
+Never: sends requests (serve.py runs each rate through loadgen.py).
+
+Reading the plot: each point is one request rate. Left of the knee, more load buys output
+tokens per second for little latency; right of it, the queue grows and p99 TTFT climbs while
+throughput flattens. Operate left of the knee and below the rate where goodput falls under
+the target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+
+class Knee(NamedTuple):
+    index: int  # into the runs sorted by request rate
+    request_rate: float
+    output_tok_s: float
+    metric: str  # the latency whose curve bends there: "p99 TTFT" or "p99 TPOT"
+
+
+def find_knee(xs: Sequence[float], ys: Sequence[float], min_rise: float = 1.5) -> int | None:
+    """Index of the knee of a latency (ys) against throughput (xs) curve, points in sweep
+    order, or None with fewer than 3 points or no bend. A latency that never rises to
+    `min_rise` times its lowest value is flat (its wiggles are noise): no knee.
+
+    Kneedle's idea: scale both axes to [0, 1]; on a hockey stick the knee is the point
+    farthest below the chord from the first to the last point (the most throughput gained
+    per unit of latency paid). A straight or concave curve has no such point.
+    """
+    if len(xs) < 3 or len(xs) != len(ys):
+        return None
+    x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
+    if x_hi <= x_lo or y_hi <= y_lo or y_hi < min_rise * y_lo:
+        return None
+    xn = [(x - x_lo) / (x_hi - x_lo) for x in xs]
+    yn = [(y - y_lo) / (y_hi - y_lo) for y in ys]
+    # Chord from the first point to the last, in the scaled space.
+    (x0, y0), (x1, y1) = (xn[0], yn[0]), (xn[-1], yn[-1])
+    dx, dy = x1 - x0, y1 - y0
+    norm = (dx * dx + dy * dy) ** 0.5 or 1.0
+    # Signed distance: positive below-right of the chord (more throughput, less latency).
+    dist = [((x - x0) * dy - (y - y0) * dx) / norm for x, y in zip(xn, yn)]
+    best = max(range(len(dist)), key=dist.__getitem__)
+    return best if dist[best] > 0.05 else None
+
+
+def goodput_threshold(rates: Sequence[float], goodputs: Sequence[float],
+                      target: float) -> tuple[float | None, float | None]:
+    """(highest rate meeting the target before it first fails, first rate below target)
+    over runs sorted by rate. (None, r0) when even the lowest rate misses it."""
+    best, first_below = None, None
+    for rate, g in sorted(zip(rates, goodputs)):
+        if g < target:
+            first_below = rate
+            break
+        best = rate
+    return best, first_below
+
+
+def summarize_sweep(runs: list[dict[str, Any]], goodput_target: float) -> dict[str, Any]:
+    """Knee and goodput threshold over finished runs (each a serve result)."""
+    ok = sorted((r for r in runs if not r.get("error")), key=lambda r: r["load"]["request_rate"])
+    rates = [r["load"]["request_rate"] for r in ok]
+    # A server that admits everything at once (continuous batching, chunked prefill) keeps
+    # TTFT low and lets TPOT degrade; one that queues does the opposite. The knee is where
+    # the first of the two bends.
+    knees = []
+    for name, key in (("p99 TTFT", "ttft_ms"), ("p99 TPOT", "tpot_ms")):
+        i = find_knee([r["output_tok_s"] for r in ok], [r[key]["p99"] or 0.0 for r in ok])
+        if i is not None:
+            knees.append((i, name))
+    knee = None
+    if knees:
+        i, name = min(knees, key=lambda k: k[0])  # ties: the first listed
+        knee = Knee(i, ok[i]["load"]["request_rate"], ok[i]["output_tok_s"], name)._asdict()
+    best, below = goodput_threshold(rates, [r["goodput"] for r in ok], goodput_target)
+    return {"rates": rates, "knee": knee,
+            "goodput_target": goodput_target, "max_rate_meeting_target": best,
+            "first_rate_below_target": below,
+            "points": [{"request_rate": r["load"]["request_rate"],
+                        "achieved_rate": r["request_throughput"],
+                        "output_tok_s": r["output_tok_s"], "goodput": r["goodput"],
+                        "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
+                        "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"]}
+                       for r in ok]}
+
+
+def render_sweep_table(summary: dict[str, Any]) -> str:
+    head = f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} " \
+           f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    lines = [head, "-" * len(head)]
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for p in summary["points"]:
+        lines.append(f"{p['request_rate']:>8.3g} {p['achieved_rate']:>8.2f} "
+                     f"{p['output_tok_s']:>10.1f} {p['goodput'] * 100:>7.1f}% "
+                     f"{f(p['ttft_p50_ms'], '9.0f')} {f(p['ttft_p99_ms'], '9.0f')} "
+                     f"{f(p['tpot_p50_ms'], '9.1f')} {f(p['tpot_p99_ms'], '9.1f')}")
+    knee = summary.get("knee")
+    lines.append("knee: " + (f"{knee['request_rate']:g} req/s ({knee['output_tok_s']:.1f} "
+                             f"output tok/s, where {knee['metric']} bends)" if knee
+                             else "none found"))
+    t = summary["goodput_target"]
+    best, below = summary["max_rate_meeting_target"], summary["first_rate_below_target"]
+    lines.append(f"goodput >= {t:.0%}: " + (
+        "not met at any rate" if best is None else
+        f"up to {best:g} req/s" + (f"; below target from {below:g} req/s" if below is not None
+                                   else "; met at every rate swept")))
+    return "\n".join(lines)
+
+
+def plot_sweep(summary: dict[str, Any], path: Path, title: str, slo_ttft_ms: float | None,
+               slo_tpot_ms: float | None) -> Path | None:
+    """Three panels: TTFT and TPOT (p50, p99) against output tok/s with the SLO line and the
+    knee; goodput against request rate with the target line."""
+    points = summary["points"]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    x = [p["output_tok_s"] for p in points]
+    knee = summary.get("knee")
+    for ax, name, slo in ((axes[0], "ttft", slo_ttft_ms), (axes[1], "tpot", slo_tpot_ms)):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [p[f"{name}_{q}_ms"] for p in points]
+            ax.plot(x, [float("nan") if y is None else y for y in ys], style,
+                    label=f"{q} {name.upper()}")
+        for p in points:
+            ax.annotate(f"{p['request_rate']:g}/s", (p["output_tok_s"], p[f"{name}_p99_ms"] or 0),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7, color="gray")
+        if slo is not None:
+            ax.axhline(slo, color="red", lw=1, ls=":", label=f"SLO {slo:g} ms")
+        if knee is not None:
+            kp = points[knee["index"]]
+            ax.plot([kp["output_tok_s"]], [kp[f"{name}_p99_ms"] or 0], marker="*", ms=16,
+                    color="orange", ls="none", label=f"knee ({knee['request_rate']:g} req/s)")
+        ax.set_xlabel("output tok/s")
+        ax.set_ylabel(f"{name.upper()} (ms)")
+        values = [v for p in points for v in (p[f"{name}_p50_ms"], p[f"{name}_p99_ms"])
+                  if v] + ([slo] if slo else [])
+        if values and max(values) > 10 * min(values):  # past the knee latency explodes
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    rates = [p["request_rate"] for p in points]
+    ax.plot(rates, [p["goodput"] for p in points], "o-", label="goodput")
+    target = summary["goodput_target"]
+    ax.axhline(target, color="red", lw=1, ls=":", label=f"target {target:.0%}")
+    if summary.get("first_rate_below_target") is not None:
+        ax.axvline(summary["first_rate_below_target"], color="gray", lw=1, ls="--",
+                   label=f"below target at {summary['first_rate_below_target']:g} req/s")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("share of requests meeting both SLOs")
+    ax.set_ylim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

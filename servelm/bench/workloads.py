@@ -1,0 +1,198 @@
+"""Seeded offline workloads: prompts as token-id lists, so every system does the same work.
+
+Owns: Request, parse_range, random_lengths.
+Never: imports torch or the servelm engine. Peer benchmark scripts run in other virtual
+environments and load this file by path, so it may use only the standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+# Token ids below this and at or above vocab_size - SPECIAL_MARGIN are not drawn: small
+# vocabularies keep their special tokens (BOS, EOS, chat markers) at the ends.
+SPECIAL_MARGIN = 100
+
+
+class Request(NamedTuple):
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+class RangeError(ValueError):
+    """A bad "A:B" range. `param` names the flag or argument at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_range(text: str | int | tuple[int, int], param: str = "range") -> tuple[int, int]:
+    """"A:B" -> (A, B); "A" -> (A, A). Both ends are inclusive, positive and A <= B."""
+    if isinstance(text, tuple):
+        lo, hi = text
+    elif isinstance(text, int) and not isinstance(text, bool):
+        lo = hi = text
+    elif isinstance(text, str):
+        parts = text.strip().split(":")
+        if len(parts) not in (1, 2) or not all(p.strip() for p in parts):
+            raise RangeError(f"{param} must be 'A' or 'A:B' (integers), got {text!r}", param)
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise RangeError(f"{param} must be 'A' or 'A:B' (integers), got {text!r}",
+                             param) from None
+        lo, hi = values[0], values[-1]
+    else:
+        raise RangeError(f"{param} must be 'A' or 'A:B', got {text!r}", param)
+    if lo < 1:
+        raise RangeError(f"{param} must be at least 1, got {lo}", param)
+    if lo > hi:
+        raise RangeError(f"{param} lower bound {lo} exceeds upper bound {hi}", param)
+    return int(lo), int(hi)
+
+
+def format_range(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}:{r[1]}"
+
+
+def random_lengths(num_prompts: int, input_len: tuple[int, int] | str = (128, 128),
+                   output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+                   seed: int = 0) -> list[Request]:
+    """`num_prompts` prompts of random token ids with lengths uniform in the given ranges.
+
+    The same arguments give the same requests on every machine (numpy's PCG64).
+    """
+    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
+        raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
+                         "num_prompts")
+    in_lo, in_hi = parse_range(input_len, "input_len")
+    out_lo, out_hi = parse_range(output_len, "output_len")
+    if vocab_size <= 2 * SPECIAL_MARGIN:
+        raise RangeError(f"vocab_size must exceed {2 * SPECIAL_MARGIN}, got {vocab_size}",
+                         "vocab_size")
+    rng = np.random.default_rng(seed)
+    input_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
+    output_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens):
+        ids = rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN, size=int(n_in))
+        requests.append(Request([int(t) for t in ids], int(n_out)))
+    return requests
+
+
+# --- online workloads (`servelm bench serve`); appended, shared with `bench offline` -------
+
+
+def _lognormal_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, median: float,
+                       sigma: float) -> np.ndarray:
+    """Long-tailed lengths: lognormal around `median`, clipped to [lo, hi]."""
+    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=n)), lo, hi).astype(int)
+
+
+def conversation(num_prompts: int, input_len: tuple[int, int] | str = (16, 1024),
+                 output_len: tuple[int, int] | str = (16, 512), vocab_size: int = 49152,
+                 seed: int = 0, *, turns: tuple[int, int] = (1, 6), input_median: float = 96,
+                 output_median: float = 128, sigma: float = 1.0,
+                 max_prompt_len: int = 4096) -> list[Request]:
+    """`num_prompts` chat turns: long-tailed user and assistant lengths (lognormal, clipped
+    to `input_len` / `output_len`), grouped into conversations of `turns` turns.
+
+    Turn k's prompt is the whole history: user_1 + assistant_1 + ... + user_k, so every turn
+    extends the previous turn's prompt and a prefix cache can reuse it. The assistant tokens
+    in the history are seeded stand-ins, not what the server generated: the requests stay the
+    same on every run and every system, at the cost that only the previous *prompt* (not its
+    answer) is a cache hit. Turns are interleaved round-robin across the open conversations,
+    the way concurrent users take turns, so a history is revisited a few requests later.
+    """
+    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
+        raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
+                         "num_prompts")
+    in_lo, in_hi = parse_range(input_len, "input_len")
+    out_lo, out_hi = parse_range(output_len, "output_len")
+    t_lo, t_hi = parse_range(turns, "turns")
+    rng = np.random.default_rng(seed)
+
+    def draw_ids(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN,
+                                             size=int(n))]
+
+    conversations: list[list[Request]] = []
+    total = 0
+    while total < num_prompts:
+        num_turns = int(rng.integers(t_lo, t_hi + 1))
+        user_lens = _lognormal_lengths(rng, num_turns, in_lo, in_hi, input_median, sigma)
+        reply_lens = _lognormal_lengths(rng, num_turns, out_lo, out_hi, output_median, sigma)
+        history: list[int] = []
+        conv = []
+        for n_user, n_reply in zip(user_lens, reply_lens):
+            prompt = history + draw_ids(n_user)
+            if len(prompt) > max_prompt_len or total >= num_prompts:
+                break
+            conv.append(Request(prompt, int(n_reply)))
+            total += 1
+            history = prompt + draw_ids(n_reply)
+        if conv:
+            conversations.append(conv)
+    requests: list[Request] = []
+    for turn in range(max(len(c) for c in conversations)):
+        requests.extend(c[turn] for c in conversations if turn < len(c))
+    return requests
+
+
+def documents(num_prompts: int = 100, input_len: tuple[int, int] | str = (1000, 2000),
+              output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+              seed: int = 0) -> list[Request]:
+    """A document batch: `num_prompts` documents of `input_len` tokens, each followed by the
+    same short instruction (a shared suffix, not a shared prefix: no cache help), summarised
+    in `output_len` tokens. `bench serve` submits them all at once and times the last one."""
+    docs = random_lengths(num_prompts, input_len, output_len, vocab_size, seed)
+    rng = np.random.default_rng(seed + 1)
+    instruction = [int(t) for t in rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN,
+                                                size=16)]
+    return [Request(d.prompt_token_ids + instruction, d.max_tokens) for d in docs]
+
+
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "be", "do", "fu", "gi",
+              "ha", "ji", "ko", "pe"]
+
+
+def word_of(token_id: int) -> str:
+    """A deterministic pronounceable word per token id (two to four syllables), for servers
+    that take only text. The server's tokenizer will not give back exactly one token per
+    word; the usage fields report what it counted."""
+    n = len(_SYLLABLES)
+    i = int(token_id)
+    parts = [_SYLLABLES[i % n], _SYLLABLES[(i // n) % n]]
+    i //= n * n
+    while i:
+        parts.append(_SYLLABLES[i % n])
+        i //= n
+    return "".join(parts)
+
+
+def prompt_text(token_ids: list[int]) -> str:
+    return " ".join(word_of(t) for t in token_ids)
+
+
+def shared_prefix(num_prompts: int, prefix_len: int = 2000, suffix_len: int = 100,
+                  output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+                  seed: int = 0) -> list[Request]:
+    """`num_prompts` requests = one common prefix of `prefix_len` tokens (a long system
+    prompt) + a unique suffix of `suffix_len` tokens. With a prefix cache the prefix is
+    prefilled once: the work saved is about prefix_len * (num_prompts - 1) tokens."""
+    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
+        raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
+                         "num_prompts")
+    for name, value in (("prefix_len", prefix_len), ("suffix_len", suffix_len)):
+        if not isinstance(value, int) or value < 0:
+            raise RangeError(f"{name} must be a non-negative integer, got {value!r}", name)
+    out_lo, out_hi = parse_range(output_len, "output_len")
+    rng = np.random.default_rng(seed)
+    draw = lambda n: [int(t) for t in rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN,  # noqa: E731
+                                                   size=n)]
+    prefix = draw(prefix_len)
+    out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    return [Request(prefix + draw(suffix_len), int(n)) for n in out_lens]
