@@ -6,52 +6,21 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 
-from servelm.config import SchedulerConfig
+from fake_runner import FakeRunner
+from fake_runner import make_engine as fake_engine
+
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError
-from servelm.engine.block_manager import BlockManager
-from servelm.engine.engine import Engine
 from servelm.protocol import EngineRequest, FinishReason, InvalidParameterError, SamplingParams
 from servelm.server.sse import SSEResponse
 
 
-@dataclass
-class _Sampled:
-    seq_id: int
-    token_id: int
-    logprob: None = None
-
-
-@dataclass
-class _Result:
-    sampled: list
-
-
-class SlowFakeRunner:
-    def __init__(self, step_s: float = 0.002, fail_after: int | None = None):
-        self.step_s = step_s
-        self.num_steps = 0
-        self.fail_after = fail_after
-
-    def execute(self, batch):
-        self.num_steps += 1
-        if self.fail_after is not None and self.num_steps > self.fail_after:
-            raise RuntimeError("boom")
-        time.sleep(self.step_s)
-        return _Result([_Sampled(s.seq.seq_id, 7 + s.seq.num_tokens % 50)
-                        for s in batch.seqs if s.is_sampling])
-
-    def release(self, seq_id):
-        pass
-
-
-def make_engine(**kw):
-    runner = SlowFakeRunner(**kw)
-    return Engine(runner, None, BlockManager(64, 4), SchedulerConfig(64, 8, True), 256, 100,
-                  (1,)), runner
+def make_engine(step_s: float = 0.002, fail_after: int | None = None):
+    runner = FakeRunner(vocab_size=57, step_s=step_s, fail_after=fail_after)
+    return fake_engine(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                       max_model_len=256, runner=runner), runner
 
 
 def req(rid, max_tokens=5, n=1, prompt=(3, 4, 5)):
@@ -94,7 +63,7 @@ def test_engine_rejection_reaches_the_caller():
         ae.start()
         try:
             with pytest.raises(InvalidParameterError) as exc:
-                async for _ in ae.generate(req("a", prompt=[1, 2, 500])):
+                async for _ in ae.generate(req("a", prompt=[1, 2, 5000])):
                     pass
             # and the next request is fine
             out = [d async for d in ae.generate(req("b", max_tokens=2))]
