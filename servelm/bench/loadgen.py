@@ -189,7 +189,9 @@ async def stream_request(client, cfg: EndpointConfig, req: Request,
         _fail(rec, "timeout", f"{type(e).__name__}: {e}")
     except (httpx.TransportError, httpx.StreamError) as e:
         _fail(rec, "stream" if has_response else "connection", f"{type(e).__name__}: {e}")
-    except ValueError as e:  # bad JSON or an error event in the stream
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        # Bad JSON, an error event, or chunks of the wrong shape: this request's stream is
+        # broken; the run goes on.
         _fail(rec, "stream", f"{type(e).__name__}: {e}")
     return rec
 

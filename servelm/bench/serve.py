@@ -131,6 +131,27 @@ def load_spec(args: argparse.Namespace, rate: float | None) -> LoadSpec:
                     max_concurrency=args.max_concurrency, seed=args.seed)
 
 
+def server_info(cfg: EndpointConfig) -> dict[str, Any]:
+    """What the server says it is (/version, /v1/models), best effort: not every server has
+    both, and a missing one must not stop the benchmark."""
+    import httpx
+
+    base = cfg.base_url.rstrip("/").removesuffix("/v1")
+    info: dict[str, Any] = {}
+    with httpx.Client(timeout=5.0, headers=cfg.headers(), trust_env=False) as client:
+        for key, path in (("version", "/version"), ("models", "/v1/models")):
+            try:
+                resp = client.get(base + path)
+                if resp.status_code == 200:
+                    info[key] = resp.json()
+            except (httpx.HTTPError, ValueError):
+                pass
+    if isinstance(info.get("models"), dict):  # keep the ids, not every field
+        info["models"] = [m.get("id") for m in info["models"].get("data", [])
+                          if isinstance(m, dict)]
+    return info
+
+
 def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[Request],
               rate: float | None, warmup: Sequence[Request]) -> dict[str, Any]:
     """One measured run at `rate` (or at --concurrency): the result dict."""
@@ -143,8 +164,9 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
                                   slo_tpot_s=slo_tpot, loop_lag_s=load.loop_lag_s)
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "serve", "model": cfg.model,
-        "base_url": cfg.base_url, "command": _command(), "machine": machine_info(),
-        "commit": git_commit(), "started_at": started.isoformat(timespec="seconds"),
+        "base_url": cfg.base_url, "server": server_info(cfg), "command": _command(),
+        "machine": machine_info(), "commit": git_commit(),
+        "started_at": started.isoformat(timespec="seconds"),
         "load": {"request_rate": spec.request_rate, "concurrency": spec.concurrency,
                  "arrival": spec.arrival if spec.request_rate is not None else "closed-loop",
                  "burst_size": spec.burst_size if spec.arrival == "burst" else None,
@@ -178,8 +200,10 @@ def default_out_path(prefix: str) -> Path:
 
 
 def _title(args: argparse.Namespace, info: dict[str, Any]) -> str:
-    return (f"{args.model} at {args.base_url}: {info['kind']} workload, {info['num_prompts']} "
-            f"prompts, input {info['input_len']}, output {info['output_len']} tokens, "
+    size = f"{args.duration:g} s" if args.duration else f"{info['num_prompts']} prompts"
+    return (f"{args.model} at {args.base_url}: {info['kind']} workload, {size}"
+            f"{' per rate' if args.sweep_rates else ''}, input {info['input_len']}, "
+            f"output {info['output_len']} tokens, "
             + (f"concurrency {args.concurrency}" if args.concurrency is not None
                else f"{args.arrival} arrivals") + f"; SLO TTFT {args.slo_ttft_ms:g} ms, "
             f"TPOT {args.slo_tpot_ms:g} ms")

@@ -5,8 +5,8 @@ at which goodput drops below a target), summarize_sweep and plot_sweep (PNG, mat
 Never: sends requests (serve.py runs each rate through loadgen.py).
 
 Reading the plot: each point is one request rate. Left of the knee, more load buys output
-tokens per second for little latency; right of it, the queue grows and p99 TTFT climbs while
-throughput flattens. Operate left of the knee and below the rate where goodput falls under
+tokens per second for little latency; right of it, latency climbs (TTFT on a server that
+queues requests, TPOT on one that batches them all) while throughput flattens. Operate left of the knee and below the rate where goodput falls under
 the target.
 """
 
@@ -16,37 +16,34 @@ from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 
+# The knee: where p50 latency has doubled over its unloaded value.
+KNEE_FACTOR = 2.0
+
+
 class Knee(NamedTuple):
     index: int  # into the runs sorted by request rate
     request_rate: float
     output_tok_s: float
-    metric: str  # the latency whose curve bends there: "p99 TTFT" or "p99 TPOT"
+    metric: str  # the latency that bends there: "p50 TTFT" or "p50 TPOT"
 
 
-def find_knee(xs: Sequence[float], ys: Sequence[float], min_rise: float = 1.5) -> int | None:
-    """Index of the knee of a latency (ys) against throughput (xs) curve, points in sweep
-    order, or None with fewer than 3 points or no bend. A latency that never rises to
-    `min_rise` times its lowest value is flat (its wiggles are noise): no knee.
+def find_knee(latencies: Sequence[float | None], factor: float = KNEE_FACTOR) -> int | None:
+    """Index of the knee in latencies measured at increasing request rates: the last point
+    before the latency first exceeds `factor` times the lowest value seen at lower rates.
+    None when it never does (the sweep stayed on the flat part: sweep higher).
 
-    Kneedle's idea: scale both axes to [0, 1]; on a hockey stick the knee is the point
-    farthest below the chord from the first to the last point (the most throughput gained
-    per unit of latency paid). A straight or concave curve has no such point.
+    Why this and not a curvature fit (Kneedle): a short sweep on a shared machine gives
+    noisy, non-monotonic points, and a fit then picks the luckiest point; "latency doubled
+    over what the server does unloaded" is robust and says what an operator means.
     """
-    if len(xs) < 3 or len(xs) != len(ys):
-        return None
-    x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
-    if x_hi <= x_lo or y_hi <= y_lo or y_hi < min_rise * y_lo:
-        return None
-    xn = [(x - x_lo) / (x_hi - x_lo) for x in xs]
-    yn = [(y - y_lo) / (y_hi - y_lo) for y in ys]
-    # Chord from the first point to the last, in the scaled space.
-    (x0, y0), (x1, y1) = (xn[0], yn[0]), (xn[-1], yn[-1])
-    dx, dy = x1 - x0, y1 - y0
-    norm = (dx * dx + dy * dy) ** 0.5 or 1.0
-    # Signed distance: positive below-right of the chord (more throughput, less latency).
-    dist = [((x - x0) * dy - (y - y0) * dx) / norm for x, y in zip(xn, yn)]
-    best = max(range(len(dist)), key=dist.__getitem__)
-    return best if dist[best] > 0.05 else None
+    lowest = None
+    for i, y in enumerate(latencies):
+        if y is None:
+            continue
+        if lowest is not None and y > factor * lowest:
+            return max(i - 1, 0)
+        lowest = y if lowest is None else min(lowest, y)
+    return None
 
 
 def goodput_threshold(rates: Sequence[float], goodputs: Sequence[float],
@@ -69,9 +66,10 @@ def summarize_sweep(runs: list[dict[str, Any]], goodput_target: float) -> dict[s
     # A server that admits everything at once (continuous batching, chunked prefill) keeps
     # TTFT low and lets TPOT degrade; one that queues does the opposite. The knee is where
     # the first of the two bends.
+    # p50, not p99: a sweep point holds tens of requests, and their p99 is one request.
     knees = []
-    for name, key in (("p99 TTFT", "ttft_ms"), ("p99 TPOT", "tpot_ms")):
-        i = find_knee([r["output_tok_s"] for r in ok], [r[key]["p99"] or 0.0 for r in ok])
+    for name, key in (("p50 TTFT", "ttft_ms"), ("p50 TPOT", "tpot_ms")):
+        i = find_knee([r[key]["p50"] for r in ok])
         if i is not None:
             knees.append((i, name))
     knee = None
@@ -144,7 +142,7 @@ def plot_sweep(summary: dict[str, Any], path: Path, title: str, slo_ttft_ms: flo
             ax.axhline(slo, color="red", lw=1, ls=":", label=f"SLO {slo:g} ms")
         if knee is not None:
             kp = points[knee["index"]]
-            ax.plot([kp["output_tok_s"]], [kp[f"{name}_p99_ms"] or 0], marker="*", ms=16,
+            ax.plot([kp["output_tok_s"]], [kp[f"{name}_p50_ms"] or 0], marker="*", ms=16,
                     color="orange", ls="none", label=f"knee ({knee['request_rate']:g} req/s)")
         ax.set_xlabel("output tok/s")
         ax.set_ylabel(f"{name.upper()} (ms)")

@@ -3,9 +3,14 @@ OpenAI-compatible server with known delays (uvicorn in a thread on 127.0.0.1).""
 
 import socket
 import statistics
+import threading
+import time
 
 import numpy as np
 import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 from servelm.bench.fake_server import FakeBehaviour, FakeServer
 from servelm.bench.loadgen import EndpointConfig, LoadSpec, arrival_offsets, run_load
@@ -146,3 +151,33 @@ def test_duration_bounds_the_run_and_in_flight_requests_finish():
     assert 2 <= len(res.records) < 100  # ~0.1 s per request, two at a time, for 0.5 s
     assert all(r.is_ok for r in res.records)  # none cut off at the deadline
     assert 0.5 <= res.elapsed_s < 2.0
+
+
+def test_malformed_events_fail_the_request_not_the_run():
+    app = FastAPI()
+    bodies = iter([b'data: {"choices": ["x"]}\n\n', b"data: not json\n\n",
+                   b'data: {"error": {"message": "boom"}}\n\n'])
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        body = next(bodies)
+        return StreamingResponse(iter([body, b"data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        res = run_load(EndpointConfig(f"http://127.0.0.1:{port}", "m", endpoint="chat"),
+                       _requests(3, 2), LoadSpec(concurrency=1))
+    finally:
+        server.should_exit = True
+        t.join(10)
+    assert [r.error for r in res.records] == ["stream", "stream", "stream"]
+    assert "boom" in res.records[2].error_detail

@@ -143,6 +143,7 @@ def test_against_servelm_serve(servelm_server, tmp_path):
     assert res["num_output_tokens"] == res["num_expected_output_tokens"] == 4 * 6
     assert res["num_input_tokens"] == res["workload"]["num_input_tokens"]
     assert "warning" not in res
+    assert MODEL in res["server"]["models"] and res["server"]["version"]
 
 
 @pytest.mark.slow
