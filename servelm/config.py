@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelm.quant import quant_method_names  # torch-free: the registry's names
+
 # HF `model_type` -> servelm model family. Families share code in models/.
 _FAMILY_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -164,6 +166,7 @@ class EngineArgs:
     cuda_graphs: bool = False  # capture decode steps (needs --device cuda, triton backend)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -211,6 +214,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of the stream unseeded requests sample from")
     g.add_argument("--threads", dest="num_threads", type=int, default=None)
+    g.add_argument("--quantization", default=None, choices=quant_method_names(),
+                   help="weight-only quantization of the linear layers; 'gguf' keeps a GGUF "
+                        "file's Q4_0/Q4_1/Q8_0 blocks as they are (default: float)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

@@ -17,6 +17,7 @@ from servelm.engine.engine import Engine
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from servelm.models import get_model_class
+from servelm.protocol import InvalidParameterError
 from servelm.runner.kv_cache import KVCache
 from servelm.runner.model_runner import ModelRunner, num_kv_blocks
 
@@ -26,15 +27,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_model(config: ModelConfig, weights, dtype: torch.dtype,
-                device: torch.device) -> torch.nn.Module:
-    """Build on the meta device (no throwaway init), then fill from the checkpoint."""
+                device: torch.device, quantization: str | None = None) -> torch.nn.Module:
+    """Build on the meta device (no throwaway init), then fill from the checkpoint.
+
+    quantization: a `servelm.quant` method name; its layers quantize once loading is done.
+    """
+    quant = None
+    if quantization is not None:
+        from servelm.quant import get_quant_method
+
+        quant = get_quant_method(quantization)
+    # Only quantized builds pass `quant`: a family without the hook still loads in float.
+    extra = {} if quant is None else {"quant": quant}
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, None)
+        model = get_model_class(config.architecture)(config, None, **extra)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
     model.load_weights((name, t.to(dtype)) for name, t in weights)
+    if quant is not None:
+        model.process_weights_after_loading()
     return model.eval()
 
 
@@ -51,7 +64,17 @@ def build_engine(args: EngineArgs) -> Engine:
     source = resolve_model(args.model)
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
-    engine = assemble_engine(args, config, iter_weights(source, config), tokenizer, source.name)
+    if args.quantization == "gguf":  # the file's quantized blocks, not their float values
+        if source.kind != "gguf":
+            raise InvalidParameterError(f"quantization 'gguf' needs a GGUF model file; "
+                                        f"{args.model!r} is a {source.kind} model (use int8 "
+                                        "or int4)", param="quantization")
+        from servelm.loader.gguf_loader import iter_gguf_quantized_weights
+
+        weights = iter_gguf_quantized_weights(source.path, config)
+    else:
+        weights = iter_weights(source, config)
+    engine = assemble_engine(args, config, weights, tokenizer, source.name)
     logger.info("engine ready in %.1fs", time.monotonic() - start)
     return engine
 
@@ -73,7 +96,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                          f"{config.max_position_embeddings} positions")
     cache_config = args.cache_config()
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
-    model = build_model(config, weights, dtype, device)
+    model = build_model(config, weights, dtype, device, args.quantization)
     num_blocks = num_kv_blocks(config, cache_config, dtype, device)
     kv_cache = KVCache(config, num_blocks, cache_config.block_size, dtype, device)
     backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,

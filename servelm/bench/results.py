@@ -165,17 +165,11 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _pss_bytes(pid: int) -> int:
-    """Proportional set size: shared pages (libraries, shared-memory queues) are split among
-    the processes that map them, so a tree's sum does not count them twice. Falls back to RSS
-    where smaps_rollup is missing."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+def _rss_bytes(pid: int) -> int:
+    """Resident set size from /proc/PID/statm: O(1) for the kernel. (smaps_rollup's PSS walks
+    every page table under the process's mmap lock, which stalled a multi-GB engine's page
+    faults: sampling it 4x a second slowed servelm's run several fold.) A tree's sum counts
+    pages shared between processes once per process."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -184,14 +178,14 @@ def _pss_bytes(pid: int) -> int:
 
 
 def tree_memory_bytes(pid: int | None = None) -> int:
-    """Memory (PSS) of a process and all its descendants (engines that fork workers)."""
+    """Memory (RSS) of a process and all its descendants (engines that fork workers)."""
     pending, total, seen = [pid or os.getpid()], 0, set()
     while pending:
         p = pending.pop()
         if p in seen:
             continue
         seen.add(p)
-        total += _pss_bytes(p)
+        total += _rss_bytes(p)
         pending.extend(_children(p))
     return total
 
@@ -210,10 +204,10 @@ def self_peak_rss_bytes() -> int:
 
 
 class MemorySampler:
-    """Samples the memory (PSS) of this process tree in a thread; `peak_bytes` is the larger
+    """Samples the memory (RSS) of this process tree in a thread; `peak_bytes` is the larger
     of the sampled peak and this process's own high-water RSS (which catches short spikes
     that sampling misses). For a one-process system this is its peak RSS; for a system that
-    runs workers in child processes (vLLM) it is the peak of the tree's summed PSS."""
+    runs workers in child processes (vLLM) it is the peak of the tree's summed RSS."""
 
     def __init__(self, interval_s: float = 0.25):
         self.interval_s = interval_s

@@ -30,7 +30,13 @@ from servelm.config import ModelConfig
 from servelm.loader.hf_loader import hf_weight_names
 from servelm.loader.tokenizer import Tokenizer, end_of_generation_ids
 
-__all__ = ["iter_gguf_weights", "load_gguf_config", "load_gguf_tokenizer", "unpermute_rotary"]
+__all__ = [
+    "iter_gguf_quantized_weights",
+    "iter_gguf_weights",
+    "load_gguf_config",
+    "load_gguf_tokenizer",
+    "unpermute_rotary",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +205,44 @@ def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         if not weight.flags.writeable:
             weight = weight.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    missing = set(hf_weight_names(config)) - seen
+    if missing:
+        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
+
+
+def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Like `iter_gguf_weights`, but 2-D Q8_0/Q4_0/Q4_1 tensors come as their raw blocks.
+
+    Yields (HF name, `servelm.quant.gguf_blocks.GGUFBlocks` [out rows of block bytes]) for
+    those, (HF name, float32 tensor) for the rest. llama's q/k row permutation is undone on the
+    block rows: each row's blocks are self-contained, so moving rows moves no bits within one.
+    """
+    from servelm.quant.gguf_blocks import BLOCK_BYTES, GGUFBlocks
+
+    reader = _reader(path)
+    permuted = _get(reader, "general.architecture") == "llama"
+    seen: set[str] = set()
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
+        # Blocks: [out, blocks_per_row * block_bytes] uint8; floats: [out, in] float32.
+        data = np.asarray(tensor.data) if is_blocks else dequantize(tensor.data,
+                                                                   tensor.tensor_type)
+        if permuted and ".attn_q." in tensor.name:
+            data = unpermute_rotary(data, config.num_heads)
+        elif permuted and ".attn_k." in tensor.name:
+            data = unpermute_rotary(data, config.num_kv_heads)
+        seen.add(name)
+        if is_blocks:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's ne is [in, out]
+            yield name, GGUFBlocks(tensor.tensor_type.name,
+                                   torch.from_numpy(np.array(data, dtype=np.uint8)), shape)
+        else:
+            yield name, torch.from_numpy(np.array(data, dtype=np.float32))
     missing = set(hf_weight_names(config)) - seen
     if missing:
         raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")

@@ -15,25 +15,21 @@ from servelm.config import ModelConfig
 from servelm.layers.activation import silu_and_mul
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
+from servelm.quant import finalize_linears, make_linear
 from servelm.runner.forward_batch import ForwardBatch
 
 
-def _linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
-    layer.requires_grad_(False)
-    return layer
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
+                 quant=None):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                bias=config.attention_bias)
-        self.o_proj = _linear(self.q_size, config.hidden_size)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                    config.attention_bias, quant)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, False, quant)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -53,22 +49,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quant=None):
         super().__init__()
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size,
+                                        False, quant)
+        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
+                 quant=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer, rotary, backend)
+        self.self_attn = LlamaAttention(config, layer, rotary, backend, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quant)
 
     def forward(self, positions, x, residual, batch):
         if residual is None:
@@ -81,20 +79,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend):
+    def __init__(self, config: ModelConfig, backend, quant=None):
+        """quant: a `servelm.quant` method; linear layers then quantize after loading."""
         super().__init__()
         self.config = config
+        self.quant = quant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.requires_grad_(False)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, backend) for i in range(config.num_layers))
+            LlamaDecoderLayer(config, i, rotary, backend, quant) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size)
+            self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, quant,
+                                       is_lm_head=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -106,8 +107,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        if self.lm_head is None:
+            return hidden @ self.embed_tokens.weight.t()
+        return self.lm_head(hidden)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -137,6 +139,16 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
 
+    def process_weights_after_loading(self) -> None:
+        """Quantize the linear layers now that fused weights are whole (no-op in float)."""
+        if self.quant is None:
+            return
+        head = self.quant.lm_head_method()
+        if self.lm_head is None and head is not None:
+            # Tied: the head gets its own quantized copy; the lookup keeps the float rows.
+            self.lm_head = head.from_float(self.embed_tokens.weight.data, None)
+        finalize_linears(self)
+
     def _shard_sizes(self, fused: str) -> list[int]:
         c = self.config
         if "qkv_proj" in fused:
@@ -145,13 +157,20 @@ class LlamaForCausalLM(nn.Module):
 
     def _copy_shard(self, param, tensor, shard, target) -> None:
         if shard is None:
-            dst = param.data
+            dst, row = param.data, 0
         else:
             sizes = self._shard_sizes(target)
-            dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            row = sum(sizes[:shard])
+            dst = param.data.narrow(0, row, sizes[shard])
         if dst.shape != tensor.shape:
             raise ValueError(f"{target} shard {shard}: checkpoint shape {tuple(tensor.shape)} "
                              f"!= model shape {tuple(dst.shape)}")
+        if not isinstance(tensor, torch.Tensor):  # GGUF blocks kept quantized (servelm.quant)
+            owner = self.get_submodule(target.rpartition(".")[0])
+            if hasattr(owner, "load_blocks"):
+                owner.load_blocks(tensor, row)
+                return
+            tensor = tensor.dequantize()
         dst.copy_(tensor)
 
     def _check_complete(self, params, loaded: set[str]) -> None:

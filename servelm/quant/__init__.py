@@ -1,0 +1,65 @@
+"""Weight-only quantization, registered by name: `int8`, `int4[-gN]`, `gguf`.
+
+Owns: the registry of methods, and the two calls the model code makes -- `make_linear` (a
+float `nn.Linear`, or a `StagedLinear` that holds the weights while they are loaded) and
+`finalize_linears` (swap each StagedLinear for the QuantizedLinear its method builds, once
+fused weights are whole).
+
+Never: imports torch at import time (config and the CLI list the names), or knows a model's
+layout: the model decides which layers are linear and which one is the lm_head.
+
+    int8         per-output-channel int8, symmetric RTN            ~1.0 byte / weight
+    int4[-gN]    int4 asymmetric, groups of N=32 (default)/64/128/256   ~0.5 + 4/N bytes
+    gguf         a GGUF file's Q4_0/Q4_1 blocks as int4-g32 as they are, Q8_0 as int8
+                 (see servelm/quant/methods.py); other types stay float
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from servelm.quant.methods import QuantMethod
+
+# name -> (factory "module:callable", keyword arguments)
+_METHODS: dict[str, tuple[str, dict]] = {
+    "int8": ("servelm.quant.methods:Int8Method", {}),
+    # Groups of 32 by default: coarser groups cost the default model (itself Q4_1) a lot of
+    # perplexity (int4-g128: 25.3 -> 44.9 on tests/quant/data/ppl_text.txt).
+    "int4": ("servelm.quant.methods:Int4Method", {"group_size": 32}),
+    **{f"int4-g{g}": ("servelm.quant.methods:Int4Method", {"group_size": g})
+       for g in (32, 64, 128, 256)},
+    "gguf": ("servelm.quant.methods:GGUFMethod", {}),
+}
+
+
+def quant_method_names() -> list[str]:
+    return list(_METHODS)
+
+
+def get_quant_method(name: str) -> QuantMethod:
+    try:
+        target, kwargs = _METHODS[name]
+    except KeyError:
+        from servelm.protocol import InvalidParameterError  # torch-free
+
+        raise InvalidParameterError(f"quantization {name!r} is not supported; supported: "
+                                    f"{quant_method_names()}", param="quantization") from None
+    module, factory = target.split(":")
+    return getattr(importlib.import_module(module), factory)(name=name, **kwargs)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool = False,
+                quant: QuantMethod | None = None, is_lm_head: bool = False):
+    """The model's one way to get a linear layer: float without `quant`, else staged."""
+    from servelm.quant.staged_linear import make_linear as _make
+
+    return _make(in_features, out_features, bias, quant, is_lm_head)
+
+
+def finalize_linears(model) -> None:
+    """Replace every StagedLinear under `model` by its quantized layer (after loading)."""
+    from servelm.quant.staged_linear import finalize_linears as _finalize
+
+    _finalize(model)

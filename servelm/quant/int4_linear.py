@@ -1,0 +1,111 @@
+"""Int4Linear: weight-only int4, asymmetric, one (scale, zero) per group of input columns.
+
+    w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],   q in 0..15,  g = k // group_size
+
+That is tinygemm's convention, which `aten._weight_int4pack_mm_for_cpu` implements; GGUF's
+Q4_1 (`q * d + m`) is the same with zero = m + 8 d, and Q4_0 (`(q - 8) * d`) has zero = 0.
+
+CPU fast path: `_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a
+weight); `_weight_int4pack_mm_for_cpu` multiplies. Like int8 it is fast only with bf16
+activations, so by default x is cast to bf16 and (scale, zero) are stored in bf16;
+`compute_dtype=torch.float32` is the exact slow path. The kernel wants group_size in
+{32, 64, 128, 256}, in_features divisible by it and out_features by 16: other shapes are
+zero-padded (SmolLM2's 576 columns with group 128 become 640; padded columns meet zero-padded
+activations, so they add nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from servelm.quant.quantized_linear import QuantizedLinear
+
+GROUP_SIZES = (32, 64, 128, 256)
+_N_ALIGN = 16
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int,
+                         scale_dtype: torch.dtype = torch.float32
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RTN: weight[out, in] -> (q[out, in] uint8 0..15, scale[out, G], zero[out, G]).
+
+    Each group's [min, max] maps onto 0..15: |w - dequant| <= scale / 2 = (max - min) / 30,
+    plus the rounding of scale and zero to `scale_dtype` (codes are chosen against the
+    rounded values). A last group cut short by in_features uses only its real columns.
+    """
+    w = weight.detach().float()
+    n, k = w.shape
+    num_groups = -(-k // group_size)
+    pad = num_groups * group_size - k
+    lo = F.pad(w, (0, pad), value=float("inf")).view(n, num_groups, group_size).amin(-1)
+    hi = F.pad(w, (0, pad), value=float("-inf")).view(n, num_groups, group_size).amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12).to(scale_dtype).float()
+    zero = (lo + 8.0 * scale).to(scale_dtype).float()
+    wg = F.pad(w, (0, pad)).view(n, num_groups, group_size)
+    q = torch.round((wg - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
+    q = q.view(n, -1)[:, :k].to(torch.uint8)
+    return q.contiguous(), scale, zero
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
+        """q[out, in] codes 0..15; scale, zero [out, ceil(in / group_size)]."""
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+        out_features, in_features = q.shape
+        super().__init__(in_features, out_features, bias, compute_dtype)
+        self.group_size = group_size
+        num_groups = -(-in_features // group_size)
+        if scale.shape != (out_features, num_groups) or zero.shape != scale.shape:
+            raise ValueError(f"int4 scale/zero must be [{out_features}, {num_groups}], got "
+                             f"{tuple(scale.shape)} and {tuple(zero.shape)}")
+        self.k_padded = num_groups * group_size
+        self.n_padded = -(-out_features // _N_ALIGN) * _N_ALIGN
+        dn, dk = self.n_padded - out_features, self.k_padded - in_features
+        codes = F.pad(q.to(torch.int32).cpu(), (0, dk, 0, dn), value=8)  # padded rows: 0
+        # innerKTiles is ignored by the CPU packer; 2 is what torchao passes.
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        sz = torch.stack([F.pad(scale.float(), (0, 0, 0, dn)), F.pad(zero.float(), (0, 0, 0, dn))],
+                         dim=-1)  # [N', G, 2]
+        self.register_buffer("packed", packed.to(q.device))
+        # The op wants [G, N', 2] in the activation dtype.
+        self.register_buffer("scale_zero",
+                             sz.transpose(0, 1).contiguous().to(compute_dtype).to(q.device))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   group_size: int = 128, compute_dtype: torch.dtype = torch.bfloat16
+                   ) -> Int4Linear:
+        q, scale, zero = quantize_int4_groups(weight, group_size, compute_dtype)
+        return cls(q, scale, zero, group_size, bias, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
+        xc = x.to(self.compute_dtype)
+        if self.k_padded != self.in_features:
+            xc = F.pad(xc, (0, self.k_padded - self.in_features))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc.contiguous(), self.packed,
+                                                      self.group_size, self.scale_zero)
+        if self.n_padded != self.out_features:
+            y = y[:, : self.out_features]
+        return self._add_bias(y.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        # The packed layout is the kernel's business: read the weight back through it in
+        # float32, with an identity as x (exact: one product and one sum per entry).
+        eye = torch.eye(self.k_padded)
+        wt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed.cpu(), self.group_size,
+                                                       self.scale_zero.cpu().float())
+        return wt.t()[: self.out_features, : self.in_features].contiguous()
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scale_zero.numel() * self.scale_zero.element_size())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"

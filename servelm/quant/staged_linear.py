@@ -1,0 +1,79 @@
+"""StagedLinear: a linear layer's weights while they load, before its method quantizes them.
+
+Why staged: q/k/v and gate/up arrive as separate checkpoint tensors and are fused into one
+matrix, and RTN scales must see the fused rows' final values. So the model copies float shards
+into `weight` as it would for nn.Linear (or hands GGUF blocks to `load_blocks`), and
+`finalize_linears` builds the real layer once everything is in.
+
+Never: runs a forward pass (it raises: a model used before finalize is a bug).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from servelm.quant.gguf_blocks import GGUFBlocks, cat_rows
+
+logger = logging.getLogger(__name__)
+
+
+class StagedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant = quant
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
+                     if bias else None)
+        self._blocks: dict[int, GGUFBlocks] = {}  # first row -> raw blocks of those rows
+
+    def load_blocks(self, blocks: GGUFBlocks, row_offset: int) -> None:
+        self._blocks[row_offset] = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("StagedLinear has not been finalized: call "
+                           "servelm.quant.finalize_linears(model) after loading the weights")
+
+    def finalize(self) -> nn.Module:
+        bias = None if self.bias is None else self.bias.data
+        blocks = self._whole_blocks()
+        if blocks is not None:
+            return self.quant.from_blocks(blocks, bias, dtype=self.weight.dtype)
+        for row, b in self._blocks.items():  # mixed types or partial: go through float
+            self.weight.data[row:row + b.shape[0]].copy_(b.dequantize())
+        return self.quant.from_float(self.weight.data, bias)
+
+    def _whole_blocks(self) -> GGUFBlocks | None:
+        """The fused raw blocks when every row came as blocks of one supported type."""
+        if not self._blocks:
+            return None
+        parts = [self._blocks[r] for r in sorted(self._blocks)]
+        rows = sorted(self._blocks)
+        contiguous = all(r == sum(p.shape[0] for p in parts[:i]) for i, r in enumerate(rows))
+        if (not contiguous or sum(p.shape[0] for p in parts) != self.out_features
+                or len({p.type_name for p in parts}) != 1):
+            logger.warning("%d x %d layer: GGUF shards of types %s are requantized from float",
+                           self.out_features, self.in_features,
+                           sorted({p.type_name for p in parts}))
+            return None
+        return cat_rows(parts)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quant, is_lm_head: bool):
+    if quant is not None and is_lm_head:
+        quant = quant.lm_head_method()
+    if quant is None:
+        layer = nn.Linear(in_features, out_features, bias=bias)
+        layer.requires_grad_(False)
+        return layer
+    return StagedLinear(in_features, out_features, bias, quant)
+
+
+def finalize_linears(model: nn.Module) -> None:
+    staged = [(name, m) for name, m in model.named_modules() if isinstance(m, StagedLinear)]
+    for name, module in staged:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module.finalize())
