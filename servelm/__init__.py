@@ -7,7 +7,8 @@ import os
 # barrier. Measured on the 2-core CI machine (32 requests x 32 tokens): quiet, 115 -> 121
 # tok/s; beside one busy process, 31 -> 70 tok/s. Set before torch loads; the user's own
 # setting wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+OWN_ENV = {} if "GOMP_SPINCOUNT" in os.environ else {"GOMP_SPINCOUNT": "1000"}
+os.environ.update(OWN_ENV)
 
 from servelm.protocol import InvalidParameterError, RequestOutput, SamplingParams  # noqa: E402
 

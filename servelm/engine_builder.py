@@ -18,6 +18,7 @@ from servelm.layers.rotary import RotaryEmbedding
 from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from servelm.models import get_model_class
 from servelm.protocol import InvalidParameterError
+from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.kv_cache import KVCache
 from servelm.runner.model_runner import ModelRunner, num_kv_blocks
 
@@ -85,6 +86,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        keep_freed_memory()
     dtype = _DTYPES[args.dtype]
     eos = set(config.eos_token_ids)
     if tokenizer is not None:

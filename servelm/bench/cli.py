@@ -141,6 +141,13 @@ def _tee_stderr(proc: subprocess.Popen, keep: int = 4000) -> str:
     return tail.decode(errors="replace")
 
 
+def peer_env() -> dict[str, str]:
+    """The environment a user would run the peer in: without servelm's own defaults."""
+    import servelm
+
+    return {k: v for k, v in os.environ.items() if k not in servelm.OWN_ENV}
+
+
 def run_peer(args: argparse.Namespace, peer: str, python: str, model: str,
              workload_path: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="servelm-bench-") as tmp:
@@ -148,7 +155,8 @@ def run_peer(args: argparse.Namespace, peer: str, python: str, model: str,
         cmd = peer_command(args, peer, python, model, workload_path, out_path)
         print(f"[bench] {peer}: {' '.join(cmd)}", file=sys.stderr)
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env=peer_env())
         except OSError as e:
             return {"system": peer, "model": model, "error": f"cannot start {python}: {e}"}
         try:
