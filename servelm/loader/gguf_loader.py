@@ -183,8 +183,9 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor [out, in]) for every tensor in the file."""
+def _model_tensors(path: Path, config: ModelConfig):
+    """(HF name, GGUF tensor, heads of its rotary permutation or None) for every tensor the
+    model takes; raises at the end if the config needs one the file lacks."""
     reader = _reader(path)
     permuted = _get(reader, "general.architecture") == "llama"  # qwen2/qwen3 use neox rotary
     seen: set[str] = set()
@@ -194,20 +195,29 @@ def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         name = hf_name(tensor.name)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        heads = None
+        if permuted and ".attn_q." in tensor.name:
+            heads = config.num_heads
+        elif permuted and ".attn_k." in tensor.name:
+            heads = config.num_kv_heads
+        seen.add(name)
+        yield name, tensor, heads
+    missing = set(hf_weight_names(config)) - seen
+    if missing:
+        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor [out, in]) for every tensor in the file."""
+    for name, tensor, heads in _model_tensors(path, config):
         # dequantize returns numpy shape order (ggml's ne reversed): [out, in] like torch.
         weight = dequantize(tensor.data, tensor.tensor_type)
-        if permuted and ".attn_q." in tensor.name:
-            weight = unpermute_rotary(weight, config.num_heads)
-        elif permuted and ".attn_k." in tensor.name:
-            weight = unpermute_rotary(weight, config.num_kv_heads)
-        seen.add(name)
+        if heads is not None:
+            weight = unpermute_rotary(weight, heads)
         # F32 tensors come back as views of the read-only memory map: copy those only.
         if not weight.flags.writeable:
             weight = weight.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
-    missing = set(hf_weight_names(config)) - seen
-    if missing:
-        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
 
 
 def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -219,33 +229,19 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tup
     """
     from servelm.quant.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
-    reader = _reader(path)
-    permuted = _get(reader, "general.architecture") == "llama"
-    seen: set[str] = set()
-    for tensor in reader.tensors:
-        if tensor.name in _SKIPPED_TENSORS:
-            continue
-        name = hf_name(tensor.name)
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
+    for name, tensor, heads in _model_tensors(path, config):
         is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
         # Blocks: [out, blocks_per_row * block_bytes] uint8; floats: [out, in] float32.
         data = np.asarray(tensor.data) if is_blocks else dequantize(tensor.data,
                                                                    tensor.tensor_type)
-        if permuted and ".attn_q." in tensor.name:
-            data = unpermute_rotary(data, config.num_heads)
-        elif permuted and ".attn_k." in tensor.name:
-            data = unpermute_rotary(data, config.num_kv_heads)
-        seen.add(name)
+        if heads is not None:
+            data = unpermute_rotary(data, heads)
         if is_blocks:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's ne is [in, out]
             yield name, GGUFBlocks(tensor.tensor_type.name,
                                    torch.from_numpy(np.array(data, dtype=np.uint8)), shape)
         else:
             yield name, torch.from_numpy(np.array(data, dtype=np.float32))
-    missing = set(hf_weight_names(config)) - seen
-    if missing:
-        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
 
 
 # --- tokenizer ----------------------------------------------------------------------------
