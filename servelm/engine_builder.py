@@ -14,6 +14,7 @@ from servelm.attention import get_backend_class
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
+from servelm.layers.linear import can_pack, pack_linears
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from servelm.models import get_model_class
@@ -49,6 +50,8 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     model.load_weights((name, t.to(dtype)) for name, t in weights)
     if quant is not None:
         model.process_weights_after_loading()
+    elif can_pack(device, dtype):
+        pack_linears(model)
     return model.eval()
 
 

