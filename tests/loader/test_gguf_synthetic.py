@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from tokenizers.pre_tokenizers import ByteLevel
 
 from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from tiny_models import make_tiny_hf_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<think>"]
@@ -29,28 +30,11 @@ def _vocab():
 
 
 def _hf_model(family):
-    import transformers as tf
-
     tokens, _ = _vocab()
-    common = dict(
-        vocab_size=len(tokens),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    cfg = {
-        "llama": lambda: tf.LlamaConfig(**common, tie_word_embeddings=False),
-        "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=True),
-        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
-    }[family]()
-    model = {
-        "llama": tf.LlamaForCausalLM,
-        "qwen2": tf.Qwen2ForCausalLM,
-        "qwen3": tf.Qwen3ForCausalLM,
-    }[family](cfg)
+    extra = {"qwen3": {"head_dim": 32}}.get(family, {})
+    model = make_tiny_hf_model(family, vocab_size=len(tokens), hidden_size=64,
+                               intermediate_size=96, max_position_embeddings=512,
+                               tie_word_embeddings=family == "qwen2", **extra)
     torch.manual_seed(0)
     for p in model.parameters():
         torch.nn.init.normal_(p.data)

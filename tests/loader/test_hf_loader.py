@@ -7,6 +7,7 @@ import torch
 
 from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from servelm.loader.hf_loader import hf_weight_names
+from tiny_models import make_tiny_hf_model
 
 TINY = dict(
     vocab_size=49152,
@@ -20,30 +21,17 @@ TINY = dict(
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        **TINY,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(cfg)
+    return make_tiny_hf_model("llama", **TINY, rope_theta=50000.0, rms_norm_eps=1e-5,
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
 def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, eos_token_id=[2, 0]))
+    return make_tiny_hf_model("qwen2", **TINY, tie_word_embeddings=True, eos_token_id=[2, 0])
 
 
 def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     # head_dim deliberately != hidden / heads, as in real Qwen3 models.
-    return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False))
+    return make_tiny_hf_model("qwen3", **TINY, head_dim=16, tie_word_embeddings=False)
 
 
 BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
