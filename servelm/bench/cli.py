@@ -123,6 +123,8 @@ def peer_command(args: argparse.Namespace, peer: str, python: str, model: str,
            "--workload", workload_path, "--seed", str(args.seed),
            "--vocab-size", str(args.vocab_size), "--threads", str(args.num_threads),
            "--max-num-seqs", str(args.max_num_seqs), "--out", out_path]
+    if peer in ("vllm", "hf"):  # same float type as servelm's dequantized model
+        cmd += ["--dtype", getattr(args, "dtype", None) or "float32"]
     if not args.progress:
         cmd.append("--no-progress")
     return cmd

@@ -126,7 +126,7 @@ def run_vllm(args: argparse.Namespace, requests: list) -> tuple[list, float, dic
     from vllm import LLM, SamplingParams
 
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs, seed=args.seed,
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed,
               max_model_len=max(2048, max_len), disable_log_stats=False)
 
     def params(req):
@@ -150,7 +150,7 @@ def run_vllm(args: argparse.Namespace, requests: list) -> tuple[list, float, dic
         else:
             first = last = None
         timings.append(RequestTiming(len(req.prompt_token_ids), n_out, t0, first, last))
-    extra = {"settings": {"dtype": "float32", "max_num_seqs": args.max_num_seqs,
+    extra = {"settings": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                           "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                           "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
                           "ld_preload": os.environ.get("LD_PRELOAD", "")},
@@ -168,7 +168,7 @@ def run_hf(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     model.eval()
     pad_id = model.config.pad_token_id
     if pad_id is None:
@@ -214,7 +214,7 @@ def run_hf(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]
         for i, t in zip(chunk, generate([requests[i] for i in chunk], t0)):
             timings[i] = t
     elapsed = time.monotonic() - t0
-    extra = {"settings": {"dtype": "float32", "torch_threads": torch.get_num_threads(),
+    extra = {"settings": {"dtype": args.dtype, "torch_threads": torch.get_num_threads(),
                           "batch_size": batch_size, "padding": "left",
                           "attn_implementation": getattr(model.config, "_attn_implementation",
                                                          None)},
@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64, help="vllm")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="vllm, hf: the float type the dequantized model runs in")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="vllm")
     p.add_argument("--no-preload", dest="preload", action="store_false",
                    help="vllm: do not LD_PRELOAD tcmalloc and libiomp5")
