@@ -125,7 +125,10 @@ def _chunk_has_token(data: dict[str, Any], is_chat: bool) -> bool:
         return False
     if is_chat:
         return bool((choices[0].get("delta") or {}).get("content"))
-    return True  # one completion chunk per token step, even where its text is still empty
+    # One completion chunk per token step, even where its text is still empty (a held-back
+    # partial character); but an empty chunk that only carries the finish reason closes the
+    # stream (llama-cpp-python sends one) and is not a token.
+    return bool(choices[0].get("text")) or not choices[0].get("finish_reason")
 
 
 def _on_event(rec: RequestRecord, payload: str, is_chat: bool, now: float) -> bool:

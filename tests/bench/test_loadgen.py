@@ -1,6 +1,8 @@
 """Arrival processes (statistically, no server) and the streaming client against a fake
 OpenAI-compatible server with known delays (uvicorn in a thread on 127.0.0.1)."""
 
+import contextlib
+import json
 import socket
 import statistics
 import threading
@@ -153,6 +155,25 @@ def test_duration_bounds_the_run_and_in_flight_requests_finish():
     assert 0.5 <= res.elapsed_s < 2.0
 
 
+@contextlib.contextmanager
+def _serve(app):
+    """Run a hand-written app (uvicorn in a thread) on a free port; yield its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
 def test_malformed_events_fail_the_request_not_the_run():
     app = FastAPI()
     bodies = iter([b'data: {"choices": ["x"]}\n\n', b"data: not json\n\n",
@@ -164,20 +185,33 @@ def test_malformed_events_fail_the_request_not_the_run():
         return StreamingResponse(iter([body, b"data: [DONE]\n\n"]),
                                  media_type="text/event-stream")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        res = run_load(EndpointConfig(f"http://127.0.0.1:{port}", "m", endpoint="chat"),
-                       _requests(3, 2), LoadSpec(concurrency=1))
-    finally:
-        server.should_exit = True
-        t.join(10)
+    with _serve(app) as url:
+        res = run_load(EndpointConfig(url, "m", endpoint="chat"), _requests(3, 2),
+                       LoadSpec(concurrency=1))
     assert [r.error for r in res.records] == ["stream", "stream", "stream"]
     assert "boom" in res.records[2].error_detail
+
+
+def test_a_closing_chunk_with_only_a_finish_reason_is_not_a_token():
+    # llama-cpp-python's server streams one chunk per token, then {"text": "",
+    # "finish_reason": "length"}, and no usage: counted by chunks, that closing chunk would
+    # add a token and a ~0 ms inter-token gap. An empty chunk *without* finish_reason is
+    # still a token step (a token whose text the detokenizer holds back).
+    def event(text, finish=None):
+        chunk = {"object": "text_completion",
+                 "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        body = [event(" a"), event(""), event(" c"), event("", "length"), b"data: [DONE]\n\n"]
+        return StreamingResponse(iter(body), media_type="text/event-stream")
+
+    with _serve(app) as url:
+        res = run_load(EndpointConfig(url, "m", prompt_format="text"), _requests(2, 3),
+                       LoadSpec(concurrency=1))
+    for rec in res.records:
+        assert rec.is_ok and not rec.has_usage
+        assert rec.num_output_tokens == 3 and len(rec.chunk_times) == 3
