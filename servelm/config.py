@@ -146,6 +146,50 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
 
 
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to `num_tokens` tokens per sequence and the
+    target scores them all in one step (servelm/spec/).
+
+    method: "ngram" (prompt lookup, no model) or "draft" (a draft model: `draft_model`, a
+    smaller model with the same tokenizer; or the target itself made cheaper: its first
+    `draft_layers` layers plus its head, or a copy quantized with `draft_quantization`).
+    adaptive: shrink k, or turn speculation off for a step, when the measured acceptance and
+    step times say it no longer pays at the current batch size.
+    """
+
+    method: str
+    num_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    draft_quantization: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.method == "draft":
+            if (self.draft_model, self.draft_layers, self.draft_quantization) == (None,) * 3:
+                raise ValueError("speculative method 'draft' needs --spec-draft-model, "
+                                 "--spec-draft-layers or --spec-draft-quantization")
+            if self.draft_layers is not None and (self.draft_model or self.draft_quantization):
+                raise ValueError("spec_draft_layers drafts with the target's own layers: it "
+                                 "takes no --spec-draft-model or --spec-draft-quantization")
+            if self.draft_layers is not None and self.draft_layers < 1:
+                raise ValueError(f"spec_draft_layers must be >= 1, got {self.draft_layers}")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything needed to build an engine, as the CLI and the Python API take it."""
@@ -167,6 +211,23 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
+    # Speculative decoding (servelm/spec/): None = off; "ngram" or "draft".
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    spec_ngram_max: int = 4
+    spec_ngram_min: int = 2
+    spec_draft_model: str | None = None
+    spec_draft_layers: int | None = None
+    spec_draft_quantization: str | None = None
+    spec_adaptive: bool = True
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens,
+                                 self.spec_ngram_max, self.spec_ngram_min,
+                                 self.spec_draft_model, self.spec_draft_layers,
+                                 self.spec_draft_quantization, self.spec_adaptive)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -217,6 +278,22 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--quantization", default=None, choices=quant_method_names(),
                    help="weight-only quantization of the linear layers; 'gguf' keeps a GGUF "
                         "file's Q4_0/Q4_1/Q8_0 blocks as they are (default: float)")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
+                   help="propose tokens with an n-gram lookup or a draft model and verify "
+                        "them in one target step (default: off)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens per sequence and step (k)")
+    s.add_argument("--spec-ngram-max", type=int, default=4)
+    s.add_argument("--spec-ngram-min", type=int, default=2)
+    s.add_argument("--spec-draft-model", default=None,
+                   help="draft model (cached name, GGUF file or HF dir; same tokenizer)")
+    s.add_argument("--spec-draft-layers", type=int, default=None,
+                   help="draft with the target's own first N layers and its head")
+    s.add_argument("--spec-draft-quantization", default=None, choices=quant_method_names(),
+                   help="draft with a copy of the target (or --spec-draft-model) quantized so")
+    s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
+                   help="always speculate k tokens, even past the break-even batch")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

@@ -5,6 +5,7 @@ The one place that wires loader, model, attention backend, runner and engine tog
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -68,7 +69,15 @@ def build_engine(args: EngineArgs) -> Engine:
     source = resolve_model(args.model)
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
-    if args.quantization == "gguf":  # the file's quantized blocks, not their float values
+    checkpoint = None
+    if source.kind == "hf":
+        from servelm.quant.checkpoint import read_quantized_checkpoint
+
+        checkpoint = read_quantized_checkpoint(source.path)
+    if checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
+        args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
+        weights = checkpoint.iter_weights(config)
+    elif args.quantization == "gguf":  # the file's quantized blocks, not their float values
         if source.kind != "gguf":
             raise InvalidParameterError(f"quantization 'gguf' needs a GGUF model file; "
                                         f"{args.model!r} is a {source.kind} model (use int8 "

@@ -97,7 +97,9 @@ class BlockManager:
             block = self._pop_free()
             self._take(block)
             seq.block_table.append(block)
-        self.register_computed(seq, seq.num_computed_tokens + num_new_tokens)
+        # Only real tokens are registered: draft slots (speculation) hold no known token yet.
+        self.register_computed(seq, min(seq.num_computed_tokens + num_new_tokens,
+                                        seq.num_tokens))
 
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Put seq's full blocks below position `num_tokens` into the prefix cache.
@@ -116,6 +118,15 @@ class BlockManager:
         cached = cache.insert(seq.token_ids, seq.block_table[:full], seq.extra_key, done, parent)
         # A block found cached under another id stops the path: its copy stays private.
         self._num_cached[seq.seq_id] = cached if cached == full else -1
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's blocks past those holding positions < num_tokens (speculative
+        rollback). The released blocks were never registered in the prefix cache."""
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        done = self._num_cached.get(seq.seq_id, 0)
+        assert done <= keep, "trimmed a block registered in the prefix cache"
 
     def _pop_free(self) -> int:
         if not self._free:

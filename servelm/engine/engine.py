@@ -43,21 +43,42 @@ class EngineStats:
     last_num_context_tokens: int = 0  # KV positions the step attended over (sum of seq lens)
     last_num_attention_pairs: int = 0  # sum over seqs of new tokens x seq len (causal bound)
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    # Speculative decoding (zero when off):
+    spec_num_verifications: int = 0  # sequence-steps that verified drafts (or asked for them)
+    spec_num_proposed: int = 0  # draft tokens scored by the target
+    spec_num_accepted: int = 0  # of which accepted
+    spec_draft_s: float = 0.0  # time in the proposer
+    spec_step_s: float = 0.0  # time of the steps that speculated
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted / self.spec_num_proposed if self.spec_num_proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying sequence-step: accepted drafts + the target's one."""
+        n = self.spec_num_verifications
+        return (self.spec_num_accepted + n) / n if n else 0.0
+
+    @property
+    def spec_draft_time_share(self) -> float:
+        return self.spec_draft_s / self.spec_step_s if self.spec_step_s else 0.0
 
 
 class Engine:
     def __init__(self, runner, tokenizer, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], model_name: str = ""):
+                 eos_token_ids: tuple[int, ...], model_name: str = "", speculator=None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_manager = block_manager
-        self.scheduler = Scheduler(scheduler_config, block_manager)
         if not scheduler_config.enable_chunked_prefill:
             # Unchunked, a whole sequence (after preemption: prompt + output) must fit one
             # step's budget, so the budget bounds the context.
             max_model_len = min(max_model_len, scheduler_config.max_num_batched_tokens)
         self.max_model_len = max_model_len
+        self.speculator = speculator  # servelm.spec.SpecController, or None
+        self.scheduler = Scheduler(scheduler_config, block_manager, speculator, max_model_len)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
@@ -163,32 +184,69 @@ class Engine:
                 s.seq.timings.first_scheduled_time = start
         result = self.runner.execute(batch)
         now = time.monotonic()
-        self._account(batch, now - start)
+        spec = getattr(result, "spec", None) or {}
+        draft_s = getattr(result, "draft_s", 0.0)
+        computed = self._account(batch, now - start, spec, draft_s)
+        if self.speculator is not None:  # the target's part of the step
+            self.speculator.observe_step(computed, now - start - draft_s)
+        # A speculating sequence gets several tokens; once one finishes it, the rest go.
         for sampled in result.sampled:
-            seq = self._seqs[sampled.seq_id]
+            seq = self._seqs.get(sampled.seq_id)
+            if seq is None or seq.is_finished:
+                continue
             deltas.append(self._on_token(seq, sampled.token_id, sampled.logprob, now))
         return deltas
 
-    def _account(self, batch: ScheduledBatch, step_s: float) -> None:
+    def _account(self, batch: ScheduledBatch, step_s: float, spec: dict,
+                 draft_s: float) -> int:
+        """Advance each sequence's computed tokens; returns the tokens the model ran."""
         prefilling = set()
+        ran = []  # (start, tokens run) per sequence
         for s in batch.seqs:
             seq = s.seq
             if s.start < seq.num_prompt_tokens and seq.request_id not in prefilling:
                 prefilling.add(seq.request_id)
                 seq.timings.prefill_time += step_s
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.num_spec:
+                outcome = spec.get(seq.seq_id)
+                proposed = outcome.num_proposed if outcome else 0
+                accepted = outcome.num_accepted if outcome else 0
+                # KV is valid for the fed token and the accepted drafts; the rest is rolled
+                # back (their slots are overwritten later or their blocks given back).
+                self.scheduler.rollback(seq, s.start + 1 + accepted)
+                ran.append((s.start, 1 + proposed))
+                if outcome is not None:
+                    self._account_spec(outcome)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
+                ran.append((s.start, s.num_new_tokens))
+        num_tokens = sum(n for _, n in ran)
         st = self.stats
         st.num_steps += 1
         st.last_step_s = step_s
         st.last_num_seqs = len(batch.seqs)
-        st.last_num_tokens = batch.num_batched_tokens
-        st.last_num_context_tokens = sum(s.start + s.num_new_tokens for s in batch.seqs)
-        st.last_num_attention_pairs = sum(s.num_new_tokens * (s.start + s.num_new_tokens)
-                                          for s in batch.seqs)
-        st.num_computed_tokens += batch.num_batched_tokens
+        st.last_num_tokens = num_tokens
+        st.last_num_context_tokens = sum(start + n for start, n in ran)
+        st.last_num_attention_pairs = sum(n * (start + n) for start, n in ran)
+        st.num_computed_tokens += num_tokens
         st.num_computed_prompt_tokens += sum(
             max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
-            for s in batch.seqs)
+            for s in batch.seqs if not s.num_spec)
+        if spec or draft_s:
+            st.spec_draft_s += draft_s
+            st.spec_step_s += step_s
+            if self.speculator is not None:
+                self.speculator.observe_draft(sum(1 for s in batch.seqs if s.num_spec),
+                                              draft_s, step_s, len(spec))
+        return num_tokens
+
+    def _account_spec(self, outcome) -> None:
+        st = self.stats
+        st.spec_num_verifications += 1
+        st.spec_num_proposed += outcome.num_proposed
+        st.spec_num_accepted += outcome.num_accepted
+        if self.speculator is not None:
+            self.speculator.observe_verify(outcome.num_proposed, outcome.num_accepted)
 
     def _on_token(self, seq: Sequence, token: int, logprob, now: float) -> TokenDelta:
         seq.append_token(token)

@@ -24,12 +24,13 @@ from servelm.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens before)
-    num_new_tokens: int
+    num_new_tokens: int  # positions budgeted and given KV slots (incl. num_spec)
+    num_spec: int = 0  # of which draft tokens a proposer may fill (speculative decoding)
 
     @property
     def is_sampling(self) -> bool:
         """True when this step reaches the sequence's last token, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec == self.seq.num_tokens
 
 
 @dataclass
@@ -49,9 +50,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 speculator=None, max_model_len: int | None = None):
         self.config = config
         self.block_manager = block_manager
+        # Speculative decoding (servelm/spec/controller.py): how many draft slots a decode
+        # gets this step; None: never speculate.
+        self.speculator = speculator
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,10 +80,15 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        k_step = self._draft_len()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            spec = self._spec_slots(seq, k_step, budget) if num_new == 1 else 0
+            if spec and not self.block_manager.can_allocate(seq, 1 + spec):
+                spec = 0  # no room for drafts: a plain decode, rather than preempt for them
+            num_new += spec
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # youngest: the tail of the running list
                 self._preempt(victim)
@@ -85,10 +96,35 @@ class Scheduler:
                 if victim is seq:
                     return budget
             self.block_manager.allocate(seq, num_new)
-            batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, spec))
             budget -= num_new
             i += 1
         return budget
+
+    def _draft_len(self) -> int:
+        """k for this step, from the number of decodes that could speculate."""
+        if self.speculator is None:
+            return 0
+        eligible = sum(1 for s in self.running
+                       if s.num_uncomputed_tokens == 1 and self.speculator.eligible(s))
+        return self.speculator.draft_len(eligible) if eligible else 0
+
+    def _spec_slots(self, seq: Sequence, k: int, budget: int) -> int:
+        """Draft slots for a decode: k, within the budget, the output limit (a step emits
+        up to k + 1 tokens) and the context."""
+        if k <= 0 or not self.speculator.eligible(seq):
+            return 0
+        k = min(k, budget - 1, seq.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens - 1)
+        return max(0, k)
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """After verification: KV is valid below `num_computed` only; give back the blocks
+        that held nothing but rejected drafts (never shared: drafts are not in the prefix
+        cache until accepted)."""
+        seq.num_computed_tokens = num_computed
+        self.block_manager.trim(seq, num_computed)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

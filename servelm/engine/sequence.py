@@ -72,6 +72,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (last admission)
         self.block_table: list[int] = []
+        self.num_resets = 0  # preemptions so far: KV kept elsewhere (a draft's) is stale
         self.status = SequenceStatus.WAITING
         self.params = params
         self.timings = timings
@@ -107,6 +108,7 @@ class Sequence:
         """Preemption by recompute: drop all KV; prompt + output so far is prefilled again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.num_resets += 1
         self.status = SequenceStatus.PREEMPTED
 
     def __repr__(self) -> str:

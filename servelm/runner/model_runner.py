@@ -7,7 +7,7 @@ generators. Never: scheduling decisions (which sequences run, preemption, finish
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,8 @@ from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from servelm.protocol import Logprob
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
-from servelm.sampling import SamplingTensors, sample
+from servelm.sampling import SamplingTensors, sample, sampling_probs
+from servelm.spec.verify import accept_greedy, accept_sampled
 
 
 @dataclass
@@ -27,9 +28,20 @@ class SampledToken:
 
 
 @dataclass
+class SpecOutcome:
+    num_proposed: int  # drafts scored this step
+    num_accepted: int  # of which the target accepted (one more token is always emitted)
+
+
+@dataclass
 class StepResult:
+    """sampled: the step's new tokens in order; a speculating sequence has several, the
+    first num_accepted of its drafts and the target's next token."""
+
     sampled: list[SampledToken]
-    forward_s: float = 0.0  # wall time of model + sampling
+    forward_s: float = 0.0  # wall time of propose + model + sampling
+    draft_s: float = 0.0  # of which the proposer took
+    spec: dict[int, SpecOutcome] = field(default_factory=dict)  # seq_id -> outcome
 
 
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
@@ -69,8 +81,9 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
-                 graphs=None):
+                 graphs=None, proposer=None):
         self.model = model
+        self.proposer = proposer  # servelm.spec proposer, when speculating
         self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
         self.config = model_config
         self.kv_cache = kv_cache
@@ -83,27 +96,101 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        if self.proposer is not None:
+            self.proposer.release(seq_id)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         start = time.perf_counter()
-        order = _decodes_first(batch.seqs)
-        fb = self._build_forward_batch(order)
+        proposals, draft_s = self._propose(batch)
+        works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in batch.seqs])
+        fb = build_forward_batch(works, self.block_size, self.device)
         hidden = self._forward(fb)
-        sampling = [s for s in order if s.is_sampling]
-        if not sampling:
-            return StepResult([], time.perf_counter() - start)
+        if not fb.logits_indices.numel():
+            return StepResult([], time.perf_counter() - start, draft_s=draft_s)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
-        out = sample(logits, self._sampling_tensors(sampling))
-        result = self._to_step_result(sampling, out)
+        rows = 0
+        plain, spec = [], []
+        for w in works:
+            if w.drafts is not None:
+                spec.append((w, rows))
+                rows += len(w.drafts) + 1
+            elif w.is_sampling:
+                plain.append((w, rows))
+                rows += 1
+        sampled: list[SampledToken] = []
+        if plain:
+            idx = [r for _, r in plain]
+            plain_logits = logits if len(idx) == rows else logits[idx]
+            sched = [w.scheduled for w, _ in plain]
+            out = sample(plain_logits, self._sampling_tensors(sched))
+            sampled = self._to_step_result(sched, out).sampled
+        result = StepResult(sampled, draft_s=draft_s)
+        if spec:
+            self._verify(spec, logits, proposals, result)
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _propose(self, batch: ScheduledBatch) -> tuple[dict, float]:
+        asks = [s for s in batch.seqs if s.num_spec]
+        if not asks or self.proposer is None:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(asks)
+        return proposals, time.perf_counter() - t0
+
+    def _verify(self, spec: list, logits: torch.Tensor, proposals: dict,
+                result: StepResult) -> None:
+        """Accept or reject each sequence's drafts (servelm/spec/verify.py)."""
+        greedy_rows, sampled = [], []
+        for w, row in spec:
+            n = len(w.drafts) + 1
+            if w.seq.params.is_greedy:
+                greedy_rows.append((w, row, n))
+            else:
+                sampled.append((w, row, n))
+        emitted: dict[int, list[int]] = {}
+        if greedy_rows:
+            argmax = logits.argmax(dim=-1).tolist()
+            for w, row, n in greedy_rows:
+                emitted[w.seq.seq_id] = accept_greedy(w.drafts, argmax[row:row + n])
+        if sampled:
+            idx = torch.tensor([r for _, row, n in sampled for r in range(row, row + n)],
+                               device=logits.device)
+            rows_params = [w.seq.params for w, _, n in sampled for _ in range(n)]
+            probs = sampling_probs(logits[idx], self._draw_tensors(rows_params))
+            at = 0
+            for w, _, n in sampled:
+                q = proposals[w.seq.seq_id].probs
+                emitted[w.seq.seq_id] = accept_sampled(w.drafts, probs[at:at + n], q)
+                at += n
+        for w, _ in spec:
+            tokens = emitted[w.seq.seq_id]
+            result.spec[w.seq.seq_id] = SpecOutcome(len(w.drafts), len(tokens) - 1)
+            result.sampled += [SampledToken(w.seq.seq_id, t) for t in tokens]
+
+    def _draw_tensors(self, params: list) -> SamplingTensors:
+        """Temperature, top-k/p, min-p rows (speculation never runs with penalties, bans,
+        logprobs or seeds: see servelm/spec/__init__.py)."""
+        dev, vocab = self.device, self.config.vocab_size
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        st = SamplingTensors(temperatures=col([p.temperature for p in params]))
+        if any(p.top_k > 0 for p in params):
+            st.top_ks = col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
+        if any(p.top_p < 1.0 for p in params):
+            st.top_ps = col([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            st.min_ps = col([p.min_p for p in params])
+        return st
 
     @torch.inference_mode()
     def score(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits at every computed position, decodes first as in execute: [T, V] (parity
         tests, perplexity). Writes the batch's K/V into the cache like a normal step."""
-        fb = self._build_forward_batch(_decodes_first(batch.seqs))
+        fb = self._build_forward_batch(batch.seqs)
         return self.model.compute_logits(self._forward(fb)).float()
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -114,36 +201,9 @@ class ModelRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)
         return hidden
 
-    def _build_forward_batch(self, order: list[ScheduledSeq]) -> ForwardBatch:
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        qsl, ctx_lens, seq_lens, logits_idx = [0], [], [], []
-        num_decodes = 0
-        for s in order:
-            seq, end = s.seq, s.start + s.num_new_tokens
-            input_ids += seq.token_ids[s.start:end]
-            positions += range(s.start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            ctx_lens.append(s.start)
-            seq_lens.append(end)
-            num_decodes += s.num_new_tokens == 1
-            if s.is_sampling:
-                logits_idx.append(qsl[-1] - 1)
-        max_blocks = max(len(s.seq.block_table) for s in order)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in order]
-        dev = self.device
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
-        return ForwardBatch(
-            input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots),
-            block_tables=t(tables), query_start_loc=qsl, context_lens=ctx_lens,
-            seq_lens=seq_lens, num_decodes=num_decodes, block_size=bs,
-            logits_indices=t(logits_idx),
-        )
+    def _build_forward_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
+        works = _decodes_first([_Work.of(s) for s in seqs])
+        return build_forward_batch(works, self.block_size, self.device)
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.seed is None:
@@ -209,9 +269,76 @@ class ModelRunner:
         return StepResult(sampled)
 
 
-def _decodes_first(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+@dataclass
+class _Work:
+    """What one sequence computes this step: its input tokens from `start` (the scheduled
+    ones, plus the drafts to verify), and which positions need logits."""
+
+    scheduled: ScheduledSeq
+    tokens: list[int]
+    drafts: list[int] | None = None  # speculating: every position is scored
+
+    @classmethod
+    def of(cls, s: ScheduledSeq, proposal=None) -> _Work:
+        n = s.num_new_tokens - s.num_spec
+        tokens = s.seq.token_ids[s.start:s.start + n]
+        if proposal is not None and proposal.token_ids:
+            return cls(s, tokens + proposal.token_ids, list(proposal.token_ids))
+        return cls(s, tokens)
+
+    @property
+    def seq(self):
+        return self.scheduled.seq
+
+    @property
+    def start(self) -> int:
+        return self.scheduled.start
+
+    @property
+    def is_sampling(self) -> bool:
+        return self.scheduled.is_sampling
+
+
+def build_forward_batch(works: list, block_size: int, device) -> ForwardBatch:
+    """Flatten works (each: .seq, .start, .tokens, .drafts, .is_sampling) into one batch.
+    Logits are taken at the last position of a sampling sequence, at every position of a
+    speculating one."""
+    bs = block_size
+    input_ids, positions, slots = [], [], []
+    qsl, ctx_lens, seq_lens, logits_idx = [0], [], [], []
+    num_decodes = 0
+    for w in works:
+        seq, n = w.seq, len(w.tokens)
+        end = w.start + n
+        input_ids += w.tokens
+        positions += range(w.start, end)
+        table = seq.block_table
+        slots += [table[p // bs] * bs + p % bs for p in range(w.start, end)]
+        qsl.append(qsl[-1] + n)
+        ctx_lens.append(w.start)
+        seq_lens.append(end)
+        num_decodes += n == 1
+        if w.drafts is not None:
+            logits_idx += range(qsl[-2], qsl[-1])
+        elif w.is_sampling:
+            logits_idx.append(qsl[-1] - 1)
+    max_blocks = max(len(w.seq.block_table) for w in works)
+    tables = [w.seq.block_table + [0] * (max_blocks - len(w.seq.block_table)) for w in works]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots),
+        block_tables=t(tables), query_start_loc=qsl, context_lens=ctx_lens,
+        seq_lens=seq_lens, num_decodes=num_decodes, block_size=bs,
+        logits_indices=t(logits_idx),
+    )
+
+
+def _decodes_first(works: list) -> list:
     """The attention backends take single-token sequences first (a stable sort)."""
-    return sorted(seqs, key=lambda s: s.num_new_tokens != 1)
+    return sorted(works, key=lambda w: len(w.tokens) != 1)
 
 
 def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:

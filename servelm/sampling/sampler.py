@@ -102,7 +102,10 @@ def _apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def _draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution a draw samples from: temperature -> top-k -> top-p -> softmax ->
+    min-p ([B, V]; min-p rows are not renormalised, a draw does not need it). Speculative
+    verification compares these for target and draft."""
     temps = torch.where(st.temperatures == 0, torch.ones_like(st.temperatures), st.temperatures)
     logits = logits / temps[:, None]
     if st.top_ks is not None:
@@ -113,6 +116,11 @@ def _draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.min_ps is not None:
         keep = probs >= st.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs
+
+
+def _draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    probs = sampling_probs(logits, st)
     noise = torch.empty_like(probs)
     shared_rows = []
     for row, gen in enumerate(st.generators or [None] * probs.shape[0]):

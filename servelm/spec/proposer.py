@@ -1,0 +1,32 @@
+"""Proposer: the interface every draft source implements, and the registry of names.
+
+A proposer is asked, once per step, for up to `num_spec` draft tokens for each speculating
+sequence (ScheduledSeq.num_spec: the slots the scheduler budgeted). It may return fewer
+(n-gram: no match) or none. The KV slots for positions start .. start + num_spec already
+exist in the sequence's block table when it is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    # [len(token_ids), V] the draft distribution each token was drawn from, for rejection
+    # sampling of sampled requests; None: a point mass (n-gram, or a greedy draft).
+    probs: torch.Tensor | None = None
+
+
+class Proposer:
+    name = "base"
+
+    def propose(self, scheduled: list) -> dict[int, Proposal]:
+        """scheduled: ScheduledSeqs with num_spec > 0 -> seq_id -> Proposal."""
+        raise NotImplementedError
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished: drop any state kept for it."""
