@@ -112,11 +112,28 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     cache_config = args.cache_config()
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
     model = build_model(config, weights, dtype, device, args.quantization)
+    spec_config = args.speculative_config()
+    draft = None
+    if spec_config is not None and spec_config.method == "draft" \
+            and spec_config.draft_layers is None:
+        draft = _build_draft_model(args, spec_config, config, dtype, device)
     num_blocks = num_kv_blocks(config, cache_config, dtype, device)
+    if draft is not None and cache_config.num_blocks_override is None:
+        # The draft's KV shares the block tables: every block costs both caches.
+        per_target = KVCache.bytes_per_block(config, cache_config.block_size, dtype)
+        per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
+        num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
     kv_cache = KVCache(config, num_blocks, cache_config.block_size, dtype, device)
     backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
+    proposer = speculator = None
+    if spec_config is not None:
+        proposer = _build_proposer(args, spec_config, config, model, backend, draft,
+                                   num_blocks, cache_config.block_size, dtype, device)
+        from servelm.spec import SpecController
+
+        speculator = SpecController(spec_config.num_tokens, spec_config.adaptive)
     graphs = None
     if args.cuda_graphs:
         if device.type != "cuda":
@@ -127,15 +144,63 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                  -(-min(max_model_len, num_blocks * cache_config.block_size)
                                    // cache_config.block_size), device)
         logger.info("CUDA graphs captured in %.1fs", graphs.capture())
-    runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs)
+    runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
+                         proposer)
     block_manager = BlockManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
-                    config.vocab_size, eos, model_name=name or config.name)
+                    config.vocab_size, eos, model_name=name or config.name,
+                    speculator=speculator)
     engine.model_config = config
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
                 num_blocks * KVCache.bytes_per_block(config, cache_config.block_size, dtype) / 1e9,
                 max_model_len)
     return engine
+
+
+def _build_draft_model(args: EngineArgs, spec, target: ModelConfig, dtype: torch.dtype,
+                       device: torch.device) -> torch.nn.Module:
+    """A separate draft: --spec-draft-model (optionally quantized), or the target's own
+    checkpoint quantized with --spec-draft-quantization."""
+    source = resolve_model(spec.draft_model or args.model)
+    config = load_model_config(source)
+    if config.vocab_size != target.vocab_size:
+        raise InvalidParameterError(
+            f"draft model {spec.draft_model!r} has a vocabulary of {config.vocab_size} "
+            f"tokens, the target {target.vocab_size}: a draft must share the tokenizer",
+            param="spec_draft_model")
+    quant = spec.draft_quantization
+    if quant == "gguf":
+        if source.kind != "gguf":
+            raise InvalidParameterError("spec_draft_quantization 'gguf' needs a GGUF draft "
+                                        "(or target) file", param="spec_draft_quantization")
+        from servelm.loader.gguf_loader import iter_gguf_quantized_weights
+
+        weights = iter_gguf_quantized_weights(source.path, config)
+    else:
+        weights = iter_weights(source, config)
+    return build_model(config, weights, dtype, device, quant)
+
+
+def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block_size,
+                    dtype, device):
+    if spec.method == "ngram":
+        from servelm.spec.ngram import NgramProposer
+
+        return NgramProposer(spec.ngram_max, spec.ngram_min)
+    from servelm.spec.draft import DraftModelProposer
+
+    if draft is None:  # early exit: the target's first layers, its KV cache and backend
+        if spec.draft_layers >= config.num_layers:
+            raise InvalidParameterError(
+                f"spec_draft_layers must be below the target's {config.num_layers} layers, "
+                f"got {spec.draft_layers}", param="spec_draft_layers")
+        return DraftModelProposer(model, backend, block_size, device,
+                                  num_layers=spec.draft_layers, shares_target_kv=True)
+    draft_kv = KVCache(draft.config, num_blocks, block_size, dtype, device)
+    draft_backend = get_backend_class(args.attention_backend)(draft_kv, draft.config.num_heads,
+                                                              draft.config.head_dim ** -0.5)
+    bind_attention(draft, draft_backend)
+    return DraftModelProposer(draft, draft_backend, block_size, device)

@@ -1,5 +1,10 @@
 """QuantMethod and the registered methods: how a float weight or GGUF blocks become a layer.
 
+Methods that can be saved (`servelm quantize`) split that in two: `quantize` (float weight or
+blocks -> a QuantizedWeight of codes and scales, or a float tensor for a layer that stays
+float) and `build` (that -> the layer). Loading a pre-quantized checkpoint calls only `build`,
+and quantizing at load time is `build(quantize(w))`, so both give the same layer.
+
 Never: touches the model; `servelm.quant.make_linear` / `finalize_linears` call these.
 """
 
@@ -11,7 +16,9 @@ from torch import nn
 from servelm.quant.gguf_blocks import GGUFBlocks, decode_q4
 from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
-from servelm.quant.int8_linear import Int8Linear
+from servelm.quant.int4_linear import quantize_int4_groups
+from servelm.quant.int8_linear import Int8Linear, quantize_int8_per_channel
+from servelm.quant.quantized_weight import QuantizedWeight
 
 
 class QuantMethod:
@@ -25,12 +32,38 @@ class QuantMethod:
         self.compute_dtype = compute_dtype
 
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        raise NotImplementedError
+        return self.build(self.quantize(weight), bias)
 
-    def from_blocks(self, blocks: GGUFBlocks, bias: torch.Tensor | None,
+    def from_blocks(self, blocks: GGUFBlocks | QuantizedWeight, bias: torch.Tensor | None,
                     dtype: torch.dtype = torch.float32) -> nn.Module:
-        """RTN methods given GGUF blocks quantize their float values (a round trip)."""
+        """RTN methods given GGUF blocks quantize their float values (a round trip); a
+        QuantizedWeight (a pre-quantized checkpoint) is built as it is."""
+        if isinstance(blocks, QuantizedWeight):
+            if blocks.type_name not in self.accepted_formats():
+                raise ValueError(f"quantization {self.name!r} cannot use {blocks.type_name} "
+                                 f"weights (it takes {self.accepted_formats()})")
+            return self.build(blocks, bias)
         return self.from_float(blocks.dequantize().to(dtype), bias)
+
+    # -- saveable methods: codes first, layer second -----------------------------------------
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight | torch.Tensor:
+        """Float weight [out, in] -> its codes (a float tensor: the layer stays float)."""
+        raise NotImplementedError(f"quantization {self.name!r} cannot be saved as a "
+                                  "checkpoint")
+
+    def quantize_blocks(self, blocks: GGUFBlocks, dtype: torch.dtype = torch.float32
+                        ) -> QuantizedWeight | torch.Tensor:
+        """What `from_blocks` builds its layer from."""
+        return self.quantize(blocks.dequantize().to(dtype))
+
+    def build(self, weight: QuantizedWeight | torch.Tensor,
+              bias: torch.Tensor | None) -> nn.Module:
+        raise NotImplementedError(f"quantization {self.name!r} has no build step")
+
+    def accepted_formats(self) -> tuple[str, ...]:
+        """QuantizedWeight.type_name values `build` takes."""
+        return ()
 
     def lm_head_method(self) -> QuantMethod | None:
         """How the lm_head (tied or not) is quantized; None keeps it float.
@@ -46,15 +79,23 @@ class QuantMethod:
 
 
 class Int8Method(QuantMethod):
-    def from_float(self, weight, bias):
-        return Int8Linear.from_float(weight, bias, self.compute_dtype)
+    layer_class = Int8Linear
+
+    def quantize(self, weight):
+        q, scale = quantize_int8_per_channel(weight, self.compute_dtype)
+        return QuantizedWeight("int8", q.to(weight.device), scale.to(weight.device), None, 0)
+
+    def build(self, weight, bias):
+        return self.layer_class(weight.q, weight.scale, bias, self.compute_dtype)
+
+    def accepted_formats(self):
+        return ("int8",)
 
 
-class Int8HeadMethod(QuantMethod):
+class Int8HeadMethod(Int8Method):
     """int8 with near-max logits recomputed in float32 (see int8_head.py)."""
 
-    def from_float(self, weight, bias):
-        return Int8Head.from_float(weight, bias, self.compute_dtype)
+    layer_class = Int8Head
 
     def lm_head_method(self):
         return self
@@ -66,8 +107,18 @@ class Int4Method(QuantMethod):
         super().__init__(name, compute_dtype)
         self.group_size = group_size
 
-    def from_float(self, weight, bias):
-        return Int4Linear.from_float(weight, bias, self.group_size, self.compute_dtype)
+    def quantize(self, weight):
+        q, scale, zero = quantize_int4_groups(weight, self.group_size, self.compute_dtype)
+        # Already rounded to the compute dtype; stored in it (exactly), as the layer keeps it.
+        return QuantizedWeight("int4", q, scale.to(self.compute_dtype),
+                               zero.to(self.compute_dtype), self.group_size)
+
+    def build(self, weight, bias):
+        return Int4Linear(weight.q, weight.scale, weight.zero, weight.group_size, bias,
+                          self.compute_dtype)
+
+    def accepted_formats(self):
+        return (f"int4-g{self.group_size}",)
 
 
 class GGUFMethod(QuantMethod):
@@ -83,12 +134,28 @@ class GGUFMethod(QuantMethod):
     """
 
     def from_blocks(self, blocks, bias, dtype=torch.float32):
+        if isinstance(blocks, QuantizedWeight):
+            return super().from_blocks(blocks, bias, dtype)
+        return self.build(self.quantize_blocks(blocks, dtype), bias)
+
+    def quantize_blocks(self, blocks, dtype=torch.float32):
         if blocks.type_name in ("Q4_0", "Q4_1"):
             q, scale, zero = decode_q4(blocks)
-            return Int4Linear(q, scale, zero, 32, bias, self.compute_dtype)
-        return Int8Linear.from_float(blocks.dequantize(), bias, self.compute_dtype)
+            # Rounded to the compute dtype here, as Int4Linear would: a saved checkpoint then
+            # holds exactly what is served.
+            return QuantizedWeight("int4", q, scale.to(self.compute_dtype),
+                                   zero.to(self.compute_dtype), 32)
+        return Int8Method("int8", self.compute_dtype).quantize(blocks.dequantize())
 
-    def from_float(self, weight, bias):
+    def quantize(self, weight):
+        return weight  # not GGUF blocks: stays float
+
+    def build(self, weight, bias):
+        if isinstance(weight, QuantizedWeight):
+            if weight.format == "int8":
+                return Int8Method("int8", self.compute_dtype).build(weight, bias)
+            return Int4Linear(weight.q, weight.scale, weight.zero, 32, bias,
+                              self.compute_dtype)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                           device=weight.device, dtype=weight.dtype)
         layer.requires_grad_(False)
@@ -96,3 +163,6 @@ class GGUFMethod(QuantMethod):
         if bias is not None:
             layer.bias.copy_(bias)
         return layer
+
+    def accepted_formats(self):
+        return ("int8", "int4-g32")

@@ -2,8 +2,9 @@
 
 Why staged: q/k/v and gate/up arrive as separate checkpoint tensors and are fused into one
 matrix, and RTN scales must see the fused rows' final values. So the model copies float shards
-into `weight` as it would for nn.Linear (or hands GGUF blocks to `load_blocks`), and
-`finalize_linears` builds the real layer once everything is in.
+into `weight` as it would for nn.Linear (or hands GGUF blocks, or the QuantizedWeights of a
+pre-quantized checkpoint, to `load_blocks`), and `finalize_linears` builds the real layer once
+everything is in. `quantized_weight()` is what `servelm quantize` saves instead.
 
 Never: runs a forward pass (it raises: a model used before finalize is a bug).
 """
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from servelm.quant.gguf_blocks import GGUFBlocks, cat_rows
+from servelm.quant.quantized_weight import QuantizedWeight, cat_quantized_rows
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +30,10 @@ class StagedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
-        self._blocks: dict[int, GGUFBlocks] = {}  # first row -> raw blocks of those rows
+        # first row -> raw GGUF blocks (or pre-quantized codes) of those rows
+        self._blocks: dict[int, GGUFBlocks | QuantizedWeight] = {}
 
-    def load_blocks(self, blocks: GGUFBlocks, row_offset: int) -> None:
+    def load_blocks(self, blocks: GGUFBlocks | QuantizedWeight, row_offset: int) -> None:
         self._blocks[row_offset] = blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,19 @@ class StagedLinear(nn.Module):
             self.weight.data[row:row + b.shape[0]].copy_(b.dequantize())
         return self.quant.from_float(self.weight.data, bias)
 
-    def _whole_blocks(self) -> GGUFBlocks | None:
+    def quantized_weight(self):
+        """The codes (QuantizedWeight) or float weight `finalize` builds its layer from, as
+        the method's `quantize` gives them: `build(quantized_weight())` is `finalize()`."""
+        blocks = self._whole_blocks()
+        if isinstance(blocks, QuantizedWeight):
+            return blocks
+        if blocks is not None:
+            return self.quant.quantize_blocks(blocks, dtype=self.weight.dtype)
+        for row, b in self._blocks.items():
+            self.weight.data[row:row + b.shape[0]].copy_(b.dequantize())
+        return self.quant.quantize(self.weight.data)
+
+    def _whole_blocks(self) -> GGUFBlocks | QuantizedWeight | None:
         """The fused raw blocks when every row came as blocks of one supported type."""
         if not self._blocks:
             return None
@@ -59,6 +74,8 @@ class StagedLinear(nn.Module):
                            self.out_features, self.in_features,
                            sorted({p.type_name for p in parts}))
             return None
+        if isinstance(parts[0], QuantizedWeight):
+            return cat_quantized_rows(parts)
         return cat_rows(parts)
 
 
