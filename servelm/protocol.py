@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: sampled token + k top alternatives
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    speculative: bool = True  # False: never speculate for this request (servelm/spec/)
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16

@@ -191,6 +191,21 @@ class ServerMetrics:
             "servelm_idempotent_replays_total",
             "Requests answered by attaching to an earlier one with the same Idempotency-Key",
             registry=r)
+        self.spec_proposed = Counter("servelm_spec_draft_tokens_total",
+                                     "Draft tokens proposed and scored by the target",
+                                     registry=r)
+        self.spec_accepted = Counter("servelm_spec_accepted_tokens_total",
+                                     "Draft tokens the target accepted", registry=r)
+        self.spec_mean_len = Gauge("servelm_spec_mean_accepted_length",
+                                   "Tokens per verifying sequence-step (accepted drafts + 1)",
+                                   registry=r)
+        self.spec_draft_share = Gauge("servelm_spec_draft_time_share",
+                                      "Share of speculating steps' time spent drafting",
+                                      registry=r)
+        self.spec_k = Gauge("servelm_spec_draft_len",
+                            "Draft tokens per sequence chosen for the last step (0: off)",
+                            registry=r)
+        self._spec_seen = (0, 0)
         self.alive = Gauge("servelm_engine_alive", "1 while the engine loop runs", registry=r)
         info = Gauge("servelm_info", "Served model and peak numbers", ["model", "peak_bandwidth",
                                                                         "peak_flops"],
@@ -205,6 +220,7 @@ class ServerMetrics:
     def start_from(self, engine) -> None:
         """Count from the engine's current totals (an engine may outlive one app)."""
         self._num_preemptions_seen = engine.scheduler.num_preemptions
+        self._spec_seen = (engine.stats.spec_num_proposed, engine.stats.spec_num_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -219,8 +235,22 @@ class ServerMetrics:
         if num_preemptions > self._num_preemptions_seen:
             self.preemptions.inc(num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = num_preemptions
+        if getattr(engine, "speculator", None) is not None:
+            self._observe_spec(engine)
         for d in deltas:
             self._observe_delta(d, now)
+
+    def _observe_spec(self, engine) -> None:
+        st = engine.stats
+        proposed, accepted = self._spec_seen
+        if st.spec_num_proposed > proposed:
+            self.spec_proposed.inc(st.spec_num_proposed - proposed)
+        if st.spec_num_accepted > accepted:
+            self.spec_accepted.inc(st.spec_num_accepted - accepted)
+        self._spec_seen = (st.spec_num_proposed, st.spec_num_accepted)
+        self.spec_mean_len.set(st.spec_mean_accepted_length)
+        self.spec_draft_share.set(st.spec_draft_time_share)
+        self.spec_k.set(engine.speculator.last_k)
 
     def _observe_step_shape(self, stats, step_s: float) -> None:
         self.step_time.observe(step_s)

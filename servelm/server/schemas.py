@@ -53,6 +53,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: StrictInt = 0
     cache_salt: StrictStr | None = None
     skip_special_tokens: StrictBool = True
+    speculative: StrictBool = True  # false: this request never speculates
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -79,7 +80,8 @@ class _SamplingRequest(BaseModel):
             n=self.n, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
             stop=stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
             ignore_eos=self.ignore_eos, logprobs=self._num_logprobs(),
-            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            speculative=self.speculative)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -186,3 +186,34 @@ def test_bad_speculative_args_name_the_parameter(hf):
         _spec_engine(hf, speculative_method="draft", spec_draft_layers=3)
     with pytest.raises(ValueError, match="needs --spec-draft-model"):
         _spec_engine(hf, speculative_method="draft")
+
+
+def test_per_request_opt_out(hf, prompts, reference):
+    engine = _spec_engine(hf, **PROPOSERS["early-exit"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            speculative=False)
+    outs = _run(engine, prompts[:3], params)
+    assert engine.stats.spec_num_proposed == 0
+    for ref, ids in zip(reference, outs):
+        _same_or_tie(ref, ids)
+
+
+def test_server_metrics_report_speculation(hf, prompts):
+    from servelm.server.metrics import ServerMetrics
+
+    engine = _spec_engine(hf, **PROPOSERS["early-exit"])
+    metrics = ServerMetrics("tiny", 1.0, 0.1)
+    metrics.start_from(engine)
+    _run(engine, prompts[:4])
+    metrics.observe_step(engine, [], None)
+    text = metrics.render().decode()
+    st = engine.stats
+
+    def value(name):
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        return float(line.split()[1])
+
+    assert value("servelm_spec_draft_tokens_total") == st.spec_num_proposed > 0
+    assert value("servelm_spec_accepted_tokens_total") == st.spec_num_accepted
+    assert value("servelm_spec_mean_accepted_length") >= 1.0
+    assert 0 < value("servelm_spec_draft_time_share") < 1
