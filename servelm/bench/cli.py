@@ -344,6 +344,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_offline)
     from servelm.bench.serve import add_parser as add_serve_parser  # `bench serve`
     add_serve_parser(bench_sub)
+    from servelm.bench.compare import add_parser as add_compare_parser  # `bench compare`
+    add_compare_parser(bench_sub)
     return bench
 
 

