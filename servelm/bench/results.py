@@ -133,9 +133,13 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
         num_usable = len(os.sched_getaffinity(0))
     except AttributeError:
         num_usable = os.cpu_count()
+    # The 1/5/15-minute load when the result was taken: on 2 shared cores another process
+    # changes the numbers several-fold (llama.cpp's spinning threads most of all). It counts
+    # the system under test too: read it against the load before the first run.
+    load_avg = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": num_usable,
             "threads": threads, "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "load_avg": load_avg}
 
 
 def git_commit(cwd: str | None = None) -> str | None:

@@ -40,6 +40,7 @@ def test_build_result_arithmetic():
     assert r["decode_tok_s"] == pytest.approx(3.0)
     assert r["command"] == "a b"
     assert r["machine"]["threads"] == 2 and r["machine"]["cores"] == os.cpu_count()
+    assert len(r["machine"]["load_avg"]) == 3 and min(r["machine"]["load_avg"]) >= 0
     assert r["peak_memory_bytes"] == 123
 
 
