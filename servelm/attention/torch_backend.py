@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from servelm.attention.paged_attention_cpu import decode_kernel_for
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 
@@ -23,6 +24,9 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, C] True where a slot is real
     prefill_slots: list[torch.Tensor | None]  # per prefill: context slots, None if fresh
     prefill_masks: list[torch.Tensor | None]  # per prefill: [q, C] causal-with-offset mask
+    # With the C++ decode kernel (paged_attention_cpu.py) instead of decode_slots/_mask:
+    decode_tables: torch.Tensor | None = None  # [Bd, max_blocks]
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int64
 
 
 class TorchAttentionBackend:
@@ -32,13 +36,18 @@ class TorchAttentionBackend:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.scale = scale
+        # CPU, fp32/bf16 cache: decodes read the paged blocks in place (C++); else None.
+        self.decode_kernel = decode_kernel_for(kv_cache.k)
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         bs = batch.block_size
         device = batch.slot_mapping.device
         nd = batch.num_decodes
-        decode_slots = decode_mask = None
-        if nd:
+        decode_slots = decode_mask = decode_tables = decode_seq_lens = None
+        if nd and self.decode_kernel is not None:
+            decode_tables = batch.block_tables[:nd]
+            decode_seq_lens = torch.tensor(batch.seq_lens[:nd], dtype=torch.long)
+        elif nd:
             max_len = max(batch.seq_lens[:nd])
             pos = torch.arange(max_len, device=device)
             tables = batch.block_tables[:nd, : -(-max_len // bs)]
@@ -57,7 +66,8 @@ class TorchAttentionBackend:
             prefill_slots.append(batch.block_tables[i, pos // bs] * bs + pos % bs)
             q_pos = torch.arange(ctx, total, device=device)
             prefill_masks.append(pos[None, :] <= q_pos[:, None])
-        return TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks)
+        return TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks,
+                                      decode_tables, decode_seq_lens)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -82,6 +92,10 @@ class TorchAttentionBackend:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if meta.decode_seq_lens is not None:  # never for fp8: the kernel takes fp32/bf16
+            return self.decode_kernel(q, k_cache, v_cache, meta.decode_tables,
+                                      meta.decode_seq_lens, self.kv_cache.block_size,
+                                      self.scale).to(q.dtype)
         bd, h, d = q.shape
         kh = k_cache.shape[1]
         keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [Bd, K, C, D]

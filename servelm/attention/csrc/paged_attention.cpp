@@ -1,0 +1,307 @@
+// Paged attention on the CPU for decodes: each sequence's one query token attends to its
+// context where it lies in the paged KV cache. No gather into a padded copy, no padding.
+//
+//   k_cache, v_cache: [num_slots, K, D]      block_tables: [B, max_blocks]
+//
+//   position p of sequence b  ->  slot = block_tables[b][p / block_size] * block_size
+//                                        + p % block_size
+//   q: [B, H, D]; the G = H / K query heads of KV head k are heads k*G .. k*G + G-1.
+//
+// A work item is a sequence, or one (sequence, KV head) when there are few sequences; the G
+// query heads of a KV head share every K/V row loaded.
+// Items are spread over torch's intra-op threads (OpenMP, dynamic: contexts differ in
+// length). The context is walked in tiles of 16 positions (any block size): 16 scores per
+// head come out of one transpose-and-add tree, softmax is online per tile (running max and
+// sum in fp32), and the head's accumulator stays in registers while the tile's V rows stream.
+// D must be a multiple of 16. Caches hold float32 or bfloat16; q either; the output is fp32.
+// Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
+//
+// Keep this file small: it is compiled on first use (servelm/attention/paged_attention_cpu.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;  // raw bfloat16 bits: the upper half of a float32
+constexpr int kTile = 16;
+constexpr int kMaxChunks = 16;  // D <= 256
+
+// 16 lanes; aligned(4)/(2): loads and stores may be unaligned; may_alias: rows are floats.
+typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+inline f32x16 load16(const bf16* p) {
+  const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16);
+  return (f32x16)(wide << 16);
+}
+inline f32x16 load16(const at::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
+
+inline float lane_sum(f32x16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+inline float lane_max(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (a score minus its running max): Cephes' expf polynomial, 16 at a time.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f32x16 y = p * r * r + r + 1.0f;
+  const i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return y * (f32x16)two_n;
+}
+
+// out[t] = the sum of x[t]'s 16 lanes, t = 0..15: four levels that each halve the vectors
+// and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order.
+inline f32x16 sum_lanes_16(const f32x16* x) {
+  const i32x16 a8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 b8 = a8 + 8;
+  const i32x16 a4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32x16 b4 = a4 + 4;
+  const i32x16 a2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32x16 b2 = a2 + 2;
+  const i32x16 a1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i32x16 b1 = a1 + 1;
+  f32x16 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], a8) + __builtin_shuffle(x[2 * i], x[2 * i + 1], b8);
+  for (int i = 0; i < 4; ++i)
+    z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], a4) + __builtin_shuffle(y[2 * i], y[2 * i + 1], b4);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], a2) + __builtin_shuffle(z[2 * i], z[2 * i + 1], b2);
+  return __builtin_shuffle(w[0], w[1], a1) + __builtin_shuffle(w[0], w[1], b1);
+}
+
+struct Problem {
+  const void* k;
+  const void* v;
+  int64_t slot_stride;  // K * D elements between consecutive slots
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* seq_lens;
+  int64_t num_heads, group, head_dim, block_size;
+  float* out;  // [B, H, D]
+};
+
+// Per-thread scratch, in 16-lane vectors: q (scaled), accumulators, one tile of partial dots;
+// per query head of the work item: running max and sum.
+struct Scratch {
+  std::vector<f32x16> q, acc, dots;
+  std::vector<float> max, sum;
+  Scratch(int64_t heads, int64_t group, int64_t chunks)
+      : q(heads * chunks), acc(heads * chunks), dots(group * kTile), max(heads), sum(heads) {}
+};
+
+template <typename Q>
+void load_q(const at::Tensor& q, int64_t b, int64_t h0, int64_t heads, float scale, Scratch& s) {
+  const int64_t chunks = q.size(2) / 16;
+  const Q* src = q.data_ptr<Q>() + b * q.stride(0) + h0 * q.stride(1);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < chunks; ++c)
+      s.q[h * chunks + c] = load16(src + h * q.stride(1) + 16 * c) * scale;
+}
+
+// rows[t] = element offset of position start + t's slot; returns how many (<= kTile).
+inline int locate(const int64_t* table, int64_t bs, int64_t slot_stride, int64_t start,
+                  int64_t len, int64_t* rows) {
+  const int n = int(std::max<int64_t>(0, std::min<int64_t>(kTile, len - start)));
+  for (int t = 0; t < n; ++t) {
+    const int64_t pos = start + t;
+    rows[t] = (table[pos / bs] * bs + pos % bs) * slot_stride;
+  }
+  return n;
+}
+
+// One tile of n <= 16 rows for the G query heads of one KV head: kbase/vbase point at that
+// head's part of slot 0; h is the item's index of the group's first head.
+template <int kChunks, typename KV>
+void attend_tile(const Problem& p, const KV* kbase, const KV* vbase, const int64_t* rows, int n,
+                 int64_t h, Scratch& s) {
+  const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int t = 0; t < kTile; ++t) {  // dots[g][t]: lane-wise products, summed over chunks
+    if (t >= n) {
+      for (int64_t g = 0; g < G; ++g) s.dots[g * kTile + t] = splat(0.0f);
+      continue;
+    }
+    f32x16 k[kMaxChunks];
+    for (int64_t c = 0; c < nc; ++c) k[c] = load16(kbase + rows[t] + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const f32x16* qg = &s.q[(h + g) * nc];
+      f32x16 d = qg[0] * k[0];
+      for (int64_t c = 1; c < nc; ++c) d += qg[c] * k[c];
+      s.dots[g * kTile + t] = d;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float &max = s.max[h + g], &sum = s.sum[h + g];
+    f32x16 scores = sum_lanes_16(&s.dots[g * kTile]);
+    scores = lane < float(n) ? scores : splat(-std::numeric_limits<float>::infinity());
+    const float mx = std::max(max, lane_max(scores));
+    f32x16 acc[kMaxChunks];
+    for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
+    if (mx > max) {  // rescale what came before to the new max
+      const float alpha = exp_nonpositive(splat(max - mx))[0];
+      for (int64_t c = 0; c < nc; ++c) acc[c] *= alpha;
+      sum *= alpha;
+      max = mx;
+    }
+    f32x16 e = exp_nonpositive(scores - mx);
+    e = lane < float(n) ? e : splat(0.0f);
+    sum += lane_sum(e);
+    for (int t = 0; t < n; ++t) {
+      const KV* vr = vbase + rows[t];
+      const float w = e[t];
+      for (int64_t c = 0; c < nc; ++c) acc[c] += w * load16(vr + 16 * c);
+    }
+    for (int64_t c = 0; c < nc; ++c) s.acc[(h + g) * nc + c] = acc[c];
+  }
+}
+
+// Sequence b, KV heads kh0..kh1-1; s.q holds their query heads. kChunks = D / 16, 0: runtime.
+// Each tile is read for all the item's KV heads at once: whole slots, contiguous in memory.
+template <int kChunks, typename KV>
+void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
+  const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group, D = p.head_dim;
+  const int64_t heads = (kh1 - kh0) * G, bs = p.block_size;
+  const KV* kbase = static_cast<const KV*>(p.k) + kh0 * D;
+  const KV* vbase = static_cast<const KV*>(p.v) + kh0 * D;
+  const int64_t* table = p.tables + b * p.table_stride;
+  const int64_t len = p.seq_lens[b];
+  const int64_t row_bytes = (kh1 - kh0) * D * int64_t(sizeof(KV));
+  std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
+  std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
+  int64_t rows[kTile], next[kTile];  // element offsets of this tile's and the next's slots
+  locate(table, bs, p.slot_stride, 0, len, next);
+  for (int64_t start = 0; start < len; start += kTile) {
+    const int n = int(std::min<int64_t>(kTile, len - start));
+    std::copy(next, next + n, rows);
+    // The next tile's blocks lie anywhere in the pool: fetch them while this one computes.
+    const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
+    for (int t = 0; t < n_next; ++t)
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c);
+        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c);
+      }
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
+      attend_tile<kChunks, KV>(p, kbase + kh * D, vbase + kh * D, rows, n, kh * G, s);
+  }
+  float* out = p.out + (b * p.num_heads + kh0 * G) * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / s.sum[h];
+    for (int64_t c = 0; c < nc; ++c)
+      *reinterpret_cast<f32x16*>(out + h * D + 16 * c) = s.acc[h * nc + c] * inv;
+  }
+}
+
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
+
+template <typename KV>
+AttendFn pick(int64_t head_dim) {
+  if (head_dim == 64) return attend<4, KV>;
+  if (head_dim == 128) return attend<8, KV>;
+  return attend<0, KV>;
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode: q must be [B, H, D], rows contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode: q must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "paged_decode: k_cache and v_cache must be contiguous [num_slots, K, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "paged_decode: caches must both be float32 or both bfloat16");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "paged_decode: head_dim differs or H is not a multiple of K");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxChunks,
+              "paged_decode: head_dim must be a multiple of 16, at most ", 16 * kMaxChunks);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
+                  block_tables.size(0) >= q.size(0),
+              "paged_decode: block_tables [>=B, max_blocks] and seq_lens [B] must be int64");
+  TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0, "paged_decode: bad block_size");
+  // Every block read must exist: a bad table is an error here, not a wild read below.
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(lens[b] >= 1 && used <= block_tables.size(1),
+                "paged_decode: seq_lens[", b, "]=", lens[b], " outside 1..",
+                block_tables.size(1) * block_size);
+    const int64_t* row = block_tables.data_ptr<int64_t>() + b * block_tables.stride(0);
+    for (int64_t j = 0; j < used; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "paged_decode: block_tables[", b, "][", j,
+                  "]=", row[j], " outside the cache's ", num_blocks, " blocks");
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, double scale) {
+  check_inputs(q, k_cache, v_cache, block_tables, seq_lens, block_size);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k_cache.size(1);
+  at::Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  const Problem p{k_cache.data_ptr(), v_cache.data_ptr(), K * D,
+                  block_tables.data_ptr<int64_t>(), block_tables.stride(0),
+                  seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>()};
+  const AttendFn attend_kv = k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D) : pick<float>(D);
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  // Whole sequences (all KV heads: contiguous slots) when there are enough to share out;
+  // (sequence, KV head) items when few sequences must still keep every thread busy.
+  const int64_t threads_wanted = at::get_num_threads();
+  const int64_t split = B >= 4 * threads_wanted ? 1 : K;
+  const int64_t kv_per_item = K / split, items = B * split;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch s(kv_per_item * p.group, p.group, D / 16);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
+      const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
+      if (q_bf16)
+        load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
+      else
+        load_q<float>(q, b, h0, heads, float(scale), s);
+      attend_kv(p, b, kh0, kh0 + kv_per_item, s);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int block_size, float scale) -> Tensor",
+        &paged_decode);
+}

@@ -1,0 +1,272 @@
+"""The C++ CPU decode kernel computes what the torch path computes.
+
+Kernel level: random paged caches with scrambled block tables, odd batch sizes, context
+lengths crossing block boundaries, GQA ratios 1/3/4, head dims 64/128, fp32 and bf16, against
+a float64 reference written here. Backend level: a mixed step (decodes + prefill chunks)
+through the torch backend with the kernel and with the gather + SDPA path. Engine level: a
+tiny random model gives the same greedy tokens on either path. Plus the fallback contract:
+a failed build warns once and the torch path runs; mode 'kernel' fails loudly.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from servelm.attention import paged_attention_cpu
+from servelm.attention.torch_backend import TorchAttentionBackend
+from servelm.config import ModelConfig
+from servelm.llm import LLM
+from servelm.protocol import SamplingParams
+from servelm.runner.forward_batch import ForwardBatch
+from servelm.runner.kv_cache import KVCache
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return paged_attention_cpu.load()  # a build failure fails these tests, never skips them
+
+
+def _random_problem(gen, batch, num_heads, num_kv_heads, head_dim, block_size, lens, dtype):
+    """Caches of 2x the blocks needed, each sequence's blocks drawn at random from them."""
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = 2 * sum(blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks) + 2  # padded rows, as ForwardBatch pads them
+    tables = torch.zeros(batch, width, dtype=torch.long)
+    used = 0
+    for b, nb in enumerate(blocks):
+        tables[b, :nb] = order[used:used + nb]
+        used += nb
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """float64, one sequence and one head at a time, slots computed from the picture."""
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        pos = torch.arange(int(lens[b]))
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        for h in range(num_heads):
+            keys = k_cache[slots, h // group].double()  # [C, D]
+            values = v_cache[slots, h // group].double()
+            weights = torch.softmax(keys @ q[b, h].double() * scale, dim=0)
+            out[b, h] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("batch", [1, 5, 17])
+def test_kernel_matches_reference(kernel, dtype, head_dim, num_heads, num_kv_heads, batch):
+    gen = torch.Generator().manual_seed(batch * 1000 + num_heads * 10 + head_dim)
+    block_size = 16
+    edges = [1, 15, 16, 17, 32, 33, 300]  # around block boundaries, and the longest
+    lens = [edges[b] if b < len(edges) else int(torch.randint(1, 301, (1,), generator=gen))
+            for b in range(batch)]
+    if batch == 1:
+        lens = [300]
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, batch, num_heads, num_kv_heads, head_dim, block_size, lens, dtype)
+    scale = head_dim ** -0.5
+    out = kernel(q, k_cache, v_cache, tables, seq_lens, block_size, scale)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    ref = _reference(q, k_cache, v_cache, tables, seq_lens, block_size, scale)
+    # bf16 inputs are exact in fp32: only the fp32 accumulation differs from the reference.
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_block_sizes_and_odd_head_dim(kernel):
+    """Block sizes other than 16 and a head dim with no specialised code path."""
+    gen = torch.Generator().manual_seed(7)
+    for block_size in (1, 4, 32):
+        lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70]
+        q, k_cache, v_cache, tables, seq_lens = _random_problem(
+            gen, len(lens), 6, 2, 80, block_size, lens, torch.float32)
+        out = kernel(q, k_cache, v_cache, tables, seq_lens, block_size, 0.3)
+        ref = _reference(q, k_cache, v_cache, tables, seq_lens, block_size, 0.3)
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_softmax_survives_large_scores(kernel):
+    """Scores in the hundreds: the running max must keep every exp in range."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 40, 200]
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, 3, 4, 2, 64, 16, lens, torch.float32)
+    q, k_cache = q * 30, k_cache * 30
+    out = kernel(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+    ref = _reference(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [3, 13])
+def test_kernel_result_does_not_depend_on_threads(kernel, batch):
+    """1 or 2 threads, whole sequences or (sequence, KV head) items: the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [int(x) for x in torch.randint(1, 200, (batch,), generator=gen)]
+    args = _random_problem(gen, batch, 9, 3, 64, 16, lens, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(*args, 16, 0.125)
+        torch.set_num_threads(2)
+        two = kernel(*args, 16, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, two, atol=0, rtol=0)
+
+
+def test_kernel_rejects_bad_inputs(kernel):
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, 2, 4, 2, 64, 16, [20, 3], torch.float32)
+    tables[0, 1] = k_cache.shape[0] // 16  # one past the last block
+    with pytest.raises(RuntimeError, match="block_tables"):
+        kernel(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        kernel(q, k_cache, v_cache, tables, torch.tensor([0, 3]), 16, 0.125)
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, 2, 4, 2, 72, 16, [20, 3], torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+
+
+def _long(values):
+    return torch.tensor(values, dtype=torch.long)
+
+
+def _mixed_batch(block_size: int) -> ForwardBatch:
+    """3 decodes (contexts 6, 9 and 40: past a block edge), a fresh 5-token prompt, 4 new
+    tokens after a 7-token prefix. Blocks are handed out in a scrambled order."""
+    spans = [(5, 1), (8, 1), (39, 1), (0, 5), (7, 4)]  # (context, new tokens)
+    free = iter(torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist())
+    tables, slots, positions, qsl = [], [], [], [0]
+    for ctx, n in spans:
+        table = [next(free) for _ in range(-(-(ctx + n) // block_size))]
+        tables.append(table)
+        positions += range(ctx, ctx + n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
+        qsl.append(qsl[-1] + n)
+    width = max(map(len, tables))
+    return ForwardBatch(
+        input_ids=_long([0] * qsl[-1]), positions=_long(positions), slot_mapping=_long(slots),
+        block_tables=_long([r + [0] * (width - len(r)) for r in tables]), query_start_loc=qsl,
+        context_lens=[c for c, _ in spans], seq_lens=[c + n for c, n in spans], num_decodes=3,
+        block_size=block_size, logits_indices=_long([0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
+def test_backend_step_matches_torch_path(kernel, monkeypatch, dtype, num_heads, num_kv_heads):
+    config = ModelConfig("llama", 32, 64, 64, 1, num_heads, num_kv_heads, 16, 64)
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    caches, backends = {}, {}
+    for path in ("kernel", "torch"):
+        monkeypatch.setenv(paged_attention_cpu.ENV_VAR, path)
+        caches[path] = KVCache(config, 40, 4, dtype, torch.device("cpu"))
+        backends[path] = TorchAttentionBackend(caches[path], num_heads, 0.25)
+    assert backends["kernel"].decode_kernel is not None
+    assert backends["torch"].decode_kernel is None
+    caches["kernel"].k.copy_(torch.randn(caches["kernel"].k.shape, generator=gen))
+    caches["kernel"].v.copy_(torch.randn(caches["kernel"].v.shape, generator=gen))
+    caches["torch"].k.copy_(caches["kernel"].k)
+    caches["torch"].v.copy_(caches["kernel"].v)
+    batch = _mixed_batch(4)
+    q = torch.randn(batch.num_tokens, num_heads, 16, generator=gen).to(dtype)
+    k = torch.randn(batch.num_tokens, num_kv_heads, 16, generator=gen).to(dtype)
+    v = torch.randn(batch.num_tokens, num_kv_heads, 16, generator=gen).to(dtype)
+    outs = {}
+    for path, backend in backends.items():
+        batch.attn_metadata = backend.build_metadata(batch)
+        outs[path] = backend.forward(0, q, k, v, batch)
+    assert outs["kernel"].dtype == dtype
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(outs["kernel"], outs["torch"], **tol)
+
+
+def _greedy(engine, prompts, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    outs = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("arch,kv_heads,block_size", [("llama", 2, 4), ("llama", 1, 16),
+                                                      ("qwen3", 1, 4)])
+def test_tiny_model_greedy_tokens_match_torch_path(kernel, monkeypatch, tiny_hf, tiny_engine,
+                                                   arch, kv_heads, block_size):
+    hf = tiny_hf(arch, num_key_value_heads=kv_heads)
+    shared = [7, 200, 31, 5, 99, 42, 18]  # a cached prefix ending mid-block
+    prompts = [shared + [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], shared + [11, 12],
+               [250, 1], shared, list(range(40, 80))]
+    results = {}
+    for path in ("kernel", "torch"):
+        monkeypatch.setenv(paged_attention_cpu.ENV_VAR, path)
+        engine = tiny_engine(hf, max_num_batched_tokens=16, block_size=block_size)
+        backend = engine.runner.backend
+        assert (backend.decode_kernel is not None) == (path == "kernel")
+        _greedy(engine, [shared + [1]], 1)  # warm the prefix cache
+        results[path] = _greedy(engine, prompts, 24)
+    for ours, ref in zip(results["kernel"], results["torch"]):
+        assert ours.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in ours.logprobs]),
+                                   torch.tensor([lp.logprob for lp in ref.logprobs]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The loader's once-per-process state, restored after the test."""
+    monkeypatch.setattr(paged_attention_cpu, "_loaded", None)
+    monkeypatch.setattr(paged_attention_cpu, "_error", None)
+    monkeypatch.setattr(paged_attention_cpu, "_warned", False)
+    return monkeypatch
+
+
+def test_failed_build_warns_once_and_keeps_the_torch_path(fresh_loader, caplog):
+    calls = []
+
+    def broken_build():
+        calls.append(1)
+        raise RuntimeError("Error building extension: c++: not found")
+
+    fresh_loader.setattr(paged_attention_cpu, "_build", broken_build)
+    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "auto")
+    config = ModelConfig("llama", 32, 64, 64, 1, 4, 2, 16, 64)
+    with caplog.at_level(logging.WARNING, logger=paged_attention_cpu.__name__):
+        backends = [TorchAttentionBackend(KVCache(config, 8, 4, torch.float32,
+                                                  torch.device("cpu")), 4, 0.25)
+                    for _ in range(3)]
+    assert all(b.decode_kernel is None for b in backends)
+    assert len(calls) == 1  # tried once per process
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
+    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "kernel")
+    with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
+        paged_attention_cpu.decode_kernel_for(torch.empty(1, 4, 2, 16))
+
+
+def test_path_choice(fresh_loader):
+    def pool(dtype=torch.float32, head_dim=64, device="cpu"):
+        return torch.empty(2, 8, 2, head_dim, dtype=dtype, device=device)
+
+    choose = paged_attention_cpu.decode_kernel_for
+    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "torch")
+    assert choose(pool()) is None
+    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "auto")
+    assert choose(pool(torch.float16)) is None
+    assert choose(pool(torch.float8_e4m3fn)) is None
+    assert choose(pool(device="meta")) is None
+    assert choose(pool(head_dim=72)) is None and choose(pool(head_dim=512)) is None
+    assert choose(pool(torch.bfloat16, head_dim=96)) is not None
+    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=paged_attention_cpu.ENV_VAR):
+        choose(pool())
