@@ -346,6 +346,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_serve_parser(bench_sub)
     from servelm.bench.compare import add_parser as add_compare_parser  # `bench compare`
     add_compare_parser(bench_sub)
+    from servelm.bench.spec import add_parser as add_spec_parser  # `bench spec`
+    add_spec_parser(bench_sub)
     return bench
 
 
