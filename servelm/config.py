@@ -112,6 +112,9 @@ class ModelConfig:
         )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: fixed-size blocks; pool size from a memory budget."""
@@ -123,8 +126,14 @@ class CacheConfig:
     # Hard cap on the number of blocks (tests use it to force preemption).
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": blocks in the model's dtype; "fp8": float8_e4m3fn codes with a static scale per
+    # layer and KV head (servelm/runner/kv_cache.py): a block takes 1 byte per element.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -211,6 +220,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
+    kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     # Speculative decoding (servelm/spec/): None = off; "ngram" or "draft".
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
@@ -234,7 +244,8 @@ class EngineArgs:
                            kv_cache_memory_bytes=self.kv_cache_memory,
                            memory_fraction=self.memory_fraction,
                            num_blocks_override=self.num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_cache_dtype=self.kv_cache_dtype)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
@@ -278,6 +289,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--quantization", default=None, choices=quant_method_names(),
                    help="weight-only quantization of the linear layers; 'gguf' keeps a GGUF "
                         "file's Q4_0/Q4_1/Q8_0 blocks as they are (default: float)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: 'auto' = the model's --dtype; 'fp8' = e4m3 codes "
+                        "with a scale per layer and KV head (half the bytes of bf16)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
                    help="propose tokens with an n-gram lookup or a draft model and verify "

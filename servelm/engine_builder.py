@@ -21,7 +21,7 @@ from servelm.loader import iter_weights, load_model_config, load_tokenizer, reso
 from servelm.models import get_model_class
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
-from servelm.runner.kv_cache import KVCache
+from servelm.runner.kv_cache import KVCache, kv_storage_dtype
 from servelm.runner.model_runner import ModelRunner, num_kv_blocks
 
 logger = logging.getLogger(__name__)
@@ -112,18 +112,19 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     cache_config = args.cache_config()
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
     model = build_model(config, weights, dtype, device, args.quantization)
+    kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
     spec_config = args.speculative_config()
     draft = None
     if spec_config is not None and spec_config.method == "draft" \
             and spec_config.draft_layers is None:
         draft = _build_draft_model(args, spec_config, config, dtype, device)
-    num_blocks = num_kv_blocks(config, cache_config, dtype, device)
+    num_blocks = num_kv_blocks(config, cache_config, kv_dtype, device)
     if draft is not None and cache_config.num_blocks_override is None:
         # The draft's KV shares the block tables: every block costs both caches.
-        per_target = KVCache.bytes_per_block(config, cache_config.block_size, dtype)
+        per_target = KVCache.bytes_per_block(config, cache_config.block_size, kv_dtype)
         per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
         num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
-    kv_cache = KVCache(config, num_blocks, cache_config.block_size, dtype, device)
+    kv_cache = KVCache(config, num_blocks, cache_config.block_size, kv_dtype, device)
     backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
@@ -155,7 +156,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     engine.model_config = config
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
-                num_blocks * KVCache.bytes_per_block(config, cache_config.block_size, dtype) / 1e9,
+                num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,
+                                                     kv_dtype) / 1e9,
                 max_model_len)
     return engine
 

@@ -4,6 +4,12 @@ Decodes (one query token each) are batched: their context slots are gathered int
 [B, C, K, D] tensor and masked; GQA needs no repeat, as the G query heads sharing a KV head
 ride in the query-length dimension. Prefill chunks run one sequence at a time: a chunk with no
 earlier context attends its own K/V causally; a later chunk gathers its context from the cache.
+
+An fp8 cache (KVCache.is_fp8) holds e4m3 codes with a scale per KV head. Attention reads the
+codes as they are and folds the scales into q (K's) and into the output (V's): a scale per
+head commutes with both products, so no dequantized copy of the context is made. A fresh
+prompt attends the codes it just stored, not its float K/V, so its output does not depend on
+whether its keys came from this step or from the cache (prefix hits, chunking, preemption).
 """
 
 from __future__ import annotations
@@ -73,25 +79,26 @@ class TorchAttentionBackend:
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        k, v = self.kv_cache.store(layer, batch.slot_mapping, k, v)  # as stored (fp8: codes)
+        scales = self.kv_cache.layer_scales(layer)  # fp8: (k_scale[K], v_scale[K])
         meta: TorchAttentionMetadata = batch.attn_metadata
         nd = batch.num_decodes
         outs = []
         if nd:
-            outs.append(self._decode(q[:nd], k_cache, v_cache, meta))
+            outs.append(self._decode(q[:nd], k_cache, v_cache, meta, *scales))
         qsl = batch.query_start_loc
         for j, i in enumerate(range(nd, batch.num_seqs)):
             s, e = qsl[i], qsl[i + 1]
             slots = meta.prefill_slots[j]
             if slots is None:
-                outs.append(self._prefill(q[s:e], k[s:e], v[s:e], None))
+                outs.append(self._prefill(q[s:e], k[s:e], v[s:e], None, *scales))
             else:
                 outs.append(self._prefill(q[s:e], _gather(k_cache, slots), _gather(v_cache, slots),
-                                          meta.prefill_masks[j]))
+                                          meta.prefill_masks[j], *scales))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale=None,
+                v_scale=None) -> torch.Tensor:
         if meta.decode_seq_lens is not None:  # never for fp8: the kernel takes fp32/bf16
             return self.decode_kernel(q, k_cache, v_cache, meta.decode_tables,
                                       meta.decode_seq_lens, self.kv_cache.block_size,
@@ -101,15 +108,25 @@ class TorchAttentionBackend:
         keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [Bd, K, C, D]
         values = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         q = q.view(bd, kh, h // kh, d)  # the G heads of a group share one KV head
+        if k_scale is not None:
+            q = q * k_scale.view(kh, 1, 1).to(q.dtype)
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=meta.decode_mask, scale=self.scale)
+        if v_scale is not None:
+            out = out * v_scale.view(kh, 1, 1).to(out.dtype)
         return out.reshape(bd, h, d)
 
-    def _prefill(self, q, k, v, mask) -> torch.Tensor:
+    def _prefill(self, q, k, v, mask, k_scale=None, v_scale=None) -> torch.Tensor:
         # q: [Q, H, D]; k, v: [C, K, D]
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        if k_scale is not None:  # per query head: the scale of the KV head it reads
+            group = q.shape[1] // k.shape[1]
+            qt = qt * k_scale.repeat_interleave(group).view(-1, 1, 1).to(q.dtype)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None,
                                              scale=self.scale, enable_gqa=True)
+        if v_scale is not None:
+            group = q.shape[1] // k.shape[1]
+            out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
         return out.transpose(0, 1)
 
 

@@ -88,7 +88,8 @@ class TritonAttentionBackend:
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_scale, v_scale = self.kv_cache.layer_scales(layer)  # fp8 cache: [K] each, else None
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
         meta: TritonAttentionMetadata = batch.attn_metadata
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -96,9 +97,10 @@ class TritonAttentionBackend:
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                              meta.decode_seq_lens, bs, self.scale, meta.num_kv_splits,
-                             out=out[:nd])
+                             out=out[:nd], k_scale=k_scale, v_scale=v_scale)
         if meta.prefill_seq_lens is not None:
             prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                               meta.prefill_query_start_loc, meta.prefill_seq_lens,
-                              meta.max_prefill_query_len, bs, self.scale, out=out[nd:])
+                              meta.max_prefill_query_len, bs, self.scale, out=out[nd:],
+                              k_scale=k_scale, v_scale=v_scale)
         return out

@@ -13,6 +13,10 @@ the end of a short sequence is empty (lse = -inf) and weighs nothing in stage 2.
 fixed for a CUDA graph while sequence lengths change. A sequence of length 0 (a graph's padding
 row) gets an all-zero output.
 
+An fp8 cache (codes times a scale per KV head) is read as it is: a program serves one KV
+head, so K's scale multiplies the scores and V's the partial output, both scalars, and no
+dequantized tile is formed.
+
 Owns the two kernels, the split heuristic and the torch reference. Never writes the cache.
 """
 
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from servelm.kernels.dot_dtype import dot_dtype
+from servelm.kernels.store_kv import check_kv_scales, dequantize_kv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -41,15 +46,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 @triton.jit
 def _decode_partial_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        partial_out_ptr, partial_lse_ptr, scale_log2,
+        partial_out_ptr, partial_lse_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
         stride_qb, stride_qh, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:  # fp8 codes: fold the head's scales into the scores and the output
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        qk_scale = scale_log2
+        v_scale = 1.0
     rows = tl.arange(0, BLOCK_H)  # the G query heads of this KV head, padded to BLOCK_H
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + rows
@@ -81,7 +93,7 @@ def _decode_partial_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -91,7 +103,7 @@ def _decode_partial_kernel(
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_ok)
-    tl.store(out_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(out_ptrs, acc * (v_scale / l_i)[:, None], mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -123,9 +135,11 @@ def _decode_reduce_kernel(
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                      scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     block_n: int = 64) -> torch.Tensor:
+                     block_n: int = 64, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_slots, K, D]; block_tables: [B, max_blocks];
-    seq_lens: [B] (keys to read, the new token's included) -> out: [B, H, D]."""
+    seq_lens: [B] (keys to read, the new token's included) -> out: [B, H, D].
+    k_scale, v_scale: [K] float32 for an fp8 cache (float caches take none)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if out is None:
@@ -140,14 +154,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     dot_t, precision = dot_dtype(q.dtype)
+    is_fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, scale * LOG2E,
+        k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=dot_t, DOT_PRECISION=precision)
+        DOT_DTYPE=dot_t, DOT_PRECISION=precision, KV_FP8=is_fp8)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -159,8 +175,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                         scale: float) -> torch.Tensor:
-    """Torch reference, one sequence at a time in float32; a length-0 sequence gives zeros."""
+                         scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference, one sequence at a time in float32; a length-0 sequence gives zeros.
+    An fp8 cache is dequantized first (codes * scale[head])."""
+    k_cache, v_cache = dequantize_kv(k_cache, v_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     out = torch.zeros((num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)

@@ -1,6 +1,21 @@
 """KV cache tensors: one K and one V pool per layer, indexed by slot.
 
     k[layer]: [num_blocks * block_size, K, D]    slot = block * block_size + offset
+
+fp8 (`--kv-cache-dtype fp8`): k and v hold float8_e4m3fn codes, one byte per element, and
+each layer has a scale per KV head for K and one for V:
+
+    K[slot, h, :] ~= k[layer][slot, h, :] * k_scale[layer, h]      (likewise V, v_scale)
+
+The scales are static, 1.0 unless set (`set_scales`), as vLLM's default for checkpoints that
+carry none: e4m3's relative precision (2^-4) is the same everywhere in its normal range
+[2^-6, 448], so a scale only matters for values that would leave that range, and K/V of the
+models served here stay well inside it (docs/quantization.md). A static scale also keeps a
+request's output independent of which requests came before it, which a scale calibrated on
+the first traffic would not.
+
+Owns the pool tensors, the scales, and how a token's K/V is written (`store`). Never:
+decides which slots a sequence gets, or computes attention.
 """
 
 from __future__ import annotations
@@ -8,20 +23,77 @@ from __future__ import annotations
 import torch
 
 from servelm.config import ModelConfig
+from servelm.quant.fp8 import FP8_DTYPE, quantize_fp8
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype KV blocks are stored in: the model's ('auto') or float8_e4m3fn ('fp8')."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
+        """dtype: the storage dtype (the model's, or float8_e4m3fn for an fp8 cache)."""
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.is_fp8 = dtype == FP8_DTYPE
+        self.k_scale = self.v_scale = None  # [num_layers, K] float32 when fp8
+        if self.is_fp8:
+            scale_shape = (config.num_layers, config.num_kv_heads)
+            self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
+    def layer_scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale[K], v_scale[K]) of layer i for an fp8 cache; (None, None) otherwise."""
+        if not self.is_fp8:
+            return None, None
+        return self.k_scale[i], self.v_scale[i]
+
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Replace the fp8 scales ([num_layers, K], or anything that broadcasts to it), in
+        place so a captured CUDA graph sees them. Only before any K/V is written: codes
+        already stored were quantized with the old scales."""
+        if not self.is_fp8:
+            raise ValueError("kv_cache_dtype is not 'fp8': this cache has no scales to set")
+        for name, new, old in (("k_scale", k_scale, self.k_scale),
+                               ("v_scale", v_scale, self.v_scale)):
+            new = torch.as_tensor(new, dtype=torch.float32, device=old.device)
+            if not bool(torch.isfinite(new).all()) or not bool((new > 0).all()):
+                raise ValueError(f"{name} must be finite and positive")
+            old.copy_(new.expand_as(old))
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [T, K, D] into `slots` [T] of `layer`; return them as the cache now
+        holds them (fp8 codes for an fp8 cache, else k and v in the cache's dtype), so a
+        prefill that attends its own fresh tokens sees what a later step will read back."""
+        k_cache, v_cache = self.layer(layer)
+        if not self.is_fp8:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            k_cache.index_copy_(0, slots, k)
+            v_cache.index_copy_(0, slots, v)
+            return k, v
+        k_scale, v_scale = self.layer_scales(layer)
+        kq = quantize_fp8(k, k_scale[:, None])
+        vq = quantize_fp8(v, v_scale[:, None])
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+        k_cache.view(torch.uint8).index_copy_(0, slots, kq.view(torch.uint8))
+        v_cache.view(torch.uint8).index_copy_(0, slots, vq.view(torch.uint8))
+        return kq, vq
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V (the fp8 scales, 8 bytes per layer
+        and KV head for the whole pool, are not counted)."""
         return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size

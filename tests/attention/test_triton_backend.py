@@ -102,3 +102,35 @@ def test_tiny_model_greedy_tokens_match_torch_backend(arch, kv_heads, tiny_hf, t
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in ours.logprobs]),
                                    torch.tensor([lp.logprob for lp in ref.logprobs]),
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1)])
+def test_fp8_cache_backend_matches_torch_backend_on_a_mixed_step(num_heads, num_kv_heads):
+    """fp8 cache, a scale per KV head: both backends store the same codes (bit for bit) and
+    compute the same attention over them (scales folded into scores and output in both)."""
+    config = ModelConfig("llama", 32, 64, 64, 1, num_heads, num_kv_heads, 16, 64)
+    gen = torch.Generator().manual_seed(num_heads * 7 + num_kv_heads)
+    caches = {name: KVCache(config, 16, 4, torch.float8_e4m3fn, DEVICE)
+              for name in ("torch", "triton")}
+    k_scale = torch.rand(1, num_kv_heads, generator=gen) + 0.5
+    v_scale = torch.rand(1, num_kv_heads, generator=gen) + 0.5
+    initial = torch.randn(caches["torch"].k.shape, generator=gen) * 2
+    for cache in caches.values():
+        cache.set_scales(k_scale, v_scale)
+        cache.k.copy_(initial.to(torch.float8_e4m3fn))
+        cache.v.copy_((-initial).to(torch.float8_e4m3fn))
+    batch = _mixed_batch(4)
+    q = torch.randn(batch.num_tokens, num_heads, 16, generator=gen).to(DEVICE)
+    k = (torch.randn(batch.num_tokens, num_kv_heads, 16, generator=gen) * 3).to(DEVICE)
+    v = torch.randn(batch.num_tokens, num_kv_heads, 16, generator=gen).to(DEVICE)
+    outs = {}
+    for name, cache in caches.items():
+        backend = get_backend_class(name)(cache, num_heads, 0.25)
+        batch.attn_metadata = backend.build_metadata(batch)
+        outs[name] = backend.forward(0, q, k, v, batch)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-5, rtol=1e-5)
+    for a, b in ((caches["triton"].k, caches["torch"].k), (caches["triton"].v, caches["torch"].v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # and the codes are the quantized new K: dequantized, within e4m3's 2^-4 of k
+    stored = caches["torch"].k[0][batch.slot_mapping].float() * k_scale[0, :, None].to(DEVICE)
+    assert ((stored - k).abs() <= k.abs() * 2**-4 + 2**-9 * k_scale.max()).all()
