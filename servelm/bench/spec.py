@@ -162,7 +162,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     for ax, task in zip(axes[0], tasks):
         series: dict[str, list] = {}
         for r in runs:
-            if r["task"] == task and r["method"] != "off":
+            if r["task"] == task and r["method"] != "off" and (task, r["batch"]) in off:
                 series.setdefault(f"{r['method']} ({r['mode']})", []).append(
                     (r["batch"], r["output_tok_s"] / off[(task, r["batch"])]))
         for label, pts in sorted(series.items()):
