@@ -12,6 +12,12 @@ activations, so by default x is cast to bf16 and (scale, zero) are stored in bf1
 {32, 64, 128, 256}, in_features divisible by it and out_features by 16: other shapes are
 zero-padded (SmolLM2's 576 columns with group 128 become 640; padded columns meet zero-padded
 activations, so they add nothing).
+
+CUDA path (`kernel="triton"`, chosen when the codes are on a CUDA device): the Triton w4a16
+GEMM (servelm/kernels/w4a16_gemm.py) with the codes packed eight to an int32 along K
+(`pack_int4_along_k`) and scale / zero stored [G, N]; activations stay in their own dtype
+(bf16/fp16 on a GPU), no padding is needed. Layers built from CPU codes (GGUF blocks, saved
+checkpoints) keep the CPU layout even on a GPU, where they dequantize per call.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from servelm.quant.quantized_linear import QuantizedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)
+KERNELS = ("cpu", "triton")
 _N_ALIGN = 16
 
 
@@ -48,20 +55,54 @@ def quantize_int4_groups(weight: torch.Tensor, group_size: int,
     return q.contiguous(), scale, zero
 
 
+def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
+    """q[N, K] codes 0..15 -> [ceil(K / 8), N] int32, eight codes a word along K: nibble j of
+    word [i, n] is q[n, 8 i + j] (the Triton w4a16 kernel's layout). Columns past K are 8."""
+    n, k = q.shape
+    words = -(-k // 8)
+    codes = F.pad(q.to(torch.int64), (0, words * 8 - k), value=8).view(n, words, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    packed = (codes << shifts).sum(-1)  # [N, words] in 0 .. 2^32 - 1
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as int32 bits
+    return packed.to(torch.int32).t().contiguous()
+
+
+def unpack_int4_along_k(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of pack_int4_along_k: [ceil(K / 8), N] int32 -> q[N, K] uint8."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    codes = (packed.t()[:, :, None] >> shifts) & 0xF  # [N, words, 8]
+    return codes.reshape(packed.shape[1], -1)[:, :k].to(torch.uint8)
+
+
 class Int4Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype = torch.bfloat16):
-        """q[out, in] codes 0..15; scale, zero [out, ceil(in / group_size)]."""
+                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
+        """q[out, in] codes 0..15; scale, zero [out, ceil(in / group_size)].
+
+        kernel: "cpu" (aten's packed int4 op) or "triton" (servelm/kernels/w4a16_gemm.py, the
+        CUDA path); None picks by where q is: "triton" on a CUDA device, else "cpu". The
+        two keep the codes in different layouts, so the choice is made once, here.
+        """
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+        kernel = kernel or ("triton" if q.device.type == "cuda" else "cpu")
+        if kernel not in KERNELS:
+            raise ValueError(f"int4 kernel must be one of {KERNELS}, got {kernel!r}")
         out_features, in_features = q.shape
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.group_size = group_size
+        self.kernel = kernel
         num_groups = -(-in_features // group_size)
         if scale.shape != (out_features, num_groups) or zero.shape != scale.shape:
             raise ValueError(f"int4 scale/zero must be [{out_features}, {num_groups}], got "
                              f"{tuple(scale.shape)} and {tuple(zero.shape)}")
+        if kernel == "triton":
+            # [ceil(K/8), N] int32 codes and [G, N] scale / zero: N contiguous for the kernel.
+            self.register_buffer("qweight", pack_int4_along_k(q))
+            self.register_buffer("scale_t", scale.t().contiguous().to(compute_dtype))
+            self.register_buffer("zero_t", zero.t().contiguous().to(compute_dtype))
+            return
         self.k_padded = num_groups * group_size
         self.n_padded = -(-out_features // _N_ALIGN) * _N_ALIGN
         dn, dk = self.n_padded - out_features, self.k_padded - in_features
@@ -83,7 +124,12 @@ class Int4Linear(QuantizedLinear):
         return cls(q, scale, zero, group_size, bias, compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if self.kernel == "triton":
+            from servelm.kernels.w4a16_gemm import w4a16_gemm  # imports triton
+
+            return w4a16_gemm(x, self.qweight, self.scale_t, self.zero_t, self.group_size,
+                              self.bias)
+        if x.device.type != "cpu":  # CPU-layout codes moved to a GPU: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
         xc = x.to(self.compute_dtype)
         if self.k_padded != self.in_features:
@@ -95,6 +141,12 @@ class Int4Linear(QuantizedLinear):
         return self._add_bias(y.to(x.dtype))
 
     def dequantize(self) -> torch.Tensor:
+        if self.kernel == "triton":
+            k, g = self.in_features, self.group_size
+            q = unpack_int4_along_k(self.qweight, k).float()
+            scale = self.scale_t.float().t().repeat_interleave(g, dim=1)[:, :k]
+            zero = self.zero_t.float().t().repeat_interleave(g, dim=1)[:, :k]
+            return ((q - 8) * scale + zero).cpu()
         # The packed layout is the kernel's business: read the weight back through it in
         # float32, with an identity as x (exact: one product and one sum per entry).
         eye = torch.eye(self.k_padded)
@@ -104,8 +156,9 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def num_weight_bytes(self) -> int:
-        return (self.packed.numel() * self.packed.element_size()
-                + self.scale_zero.numel() * self.scale_zero.element_size())
+        parts = ((self.qweight, self.scale_t, self.zero_t) if self.kernel == "triton"
+                 else (self.packed, self.scale_zero))
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
+        return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"
