@@ -287,8 +287,9 @@ def add_engine_cli_args(parser) -> None:
                    help="seed of the stream unseeded requests sample from")
     g.add_argument("--threads", dest="num_threads", type=int, default=None)
     g.add_argument("--quantization", default=None, choices=quant_method_names(),
-                   help="weight-only quantization of the linear layers; 'gguf' keeps a GGUF "
-                        "file's Q4_0/Q4_1/Q8_0 blocks as they are (default: float)")
+                   help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
+                        "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'fp8' is W8A8 "
+                        "on CUDA sm89+ GPUs (default: float)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: 'auto' = the model's --dtype; 'fp8' = e4m3 codes "
                         "with a scale per layer and KV head (half the bytes of bf16)")

@@ -40,6 +40,7 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
         from servelm.quant import get_quant_method
 
         quant = get_quant_method(quantization)
+        quant.check_device(device)  # e.g. fp8 needs sm89+: refuse before loading anything
     # Only quantized builds pass `quant`: a family without the hook still loads in float.
     extra = {} if quant is None else {"quant": quant}
     with torch.device("meta"):

@@ -34,6 +34,10 @@ class QuantMethod:
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return self.build(self.quantize(weight), bias)
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise InvalidParameterError (param 'quantization') if the method cannot run on
+        `device`; every weight-only method runs anywhere."""
+
     def from_blocks(self, blocks: GGUFBlocks | QuantizedWeight, bias: torch.Tensor | None,
                     dtype: torch.dtype = torch.float32) -> nn.Module:
         """RTN methods given GGUF blocks quantize their float values (a round trip); a
