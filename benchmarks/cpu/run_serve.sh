@@ -149,6 +149,11 @@ FAILED=()
 files=()  # in the order of SYSTEMS, which is the order of the comparison
 t_start=$SECONDS
 echo "[record] $TS: systems $SYSTEMS; rates $RATES x $NUM_PROMPTS requests; results in $OUT" >&2
+# One busy neighbour on these 2 cores changes the numbers several-fold: say so up front.
+if awk '{exit !($1 > 1.0)}' /proc/loadavg; then
+  echo "[record] WARNING: load average $(cut -d' ' -f1-3 /proc/loadavg) before the first" \
+       "server: the machine is not quiet, the numbers will not be a record" >&2
+fi
 for system in $SYSTEMS; do
   run_system "$system" || { FAILED+=("$system"); echo "[record] $system FAILED" >&2; }
   stop_server

@@ -225,8 +225,10 @@ def plot_compare(comparison: dict[str, Any], path: Path, title: str) -> Path | N
                             p[f"{name}_p50_ms"] or 0), textcoords="offset points",
                             xytext=(3, -9), fontsize=6, color=color)
         rates = [p["request_rate"] for p in points]
+        # Goodputs often coincide (1.0 at light load): later systems draw thinner lines and
+        # smaller markers on top, so every system stays visible.
         axes[2].plot(rates, [p["goodput"] for p in points], "o-", color=color,
-                     label=e["system"])
+                     label=e["system"], lw=max(3.5 - 1.0 * i, 1.0), ms=max(10 - 2.5 * i, 4))
         best = e["sweep"]["max_rate_meeting_target"]
         if best is not None:
             axes[2].axvline(best, color=color, lw=1, ls="--", alpha=0.6)
