@@ -16,8 +16,9 @@ activations, so they add nothing).
 CUDA path (`kernel="triton"`, chosen when the codes are on a CUDA device): the Triton w4a16
 GEMM (servelm/kernels/w4a16_gemm.py) with the codes packed eight to an int32 along K
 (`pack_int4_along_k`) and scale / zero stored [G, N]; activations stay in their own dtype
-(bf16/fp16 on a GPU), no padding is needed. Layers built from CPU codes (GGUF blocks, saved
-checkpoints) keep the CPU layout even on a GPU, where they dequantize per call.
+(bf16/fp16 on a GPU), no padding is needed. StagedLinear moves GGUF blocks and saved codes to
+the model's device before building, so those layers take this path too; a CPU-built layer
+moved to a GPU afterwards keeps the CPU layout and dequantizes per call (correct, slow).
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ class StagedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.data
         blocks = self._whole_blocks()
         if blocks is not None:
+            # Decode where the layer will run: a layer's kernel (and its codes' layout) is
+            # chosen by the device its codes are on (Int4Linear: Triton on CUDA).
+            blocks = _to_device(blocks, self.weight.device)
             return self.quant.from_blocks(blocks, bias, dtype=self.weight.dtype)
         for row, b in self._blocks.items():  # mixed types or partial: go through float
             self.weight.data[row:row + b.shape[0]].copy_(b.dequantize())
@@ -77,6 +80,14 @@ class StagedLinear(nn.Module):
         if isinstance(parts[0], QuantizedWeight):
             return cat_quantized_rows(parts)
         return cat_rows(parts)
+
+
+def _to_device(blocks: GGUFBlocks | QuantizedWeight, device: torch.device
+               ) -> GGUFBlocks | QuantizedWeight:
+    if isinstance(blocks, GGUFBlocks):
+        return blocks._replace(data=blocks.data.to(device))
+    zero = None if blocks.zero is None else blocks.zero.to(device)
+    return blocks._replace(q=blocks.q.to(device), scale=blocks.scale.to(device), zero=zero)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant, is_lm_head: bool):

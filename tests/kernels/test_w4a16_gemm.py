@@ -120,3 +120,41 @@ def test_int4_linear_picks_its_kernel_by_device():
         layer = Int4Linear(weight.q.cuda(), weight.scale.cuda(), weight.zero.cuda(), 32,
                            bias.cuda())
         assert layer.kernel == "triton"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int4_model_on_gpu_runs_the_triton_kernel(tiny_hf, tiny_engine):
+    """--quantization int4-g32 --device cuda: every Int4Linear is built on the GPU and takes
+    the Triton path; greedy tokens match the CPU int4 model's (same codes, bf16 activations
+    on both sides) on their first steps."""
+    from servelm.llm import LLM
+    from servelm.protocol import SamplingParams
+
+    hf = tiny_hf("llama")
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 99, 3, 250, 11, 42], [1, 2, 3, 4], [300, 200, 100, 50, 25]]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        engine = tiny_engine(hf, device=device, dtype="bfloat16", quantization="int4-g32",
+                             attention_backend="triton" if device == "cuda" else "torch")
+        outs[device] = [o.outputs[0].token_ids
+                        for o in LLM(engine=engine).generate(prompts, greedy, use_tqdm=False)]
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.kernel == "triton" for m in layers)
+    assert sum(a[0] == b[0] for a, b in zip(outs["cpu"], outs["cuda"])) >= 2, outs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gguf_blocks_decode_on_the_gpu(default_model_path):
+    """--quantization gguf --device cuda: the Q4_1 blocks are decoded on the GPU, so the
+    layers get the Triton layout, and the model still answers."""
+    from servelm.llm import LLM
+    from servelm.protocol import SamplingParams
+
+    llm = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16", quantization="gguf",
+              attention_backend="triton", kv_cache_memory=64 * 2**20, max_model_len=1024)
+    layer = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer, Int4Linear) and layer.kernel == "triton"
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
