@@ -19,7 +19,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Sub-packages that register their own sub-commands.
 _SUBCOMMAND_MODULES = ["servelm.loader.cli", "servelm.bench.cli", "servelm.planner.cli",
-                       "servelm.server.cli", "servelm.quant.cli"]
+                       "servelm.server.cli", "servelm.quant.cli", "servelm.evals.cli"]
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

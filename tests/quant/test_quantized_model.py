@@ -1,12 +1,8 @@
 """Quantized models end to end: a tiny random model under int8/int4 against its float self,
-the default model served with its GGUF blocks kept quantized, and perplexity of the default
-model per method on a fixed English text (tests/quant/data/ppl_text.txt, written for this)."""
-
-import math
-from pathlib import Path
+and the default model served with its GGUF blocks kept quantized. Perplexity per method on
+the held-out text: tests/evals/test_perplexity.py."""
 
 import pytest
-import torch
 
 from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from servelm.engine.sequence import Sequence
@@ -16,7 +12,6 @@ from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
 from servelm.quant.int8_linear import Int8Linear
 
-TEXT = (Path(__file__).parent / "data" / "ppl_text.txt").read_text()
 PROMPTS = [[5, 17, 99, 3, 250, 11, 42], [1, 2, 3, 4], [300, 200, 100, 50, 25], [7] * 6]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -80,34 +75,6 @@ def test_default_model_gguf_answers_paris(gguf_llm):
                         SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason.value == "stop"
-
-
-def _nll(llm) -> float:
-    ids = llm.engine.tokenizer.encode(TEXT)
-    logits = _score(llm.engine, ids)
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    return -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-
-
-# Bounds on perplexity relative to the float (dequantized Q4_1) model, on this text. Measured
-# (docs/quantization.md): float 25.32, gguf 25.31, int8 25.46, int4-g32 25.39. gguf serves
-# the same Q4_1 values (only bf16 activations and the int8 head differ); int8 and int4-g32
-# requantize them.
-PPL_BOUNDS = {"gguf": 0.01, "int8": 0.02, "int4-g32": 0.02}
-
-
-def test_perplexity_per_method(default_model_path, gguf_llm):
-    base = LLM("smollm2-135m-instruct", kv_cache_memory=64 * 2**20, max_model_len=1024)
-    assert len(base.engine.tokenizer.encode(TEXT)) >= 250
-    ppl = {"float": math.exp(_nll(base)), "gguf": math.exp(_nll(gguf_llm))}
-    for method in ("int8", "int4-g32"):
-        llm = LLM("smollm2-135m-instruct", kv_cache_memory=64 * 2**20, max_model_len=1024,
-                  quantization=method)
-        ppl[method] = math.exp(_nll(llm))
-    print("perplexity:", {k: round(v, 3) for k, v in ppl.items()})
-    assert 3 < ppl["float"] < 40, ppl  # the model reads this English text reasonably
-    for method, bound in PPL_BOUNDS.items():
-        assert abs(ppl[method] / ppl["float"] - 1) <= bound, (method, ppl)
 
 
 def test_gguf_quantization_needs_a_gguf_file():
