@@ -112,7 +112,7 @@ def test_int4_linear_triton_path_matches_cpu_path(shape):
 
 
 def test_int4_linear_picks_its_kernel_by_device():
-    x, weight, bias = _case(1, 32, 64, 32, torch.float32, seed=3)
+    _, weight, bias = _case(1, 32, 64, 32, torch.float32, seed=3)
     assert Int4Linear(weight.q, weight.scale, weight.zero, 32, bias).kernel == "cpu"
     with pytest.raises(ValueError, match="kernel"):
         Int4Linear(weight.q, weight.scale, weight.zero, 32, bias, kernel="cutlass")
