@@ -16,7 +16,7 @@
 // D must be a multiple of 16. Caches hold float32 or bfloat16; q either; the output is fp32.
 // Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
 //
-// Keep this file small: it is compiled on first use (servelm/attention/paged_attention_cpu.py).
+// Keep this file small: it is compiled on first use (servelm/cpu_kernels/__init__.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,51 +28,13 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-using bf16 = uint16_t;  // raw bfloat16 bits: the upper half of a float32
+using namespace servelm_cpu;
 constexpr int kTile = 16;
 constexpr int kMaxChunks = 16;  // D <= 256
-
-// 16 lanes; aligned(4)/(2): loads and stores may be unaligned; may_alias: rows are floats.
-typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
-
-inline f32x16 splat(float x) { return f32x16{} + x; }
-inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
-inline f32x16 load16(const bf16* p) {
-  const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16);
-  return (f32x16)(wide << 16);
-}
-inline f32x16 load16(const at::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
-
-inline float lane_sum(f32x16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-inline float lane_max(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// exp(x) for x <= 0 (a score minus its running max): Cephes' expf polynomial, 16 at a time.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const f32x16 y = p * r * r + r + 1.0f;
-  const i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return y * (f32x16)two_n;
-}
 
 // out[t] = the sum of x[t]'s 16 lanes, t = 0..15: four levels that each halve the vectors
 // and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order.
@@ -164,12 +126,12 @@ void attend_tile(const Problem& p, const KV* kbase, const KV* vbase, const int64
     f32x16 acc[kMaxChunks];
     for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
     if (mx > max) {  // rescale what came before to the new max
-      const float alpha = exp_nonpositive(splat(max - mx))[0];
+      const float alpha = exp16(splat(max - mx))[0];
       for (int64_t c = 0; c < nc; ++c) acc[c] *= alpha;
       sum *= alpha;
       max = mx;
     }
-    f32x16 e = exp_nonpositive(scores - mx);
+    f32x16 e = exp16(scores - mx);
     e = lane < float(n) ? e : splat(0.0f);
     sum += lane_sum(e);
     for (int t = 0; t < n; ++t) {
@@ -300,7 +262,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-TORCH_LIBRARY(servelm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int block_size, float scale) -> Tensor",
         &paged_decode);

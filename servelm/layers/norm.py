@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from servelm.layers.fused_cpu import fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -14,6 +16,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        ops = fused_ops(x)
+        if ops is not None and x.is_contiguous():  # one pass instead of ~8 ops
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous() and residual.dtype == x.dtype:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

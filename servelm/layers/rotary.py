@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from servelm.layers.fused_cpu import fused_ops
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -65,7 +67,14 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = self._table(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [T]; q: [T, H, D]; k: [T, K, D] -> rotated (q, k)."""
+        """positions: [T]; q: [T, H, D]; k: [T, K, D] -> rotated (q, k).
+
+        On the CPU in float32, q and k are rotated in place (they are fresh projections)."""
+        ops = fused_ops(q)
+        if (ops is not None and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
+                and positions.dtype == torch.long and positions.is_contiguous()):
+            ops.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

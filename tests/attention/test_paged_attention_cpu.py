@@ -4,15 +4,13 @@ Kernel level: random paged caches with scrambled block tables, odd batch sizes, 
 lengths crossing block boundaries, GQA ratios 1/3/4, head dims 64/128, fp32 and bf16, against
 a float64 reference written here. Backend level: a mixed step (decodes + prefill chunks)
 through the torch backend with the kernel and with the gather + SDPA path. Engine level: a
-tiny random model gives the same greedy tokens on either path. Plus the fallback contract:
-a failed build warns once and the torch path runs; mode 'kernel' fails loudly.
+tiny random model gives the same greedy tokens on either path. Plus which path is chosen.
 """
-
-import logging
 
 import pytest
 import torch
 
+from servelm import cpu_kernels
 from servelm.attention import paged_attention_cpu
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
@@ -24,7 +22,7 @@ from servelm.runner.kv_cache import KVCache
 
 @pytest.fixture(scope="module")
 def kernel():
-    return paged_attention_cpu.load()  # a build failure fails these tests, never skips them
+    return cpu_kernels.load().paged_decode  # a failed build fails these tests, never skips
 
 
 def _random_problem(gen, batch, num_heads, num_kv_heads, head_dim, block_size, lens, dtype):
@@ -225,33 +223,10 @@ def test_tiny_model_greedy_tokens_match_torch_path(kernel, monkeypatch, tiny_hf,
 @pytest.fixture
 def fresh_loader(monkeypatch):
     """The loader's once-per-process state, restored after the test."""
-    monkeypatch.setattr(paged_attention_cpu, "_loaded", None)
-    monkeypatch.setattr(paged_attention_cpu, "_error", None)
-    monkeypatch.setattr(paged_attention_cpu, "_warned", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(cpu_kernels, "_warned", False)
     return monkeypatch
-
-
-def test_failed_build_warns_once_and_keeps_the_torch_path(fresh_loader, caplog):
-    calls = []
-
-    def broken_build():
-        calls.append(1)
-        raise RuntimeError("Error building extension: c++: not found")
-
-    fresh_loader.setattr(paged_attention_cpu, "_build", broken_build)
-    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "auto")
-    config = ModelConfig("llama", 32, 64, 64, 1, 4, 2, 16, 64)
-    with caplog.at_level(logging.WARNING, logger=paged_attention_cpu.__name__):
-        backends = [TorchAttentionBackend(KVCache(config, 8, 4, torch.float32,
-                                                  torch.device("cpu")), 4, 0.25)
-                    for _ in range(3)]
-    assert all(b.decode_kernel is None for b in backends)
-    assert len(calls) == 1  # tried once per process
-    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
-    assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
-    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "kernel")
-    with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
-        paged_attention_cpu.decode_kernel_for(torch.empty(1, 4, 2, 16))
 
 
 def test_path_choice(fresh_loader):

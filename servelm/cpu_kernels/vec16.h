@@ -1,0 +1,57 @@
+// 16-lane float vectors for servelm's CPU kernels: GCC vector extensions, which -march=native
+// turns into AVX-512 (or splits into AVX2/SSE halves on narrower machines).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace servelm_cpu {
+
+using bf16 = uint16_t;  // raw bfloat16 bits: the upper half of a float32
+
+// aligned(4)/(2): loads and stores may be unaligned; may_alias: they read float/bf16 rows.
+typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+inline f32x16 load16(const bf16* p) {
+  const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16);
+  return (f32x16)(wide << 16);
+}
+inline f32x16 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
+inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+
+inline float lane_sum(f32x16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+inline float lane_max(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x), x clamped to [-87, 88] (results within float's normal range): Cephes' expf
+// polynomial, branch-free, about 1 ulp. libm's expf would be one call per element.
+inline f32x16 exp16(f32x16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f32x16 y = p * r * r + r + 1.0f;
+  const i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return y * (f32x16)two_n;
+}
+
+}  // namespace servelm_cpu
