@@ -10,9 +10,11 @@
 // A work item is a sequence, or one (sequence, KV head) when there are few sequences; the G
 // query heads of a KV head share every K/V row loaded.
 // Items are spread over torch's intra-op threads (OpenMP, dynamic: contexts differ in
-// length). The context is walked in tiles of 16 positions (any block size): 16 scores per
-// head come out of one transpose-and-add tree, softmax is online per tile (running max and
-// sum in fp32), and the head's accumulator stays in registers while the tile's V rows stream.
+// length). The context is walked in tiles of 16 positions (any block size), the next tile
+// prefetched into L2 and each tile's K rows read in address order (all the item's KV heads
+// of a slot at once). 16 scores per head come out of one transpose-and-add tree, softmax is
+// online per tile (running max and sum in fp32), and a head's accumulator stays in
+// registers while the tile's V rows stream.
 // D must be a multiple of 16. Caches hold float32 or bfloat16; q either; the output is fp32.
 // Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
 //
@@ -73,8 +75,8 @@ struct Problem {
 struct Scratch {
   std::vector<f32x16> q, acc, dots;
   std::vector<float> max, sum;
-  Scratch(int64_t heads, int64_t group, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), dots(group * kTile), max(heads), sum(heads) {}
+  Scratch(int64_t heads, int64_t chunks)
+      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), max(heads), sum(heads) {}
 };
 
 template <typename Q>
@@ -97,30 +99,40 @@ inline int locate(const int64_t* table, int64_t bs, int64_t slot_stride, int64_t
   return n;
 }
 
-// One tile of n <= 16 rows for the G query heads of one KV head: kbase/vbase point at that
-// head's part of slot 0; h is the item's index of the group's first head.
+// dots[h][t] for the item's heads h over one tile of n <= 16 rows: lane-wise q * k products,
+// summed over the chunks. The rows' KV heads are read in address order (whole slots).
 template <int kChunks, typename KV>
-void attend_tile(const Problem& p, const KV* kbase, const KV* vbase, const int64_t* rows, int n,
-                 int64_t h, Scratch& s) {
-  const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int t = 0; t < kTile; ++t) {  // dots[g][t]: lane-wise products, summed over chunks
+void tile_dots(const Problem& p, const KV* kbase, const int64_t* rows, int n, int64_t num_kv,
+               Scratch& s) {
+  const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group, D = p.head_dim;
+  for (int t = 0; t < kTile; ++t) {
     if (t >= n) {
-      for (int64_t g = 0; g < G; ++g) s.dots[g * kTile + t] = splat(0.0f);
+      for (int64_t h = 0; h < num_kv * G; ++h) s.dots[h * kTile + t] = splat(0.0f);
       continue;
     }
-    f32x16 k[kMaxChunks];
-    for (int64_t c = 0; c < nc; ++c) k[c] = load16(kbase + rows[t] + 16 * c);
-    for (int64_t g = 0; g < G; ++g) {
-      const f32x16* qg = &s.q[(h + g) * nc];
-      f32x16 d = qg[0] * k[0];
-      for (int64_t c = 1; c < nc; ++c) d += qg[c] * k[c];
-      s.dots[g * kTile + t] = d;
+    for (int64_t kh = 0; kh < num_kv; ++kh) {
+      f32x16 k[kMaxChunks];
+      for (int64_t c = 0; c < nc; ++c) k[c] = load16(kbase + rows[t] + kh * D + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const f32x16* qh = &s.q[(kh * G + g) * nc];
+        f32x16 d = qh[0] * k[0];
+        for (int64_t c = 1; c < nc; ++c) d += qh[c] * k[c];
+        s.dots[(kh * G + g) * kTile + t] = d;
+      }
     }
   }
+}
+
+// Softmax and values of one tile for the G query heads of one KV head: vbase points at that
+// head's part of slot 0; h is the item's index of the group's first head.
+template <int kChunks, typename KV>
+void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, int64_t h,
+                 Scratch& s) {
+  const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < G; ++g) {
     float &max = s.max[h + g], &sum = s.sum[h + g];
-    f32x16 scores = sum_lanes_16(&s.dots[g * kTile]);
+    f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
     scores = lane < float(n) ? scores : splat(-std::numeric_limits<float>::infinity());
     const float mx = std::max(max, lane_max(scores));
     f32x16 acc[kMaxChunks];
@@ -166,11 +178,12 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
     const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
     for (int t = 0; t < n_next; ++t)
       for (int64_t c = 0; c < row_bytes; c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c);
-        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c);
+        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);  // to L2
+        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
       }
+    tile_dots<kChunks, KV>(p, kbase, rows, n, kh1 - kh0, s);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
-      attend_tile<kChunks, KV>(p, kbase + kh * D, vbase + kh * D, rows, n, kh * G, s);
+      attend_tile<kChunks, KV>(p, vbase + kh * D, rows, n, kh * G, s);
   }
   float* out = p.out + (b * p.num_heads + kh0 * G) * D;
   for (int64_t h = 0; h < heads; ++h) {
@@ -245,7 +258,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch s(kv_per_item * p.group, p.group, D / 16);
+    Scratch s(kv_per_item * p.group, D / 16);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
