@@ -122,8 +122,11 @@ class TorchAttentionBackend:
         if k_scale is not None:  # per query head: the scale of the KV head it reads
             group = q.shape[1] // k.shape[1]
             qt = qt * k_scale.repeat_interleave(group).view(-1, 1, 1).to(q.dtype)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale, enable_gqa=True)
+        # 4-D ([1, H, Q, D]): on the CPU, 3-D inputs take SDPA's math path; 4-D ones its
+        # flash kernel, 2-4x faster for 100-1000 tokens.
+        out = F.scaled_dot_product_attention(qt[None], kt[None], vt[None], attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=True)[0]
         if v_scale is not None:
             group = q.shape[1] // k.shape[1]
             out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
