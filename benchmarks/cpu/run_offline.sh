@@ -21,7 +21,7 @@ $PY -m servelm.cli bench offline smollm2-135m-instruct --num-prompts 1 --input-l
 $PY -m servelm.cli bench offline smollm2-135m-instruct --num-prompts 64 --input-len 32:256 \
     --output-len 128 "${PEER_ARGS[@]}" --out "$OUT/offline-batch64-$TS.json"
 # (3) prefix cache on vs off: 32 requests = 2000 shared + 100 unique tokens, 128 new tokens
-$PY -m servelm.cli bench offline smollm2-135m-instruct --workload shared-prefix \
+[ "${SKIP_PREFIX:-0}" = 1 ] || $PY -m servelm.cli bench offline smollm2-135m-instruct --workload shared-prefix \
     --num-prompts 32 --prefix-len 2000 --suffix-len 100 --output-len 128 \
     --compare-prefix-cache --threads 2 --seed 0 --max-num-seqs 64 \
     --out "$OUT/offline-shared-prefix-$TS.json"
