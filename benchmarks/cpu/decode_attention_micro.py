@@ -3,7 +3,8 @@
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head dim 64), 64 decodes with contexts drawn
 from 100..400 tokens, blocks of 16 handed out in a scrambled order. Both paths run through
 TorchAttentionBackend.forward (the K/V store included), interleaved A/B in one process, at 1
-and 2 threads; build_metadata (once per step, not per layer) is timed apart.
+and 2 threads; build_metadata (once per step, not per layer) is timed apart. glibc keeps
+freed memory as in the engine (servelm/runner/host_memory.py).
 
     .venv/bin/python benchmarks/cpu/decode_attention_micro.py [--rounds 5] [--dtype float32]
 """
@@ -21,6 +22,7 @@ from servelm.attention import paged_attention_cpu
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
 from servelm.runner.forward_batch import ForwardBatch
+from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.kv_cache import KVCache
 
 H, K, D, BLOCK = 9, 3, 64, 16
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    keep_freed_memory()  # as the engine does: the torch path's gathered copies reuse memory
     dtype = getattr(torch, args.dtype)
     lo, hi = map(int, args.context.split(":"))
     fb, num_blocks, num_ctx = make_step(args.batch, lo, hi, seed=0)
