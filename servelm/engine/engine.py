@@ -186,9 +186,9 @@ class Engine:
         now = time.monotonic()
         spec = getattr(result, "spec", None) or {}
         draft_s = getattr(result, "draft_s", 0.0)
-        computed = self._account(batch, now - start, spec, draft_s)
-        if self.speculator is not None:  # the target's part of the step
-            self.speculator.observe_step(computed, now - start - draft_s)
+        shape = self._account(batch, now - start, spec, draft_s)
+        if self.speculator is not None:  # the target's part of the step, and its tokens
+            self.speculator.observe_step(now - start - draft_s, *shape)
         # A speculating sequence gets several tokens; once one finishes it, the rest go.
         for sampled in result.sampled:
             seq = self._seqs.get(sampled.seq_id)
@@ -198,10 +198,12 @@ class Engine:
         return deltas
 
     def _account(self, batch: ScheduledBatch, step_s: float, spec: dict,
-                 draft_s: float) -> int:
-        """Advance each sequence's computed tokens; returns the tokens the model ran."""
+                 draft_s: float) -> tuple[int, int, int]:
+        """Advance each sequence's computed tokens; returns the tokens the model ran as
+        (plain decode, verification, prefill) counts."""
         prefilling = set()
         ran = []  # (start, tokens run) per sequence
+        decode = verify = prefill = 0
         for s in batch.seqs:
             seq = s.seq
             if s.start < seq.num_prompt_tokens and seq.request_id not in prefilling:
@@ -215,11 +217,19 @@ class Engine:
                 # back (their slots are overwritten later or their blocks given back).
                 self.scheduler.rollback(seq, s.start + 1 + accepted)
                 ran.append((s.start, 1 + proposed))
+                if proposed:
+                    verify += 1 + proposed
+                else:
+                    decode += 1
                 if outcome is not None:
                     self._account_spec(outcome)
             else:
                 seq.num_computed_tokens += s.num_new_tokens
                 ran.append((s.start, s.num_new_tokens))
+                if s.num_new_tokens == 1 and s.start >= seq.num_prompt_tokens:
+                    decode += 1
+                else:
+                    prefill += s.num_new_tokens
         num_tokens = sum(n for _, n in ran)
         st = self.stats
         st.num_steps += 1
@@ -238,7 +248,7 @@ class Engine:
             if self.speculator is not None:
                 self.speculator.observe_draft(sum(1 for s in batch.seqs if s.num_spec),
                                               draft_s, step_s, len(spec))
-        return num_tokens
+        return decode, verify, prefill
 
     def _account_spec(self, outcome) -> None:
         st = self.stats

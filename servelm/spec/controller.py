@@ -3,30 +3,53 @@
 Speculation turns spare memory bandwidth into tokens: at small batch a target step costs
 about the same for 1 or k + 1 tokens per sequence, so each verified draft is nearly free. As
 the batch grows the step turns compute-bound and its time grows with the tokens it scores;
-past the break-even batch every rejected draft is paid for. The controller keeps three
-online estimates and picks, each step, the k in 0..k_max with the highest expected tokens
-per second for the current number of decodes B:
+past the break-even batch every rejected draft is paid for. The controller keeps online
+estimates and picks, each step, the k in 0..k_max with the highest expected tokens per
+second for the current number of decodes B:
 
     per-token acceptance   a = accepted / tried   (a draft is tried if all before it passed)
     proposal rate          f = share of asked sequences the proposer gave drafts (n-gram
                                  finds no match for some)
-    target step time       T(n) = c0 + c1 n        least squares over recent steps' tokens n
-    draft time             D = r T(B) per draft step (r: measured draft/target ratio)
+    target step time       T = c0 + cd n_decode + cv n_verify + cp n_prefill
+                                 least squares over the last 64 steps: a token scored in a
+                                 verification costs what it measurably costs (on the CPU a
+                                 (k+1)-token query is attended like a prefill chunk, several
+                                 times a decode token), not what a decode token costs
+    draft time             r T_off per draft step (r: measured draft/target ratio)
 
-    rate(0) = B / T(B)
-    rate(k) = B (1 - f + f E(a, k)) / (T(B (1 + f k)) + k D),   E = (1 - a^(k+1)) / (1 - a)
+    T_off = c0 + cd B                       rate(0) = B / T_off
+    T_k   = c0 + cd B (1 - f) + cv B f (1 + k) + k r T_off
+    rate(k) = B (1 - f + f E(a, k)) / T_k,   E = (1 - a^(k+1)) / (1 - a)
 
-E is the planner's `expected_tokens_per_step` (servelm/planner/speculative.py). Until the
-window holds steps of different sizes (T's slope unknown) it speculates with k_max, which is
-also how it re-measures after a long run of steps of one size. Tensor-free: the simulator can
-drive it.
+E is the planner's `expected_tokens_per_step` (servelm/planner/speculative.py). When the
+window cannot tell a verification token's cost (no verifying step in it) the controller
+drafts k_max for a step; when it cannot tell a plain decode's (no plain decodes in it) it runs
+one step without drafts: one probe per window at most, so a decision is re-measured as the
+batch and the traffic change. Tensor-free (numpy only): the simulator can drive it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
 
 from servelm.planner.speculative import expected_tokens_per_step
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """T = c0 + decode n_decode + verify n_verify + prefill n_prefill (seconds)."""
+
+    c0: float
+    decode: float
+    verify: float
+    prefill: float
+
+    def off(self, b: float) -> float:
+        return self.c0 + self.decode * b
 
 
 class SpecController:
@@ -38,9 +61,10 @@ class SpecController:
         self.acceptance = prior_acceptance
         self.proposal_rate = 1.0
         self.draft_ratio = 0.0  # one draft step / one target step at the same batch
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.last_k = k_max
         self.num_off_steps = 0  # steps where speculation was switched off (metrics)
+        self.num_probes = 0
 
     def eligible(self, seq) -> bool:
         from servelm.spec import eligible
@@ -50,44 +74,52 @@ class SpecController:
     # -- decisions -------------------------------------------------------------------------
 
     def draft_len(self, num_decodes: int) -> int:
-        k = self._best_k(num_decodes) if self.adaptive else self.k_max
+        k = self._decide(num_decodes) if self.adaptive else self.k_max
         self.last_k = k
         if k == 0:
             self.num_off_steps += 1
         return k
 
+    def _decide(self, b: int) -> int:
+        if not any(v for _, v, _, _ in self._steps):
+            return self.k_max  # explore: what does a verifying step cost?
+        if not any(d for d, _, _, _ in self._steps):
+            self.num_probes += 1
+            return 0  # probe: what does a plain decode cost?
+        return self._best_k(b)
+
     def _best_k(self, b: int) -> int:
-        fit = self.step_time_model()
-        if fit is None:
-            return self.k_max  # explore: measure steps of another size
-        c0, c1 = fit
-
-        def t(n: float) -> float:
-            return c0 + c1 * n
-
-        best_k, best_rate = 0, b / t(b)
+        cost = self.step_time_model()
+        if cost is None:
+            return self.k_max
+        t_off = max(cost.off(b), 1e-9)
+        best_k, best_rate = 0, b / t_off
         a, f = self.acceptance, self.proposal_rate
         for k in range(1, self.k_max + 1):
             tokens = b * (1 - f + f * expected_tokens_per_step(a, k))
-            rate = tokens / (t(b * (1 + f * k)) + k * self.draft_ratio * t(b))
+            t_k = (cost.c0 + cost.decode * b * (1 - f) + cost.verify * b * f * (1 + k)
+                   + k * self.draft_ratio * t_off)
+            rate = tokens / max(t_k, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def step_time_model(self) -> tuple[float, float] | None:
-        """(c0, c1) of T(n) = c0 + c1 n by least squares, or None without spread in n."""
+    def step_time_model(self) -> StepCost | None:
+        """Least squares of step time on (1, decode, verify, prefill tokens) over the window;
+        None until it holds both verifying and plain-decode steps. A feature that never
+        varies folds into c0 (rank-deficient systems take the minimum-norm solution, which
+        still reproduces the step shapes that were measured)."""
         if len(self._steps) < 4:
             return None
-        n = [x for x, _ in self._steps]
-        mean_n = sum(n) / len(n)
-        var = sum((x - mean_n) ** 2 for x in n)
-        if var < 1e-9 or max(n) < 1.5 * min(n):
+        rows = np.array(self._steps, dtype=np.float64)
+        x, t = rows[:, :3], rows[:, 3]
+        if not x[:, 0].any() or not x[:, 1].any():
             return None
-        mean_t = sum(t for _, t in self._steps) / len(self._steps)
-        c1 = sum((x - mean_n) * (t - mean_t) for x, t in self._steps) / var
-        c1 = max(c1, 1e-9)
-        c0 = max(mean_t - c1 * mean_n, 0.0)
-        return c0, c1
+        a = np.hstack([np.ones((len(rows), 1)), x])
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)
+        coef, *_ = np.linalg.lstsq(a / scale, t, rcond=None)
+        c = np.maximum(coef / scale, 0.0)
+        return StepCost(float(c[0]), float(c[1]), float(c[2]), float(c[3]))
 
     def break_even_batch(self, limit: int = 4096) -> int | None:
         """Smallest batch at which the current estimates switch speculation off."""
@@ -100,9 +132,12 @@ class SpecController:
 
     # -- measurements ----------------------------------------------------------------------
 
-    def observe_step(self, num_tokens: int, target_s: float) -> None:
-        if num_tokens > 0 and target_s > 0:
-            self._steps.append((num_tokens, target_s))
+    def observe_step(self, target_s: float, decode: int = 0, verify: int = 0,
+                     prefill: int = 0) -> None:
+        """One step's target time and its tokens: plain decodes, tokens scored by
+        verifications (1 + drafts per sequence), prompt tokens."""
+        if target_s > 0 and decode + verify + prefill > 0:
+            self._steps.append((decode, verify, prefill, target_s))
 
     def observe_verify(self, proposed: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of `proposed` drafts passed."""
@@ -118,16 +153,17 @@ class SpecController:
         if num_proposed_seqs is not None and num_asked:
             self.proposal_rate += self.ema * (num_proposed_seqs / num_asked
                                               - self.proposal_rate)
-        fit = self.step_time_model()
-        if fit is None or not num_asked or self.last_k <= 0:
+        cost = self.step_time_model()
+        if cost is None or not num_asked or self.last_k <= 0:
             return
-        target = fit[0] + fit[1] * num_asked
+        target = cost.off(num_asked)
         if target > 0:
             ratio = draft_s / self.last_k / target
             self.draft_ratio += self.ema * (ratio - self.draft_ratio)
 
     def snapshot(self) -> dict:
-        fit = self.step_time_model()
+        cost = self.step_time_model()
         return {"acceptance": self.acceptance, "proposal_rate": self.proposal_rate,
                 "draft_ratio": self.draft_ratio, "last_k": self.last_k,
-                "step_time_model": fit, "num_off_steps": self.num_off_steps}
+                "step_cost": None if cost is None else dataclasses.asdict(cost),
+                "num_off_steps": self.num_off_steps, "num_probes": self.num_probes}

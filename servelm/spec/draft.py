@@ -65,10 +65,12 @@ class DraftModelProposer(Proposer):
         want = {s.seq.seq_id: s.num_spec for s in scheduled}
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
         qs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
-        # First forward: catch up to (and including) the last verified token.
+        # First forward: catch up to (and including) the last verified token. The attention
+        # backends take single-token sequences first: order the works (and rows) so.
         works = [_DraftWork(seq, self._draft_start(seq), seq.token_ids[self._draft_start(seq):])
                  for seq in seqs]
-        active = seqs
+        works.sort(key=lambda w: len(w.tokens) != 1)
+        active = [w.seq for w in works]
         for j in range(max(want.values())):
             fb = build_forward_batch(works, self.block_size, self.device)
             logits = self._logits(fb)

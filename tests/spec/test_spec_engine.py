@@ -89,10 +89,36 @@ PROPOSERS = {
 }
 
 
-@pytest.fixture(params=["ngram", "early-exit", "draft-model"])
-def proposer_kw(request, hf_dir):
+@pytest.fixture(scope="module")
+def noisy_dir(hf, tmp_path_factory):
+    """A draft that agrees with the target often but not always: the target's weights with
+    noise, so verifications accept some drafts and reject others, and the draft's catch-up
+    differs between sequences (1 token after a rejection, 2 after all passed, a whole prompt
+    for a new sequence) within one forward."""
+    import copy
+
+    import torch
+
+    from tiny_models import make_tiny_hf_model
+
+    draft = copy.deepcopy(hf)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn_like(p) * 0.01)
+    path = tmp_path_factory.mktemp("noisy-draft")
+    draft.save_pretrained(path)
+    assert make_tiny_hf_model  # same architecture and vocabulary as the target
+    return str(path)
+
+
+@pytest.fixture(params=["ngram", "early-exit", "draft-model", "noisy-draft"])
+def proposer_kw(request, hf_dir, noisy_dir):
     if request.param == "draft-model":  # the target's own checkpoint as the draft: all pass
         return dict(speculative_method="draft", spec_draft_model=hf_dir)
+    if request.param == "noisy-draft":
+        return dict(speculative_method="draft", spec_draft_model=noisy_dir)
     return PROPOSERS[request.param]
 
 
@@ -103,7 +129,9 @@ def test_greedy_batched_matches_target(hf, prompts, reference, proposer_kw):
         _same_or_tie(ref, ids)
     st = engine.stats
     assert st.spec_num_proposed > 0
-    if proposer_kw.get("spec_draft_model"):
+    if proposer_kw.get("spec_draft_model") and "noisy" in proposer_kw["spec_draft_model"]:
+        assert 0 < st.spec_num_accepted < st.spec_num_proposed  # both outcomes happened
+    elif proposer_kw.get("spec_draft_model"):
         # Draft == target: every draft passes, each verification emits k + 1 tokens.
         assert st.spec_num_accepted >= 0.9 * st.spec_num_proposed
         assert st.spec_mean_accepted_length > 3.0
