@@ -61,6 +61,7 @@ class SpecController:
         self.acceptance = prior_acceptance
         self.proposal_rate = 1.0
         self.draft_ratio = 0.0  # one draft step / one target step at the same batch
+        self._draft_measured = False
         self._steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.last_k = k_max
         self.num_off_steps = 0  # steps where speculation was switched off (metrics)
@@ -159,7 +160,10 @@ class SpecController:
         target = cost.off(num_asked)
         if target > 0:
             ratio = draft_s / self.last_k / target
-            self.draft_ratio += self.ema * (ratio - self.draft_ratio)
+            if not self._draft_measured:  # the first measurement replaces the prior (0)
+                self.draft_ratio, self._draft_measured = ratio, True
+            else:  # a draft model's cost moves with the batch: follow it quickly
+                self.draft_ratio += 0.25 * (ratio - self.draft_ratio)
 
     def snapshot(self) -> dict:
         cost = self.step_time_model()

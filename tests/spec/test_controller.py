@@ -92,3 +92,16 @@ def test_not_adaptive_always_speculates():
     ctl = SpecController(3, adaptive=False)
     _feed(ctl, 0.0, 0.01, 0.05)  # verification far costlier
     assert ctl.draft_len(512) == 3
+
+
+def test_draft_cost_is_taken_from_the_first_measurement():
+    """A costly draft (here one draft step = 0.9 of a target step) must count from the
+    first steps on, not creep up from zero while speculation keeps losing."""
+    ctl = SpecController(4, prior_acceptance=0.95)
+    _feed(ctl, 0.03, 0.002, 0.002)
+    ctl.draft_len(64)
+    ctl.last_k = 4
+    t_off = ctl.step_time_model().off(64)
+    ctl.observe_draft(64, 4 * 0.9 * t_off, 1.0, 64)
+    assert abs(ctl.draft_ratio - 0.9) < 1e-6
+    assert ctl.draft_len(64) == 0  # 4 draft steps cost more than the accepted tokens save
