@@ -16,8 +16,13 @@ from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
 from servelm.engine.sequence import Sequence, SequenceStatus
-from servelm.protocol import (EngineRequest, FinishReason, InvalidParameterError,
-                              RequestTimings, TokenDelta)
+from servelm.protocol import (
+    EngineRequest,
+    FinishReason,
+    InvalidParameterError,
+    RequestTimings,
+    TokenDelta,
+)
 
 
 @dataclass

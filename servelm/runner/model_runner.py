@@ -16,7 +16,7 @@ from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from servelm.protocol import Logprob
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
-from servelm.sampling import SamplingTensors, sample, sampling_probs
+from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled
 
 
@@ -158,7 +158,8 @@ class ModelRunner:
             idx = torch.tensor([r for _, row, n in sampled for r in range(row, row + n)],
                                device=logits.device)
             rows_params = [w.seq.params for w, _, n in sampled for _ in range(n)]
-            probs = sampling_probs(logits[idx], self._draw_tensors(rows_params))
+            probs = sampling_probs(logits[idx], draw_tensors(rows_params, self.config.vocab_size,
+                                                              self.device))
             at = 0
             for w, _, n in sampled:
                 q = proposals[w.seq.seq_id].probs
@@ -168,23 +169,6 @@ class ModelRunner:
             tokens = emitted[w.seq.seq_id]
             result.spec[w.seq.seq_id] = SpecOutcome(len(w.drafts), len(tokens) - 1)
             result.sampled += [SampledToken(w.seq.seq_id, t) for t in tokens]
-
-    def _draw_tensors(self, params: list) -> SamplingTensors:
-        """Temperature, top-k/p, min-p rows (speculation never runs with penalties, bans,
-        logprobs or seeds: see servelm/spec/__init__.py)."""
-        dev, vocab = self.device, self.config.vocab_size
-
-        def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        st = SamplingTensors(temperatures=col([p.temperature for p in params]))
-        if any(p.top_k > 0 for p in params):
-            st.top_ks = col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
-        if any(p.top_p < 1.0 for p in params):
-            st.top_ps = col([p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            st.min_ps = col([p.min_p for p in params])
-        return st
 
     @torch.inference_mode()
     def score(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -223,16 +207,9 @@ class ModelRunner:
         def col(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        st = SamplingTensors(temperatures=col([0.0 if p.is_greedy else p.temperature
-                                               for p in params]))
+        st = draw_tensors(params, vocab, dev)
         if not st.all_greedy:
             st.generators = [self._generator(seq) for seq in seqs]
-            if any(p.top_k > 0 for p in params):
-                st.top_ks = col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
-            if any(p.top_p < 1.0 for p in params):
-                st.top_ps = col([p.top_p for p in params])
-            if any(p.min_p > 0.0 for p in params):
-                st.min_ps = col([p.min_p for p in params])
         if any(p.repetition_penalty != 1.0 for p in params):
             st.repetition_penalties = col([p.repetition_penalty for p in params])
             st.prompt_tokens = _pad([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs],

@@ -41,6 +41,26 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, k]
 
 
+def draw_tensors(params: list, vocab_size: int, device) -> SamplingTensors:
+    """Temperature (0 for greedy rows), top-k, top-p and min-p of each row's SamplingParams;
+    the rest (penalties, bans, generators, logprobs) is the caller's."""
+
+    def col(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    st = SamplingTensors(temperatures=col([0.0 if p.is_greedy else p.temperature
+                                           for p in params]))
+    if st.all_greedy:
+        return st
+    if any(p.top_k > 0 for p in params):
+        st.top_ks = col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long)
+    if any(p.top_p < 1.0 for p in params):
+        st.top_ps = col([p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        st.min_ps = col([p.min_p for p in params])
+    return st
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32."""
     raw_logprobs = None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.runner.forward_batch import ForwardBatch
-from servelm.sampling import SamplingTensors, sampling_probs
+from servelm.sampling import draw_tensors, sampling_probs
 from servelm.spec.proposer import Proposal, Proposer
 
 
@@ -123,17 +123,8 @@ class DraftModelProposer(Proposer):
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if not sampled:
             return tokens.tolist(), None
-        params = [seqs[i].params for i in sampled]
         dev = logits.device
-        st = SamplingTensors(temperatures=torch.tensor([p.temperature for p in params],
-                                                       device=dev))
-        if any(p.top_k > 0 for p in params):
-            st.top_ks = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size
-                                      for p in params], device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            st.top_ps = torch.tensor([p.top_p for p in params], device=dev)
-        if any(p.min_p > 0.0 for p in params):
-            st.min_ps = torch.tensor([p.min_p for p in params], device=dev)
+        st = draw_tensors([seqs[i].params for i in sampled], self.vocab_size, dev)
         q = sampling_probs(logits[sampled], st)
         q = q / q.sum(dim=-1, keepdim=True)
         drawn = torch.multinomial(q, 1).squeeze(1)

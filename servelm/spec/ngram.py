@@ -14,7 +14,7 @@ from servelm.spec.proposer import Proposal, Proposer
 
 
 class _Index:
-    __slots__ = ("upto", "maps")
+    __slots__ = ("maps", "upto")
 
     def __init__(self, sizes: range):
         self.upto = 0  # n-grams ending before this position are indexed

@@ -98,7 +98,6 @@ def noisy_dir(hf, tmp_path_factory):
     import copy
 
     import torch
-
     from tiny_models import make_tiny_hf_model
 
     draft = copy.deepcopy(hf)

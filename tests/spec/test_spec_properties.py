@@ -8,10 +8,10 @@ model); the fake proposer guesses the true continuation or a wrong token at rand
 
 import random
 
+from fake_runner import FakeRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_runner import FakeRunner
 from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
