@@ -48,3 +48,17 @@ def make_tiny_engine(hf_model, **engine_kwargs):
     engine_kwargs.setdefault("block_size", 4)
     args = EngineArgs(model="tiny", **engine_kwargs)
     return assemble_engine(args, config, hf_model.state_dict().items(), None, "tiny")
+
+
+def prefill_logits(engine, prompt):
+    """Logits at every position of `prompt` scored alone in `engine` (blocks freed after)."""
+    from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from servelm.engine.sequence import Sequence
+    from servelm.protocol import RequestTimings, SamplingParams
+
+    seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
+    engine.block_manager.allocate(seq, len(prompt))
+    try:
+        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]))
+    finally:
+        engine.block_manager.free(seq)

@@ -7,21 +7,15 @@ logprobs must match transformers' step by step (float32 tolerance).
 import pytest
 import torch
 
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
-from servelm.engine.sequence import Sequence
+from tiny_models import prefill_logits
 from servelm.llm import LLM
-from servelm.protocol import RequestTimings, SamplingParams
+from servelm.protocol import SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
 def _prefill_logits(engine, prompt):
-    seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
-    engine.block_manager.allocate(seq, len(prompt))
-    try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]))
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, prompt)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,12 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tiny_models import prefill_logits
 from servelm.cli import main as cli_main
 from servelm.config import EngineArgs
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
-from servelm.engine.sequence import Sequence
 from servelm.engine_builder import build_engine
-from servelm.protocol import InvalidParameterError, RequestTimings, SamplingParams
+from servelm.protocol import InvalidParameterError
 from servelm.quant import methods
 from servelm.quant.checkpoint import quantize_checkpoint
 from servelm.quant.int4_linear import Int4Linear
@@ -43,12 +42,7 @@ def _engine(model, **kw):
 
 
 def _score(engine, prompt=PROMPT):
-    seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
-    engine.block_manager.allocate(seq, len(prompt))
-    try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]))
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, prompt)
 
 
 @pytest.mark.parametrize("arch,method,tied", [("llama", "int8", False),

@@ -4,10 +4,9 @@ the held-out text: tests/evals/test_perplexity.py."""
 
 import pytest
 
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
-from servelm.engine.sequence import Sequence
+from tiny_models import prefill_logits
 from servelm.llm import LLM
-from servelm.protocol import RequestTimings, SamplingParams
+from servelm.protocol import SamplingParams
 from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
 from servelm.quant.int8_linear import Int8Linear
@@ -17,12 +16,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def _score(engine, prompt):
-    seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
-    engine.block_manager.allocate(seq, len(prompt))
-    try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]))
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, prompt)
 
 
 def _greedy(engine):

@@ -7,11 +7,10 @@ attends the codes it stored, like every later reader).
 import pytest
 import torch
 
+from tiny_models import prefill_logits
 from servelm.config import CacheConfig, EngineArgs, ModelConfig
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
-from servelm.engine.sequence import Sequence
 from servelm.llm import LLM
-from servelm.protocol import RequestTimings, SamplingParams
+from servelm.protocol import SamplingParams
 from servelm.runner.kv_cache import KVCache, kv_storage_dtype
 from servelm.runner.model_runner import num_kv_blocks
 
@@ -69,12 +68,7 @@ def test_cli_flag():
 
 
 def _score(engine, ids):
-    seq = Sequence("p", 0, ids, SamplingParams(max_tokens=1), RequestTimings(), 1)
-    engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(ids))]))
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, ids)
 
 
 def test_tiny_model_logits_close_to_float_cache(tiny_hf, tiny_engine):
