@@ -5,13 +5,17 @@
 That is tinygemm's convention, which `aten._weight_int4pack_mm_for_cpu` implements; GGUF's
 Q4_1 (`q * d + m`) is the same with zero = m + 8 d, and Q4_0 (`(q - 8) * d`) has zero = 0.
 
-CPU fast path: `_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a
-weight); `_weight_int4pack_mm_for_cpu` multiplies. Like int8 it is fast only with bf16
-activations, so by default x is cast to bf16 and (scale, zero) are stored in bf16;
-`compute_dtype=torch.float32` is the exact slow path. The kernel wants group_size in
-{32, 64, 128, 256}, in_features divisible by it and out_features by 16: other shapes are
-zero-padded (SmolLM2's 576 columns with group 128 become 640; padded columns meet zero-padded
-activations, so they add nothing).
+CPU path (`kernel="cpu"`, the default where servelm's C++ kernels build): `int4_gemm` in
+servelm/cpu_kernels/quant_gemm.cpp on codes repacked in panels of 16 rows
+(servelm/quant/cpu_panels.py), float32 activations, float32 math on the exact dequantized
+weight; in_features is padded to a multiple of 32 (codes 8 meeting zero-padded x).
+`kernel="aten"` (the fallback where the kernels do not build, or SERVELM_CPU_QUANT=torch):
+`_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a weight);
+`_weight_int4pack_mm_for_cpu` multiplies. It is fast only with bf16 activations, so x is cast
+to the compute dtype (bf16 by default) and back. The op wants group_size in {32, 64, 128, 256},
+in_features divisible by it and out_features by 16: other shapes are zero-padded (SmolLM2's 576
+columns with group 128 become 640; padded columns meet zero-padded activations, so they add
+nothing).
 
 CUDA path (`kernel="triton"`, chosen when the codes are on a CUDA device): the Triton w4a16
 GEMM (servelm/kernels/w4a16_gemm.py) with the codes packed eight to an int32 along K
@@ -26,10 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servelm.quant.cpu_panels import pack_int4_panels, panel_ops, unpack_int4_panels
 from servelm.quant.quantized_linear import QuantizedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)
-KERNELS = ("cpu", "triton")
+KERNELS = ("cpu", "aten", "triton")
 _N_ALIGN = 16
 
 
@@ -81,13 +86,17 @@ class Int4Linear(QuantizedLinear):
                  compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
         """q[out, in] codes 0..15; scale, zero [out, ceil(in / group_size)].
 
-        kernel: "cpu" (aten's packed int4 op) or "triton" (servelm/kernels/w4a16_gemm.py, the
-        CUDA path); None picks by where q is: "triton" on a CUDA device, else "cpu". The
-        two keep the codes in different layouts, so the choice is made once, here.
+        kernel: "cpu" (servelm's C++ int4 GEMM, float32 activations), "aten" (aten's packed
+        int4 op, bf16 activations) or "triton" (servelm/kernels/w4a16_gemm.py, the CUDA path);
+        None picks by where q is: "triton" on a CUDA device, else "cpu" where servelm's
+        kernels build and "aten" where they do not. Each keeps the codes in its own layout,
+        so the choice is made once, here.
         """
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
-        kernel = kernel or ("triton" if q.device.type == "cuda" else "cpu")
+        if kernel is None:
+            kernel = ("triton" if q.device.type == "cuda"
+                      else "cpu" if panel_ops() is not None else "aten")
         if kernel not in KERNELS:
             raise ValueError(f"int4 kernel must be one of {KERNELS}, got {kernel!r}")
         out_features, in_features = q.shape
@@ -103,6 +112,18 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("qweight", pack_int4_along_k(q))
             self.register_buffer("scale_t", scale.t().contiguous().to(compute_dtype))
             self.register_buffer("zero_t", zero.t().contiguous().to(compute_dtype))
+            return
+        if kernel == "cpu":
+            panel_ops(required=True)  # loads torch.ops.servelm_cpu
+            self.k_padded = -(-in_features // 32) * 32
+            # Scale / zero in the compute dtype, as on the aten path (bf16 by default; the
+            # quantizers round them to it), else float32.
+            sz_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+            codes, sz = pack_int4_panels(
+                F.pad(q.cpu(), (0, self.k_padded - in_features), value=8),
+                scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype), sz_dtype)
+            self.register_buffer("codes", codes)
+            self.register_buffer("sz", sz)
             return
         self.k_padded = num_groups * group_size
         self.n_padded = -(-out_features // _N_ALIGN) * _N_ALIGN
@@ -132,6 +153,13 @@ class Int4Linear(QuantizedLinear):
                               self.bias)
         if x.device.type != "cpu":  # CPU-layout codes moved to a GPU: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
+        if self.kernel == "cpu":
+            xf = x.float()
+            if self.k_padded != self.in_features:
+                xf = F.pad(xf, (0, self.k_padded - self.in_features))
+            y = torch.ops.servelm_cpu.int4_gemm(xf.contiguous(), self.codes, self.sz,
+                                                self.out_features, self.group_size)
+            return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype)
         if self.k_padded != self.in_features:
             xc = F.pad(xc, (0, self.k_padded - self.in_features))
@@ -148,6 +176,10 @@ class Int4Linear(QuantizedLinear):
             scale = self.scale_t.float().t().repeat_interleave(g, dim=1)[:, :k]
             zero = self.zero_t.float().t().repeat_interleave(g, dim=1)[:, :k]
             return ((q - 8) * scale + zero).cpu()
+        if self.kernel == "cpu":
+            w = unpack_int4_panels(self.codes.cpu(), self.sz.cpu(), self.out_features,
+                                   self.group_size)
+            return w[:, : self.in_features].contiguous()
         # The packed layout is the kernel's business: read the weight back through it in
         # float32, with an identity as x (exact: one product and one sum per entry).
         eye = torch.eye(self.k_padded)
@@ -157,8 +189,12 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def num_weight_bytes(self) -> int:
-        parts = ((self.qweight, self.scale_t, self.zero_t) if self.kernel == "triton"
-                 else (self.packed, self.scale_zero))
+        if self.kernel == "triton":
+            parts = (self.qweight, self.scale_t, self.zero_t)
+        elif self.kernel == "cpu":
+            parts = (self.codes, self.sz)
+        else:
+            parts = (self.packed, self.scale_zero)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def extra_repr(self) -> str:

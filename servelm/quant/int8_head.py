@@ -1,6 +1,10 @@
 """Int8Head: an int8 lm_head whose logits near each row's maximum are exact in float32.
 
-Why: the fast CPU op returns bf16, and bf16 logits are spaced 0.06-0.125 apart around 10-20,
+With servelm's C++ int8 GEMM (`kernel="cpu"`, the default where it builds) every logit is
+float32 math on the int8 weight already, and the head is an Int8Linear. The rest of this note
+is about aten's op (`kernel="aten"`, the fallback).
+
+Why: aten's fast CPU op returns bf16, and bf16 logits are spaced 0.06-0.125 apart around 10-20,
 so a greedy choice between two tokens 0.08 nats apart (SmolLM2 has such cases on plain
 prompts: "What is the capital of France?" starts "The" or "L'") becomes a coin toss. The
 op's result finds the candidates, which are then recomputed from the int8 rows in float32:
@@ -30,7 +34,8 @@ class Int8Head(Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         coarse = super().forward(x)
-        if self.compute_dtype == torch.float32 or x.device.type != "cpu":
+        if (self.kernel == "cpu" or self.compute_dtype == torch.float32
+                or x.device.type != "cpu"):
             return coarse
         y = coarse.float()
         top = y.amax(dim=-1, keepdim=True)

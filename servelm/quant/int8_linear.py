@@ -1,10 +1,13 @@
 """Int8Linear: weight-only int8 with one scale per output channel (symmetric, RTN).
 
-CPU fast path: `aten._weight_int8pack_mm(x, q[out, in] int8, scales[out])`, reading one byte
-per weight. It is fast only with bfloat16 activations (with float32 ones it is ~10x slower
-than fp32 BLAS on this torch build, see docs/quantization.md), so by default the layer casts
-x to bf16 for the op and the result back; scales are stored in bf16, rounded up so no code
-leaves [-127, 127]. `compute_dtype=torch.float32` keeps the exact (slow) path for tests.
+CPU path (`kernel="cpu"`, the default where servelm's C++ kernels build): `int8_gemm` in
+servelm/cpu_kernels/quant_gemm.cpp on the codes repacked in panels of 16 rows
+(servelm/quant/cpu_panels.py), float32 activations and math. `kernel="aten"` (the fallback
+where they do not build, or SERVELM_CPU_QUANT=torch): `aten._weight_int8pack_mm(x, q[out, in]
+int8, scales[out])`, fast only with bfloat16 activations (with float32 ones it is ~10x slower
+than fp32 BLAS on this torch build, see docs/quantization.md), so the layer casts x to the
+compute dtype (bf16 by default) for the op and the result back. Scales are stored in the
+compute dtype, rounded up so no code leaves [-127, 127].
 On a CUDA device the layer runs the Triton w8a16 GEMM (servelm/kernels/w8a16_gemm.py) on the
 same codes, x in its own dtype; the codes need no other layout, so a layer built on the CPU
 and moved to the GPU takes that path too.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from servelm.quant.cpu_panels import pack_int8_panels, panel_ops, unpack_int8_panels
 from servelm.quant.quantized_linear import QuantizedLinear, round_up_to
 
 
@@ -32,15 +36,27 @@ def quantize_int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype = t
 class Int8Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
-        """kernel: "cpu" (aten's int8 op), "triton" (w8a16 GEMM) or None: by x's device at
-        each call (CUDA: triton)."""
-        if kernel not in (None, "cpu", "triton"):
-            raise ValueError(f"int8 kernel must be 'cpu', 'triton' or None, got {kernel!r}")
+        """kernel: "cpu" (servelm's C++ int8 GEMM on panels, float32 activations), "aten"
+        (aten's int8 op, bf16 activations), "triton" (w8a16 GEMM) or None: codes on the CPU
+        take "cpu" where servelm's kernels build; otherwise by x's device at each call
+        (CUDA: triton, CPU: aten)."""
+        if kernel not in (None, "cpu", "aten", "triton"):
+            raise ValueError("int8 kernel must be 'cpu', 'aten', 'triton' or None, got "
+                             f"{kernel!r}")
+        if kernel is None and q.device.type == "cpu" and panel_ops() is not None:
+            kernel = "cpu"
         out_features, in_features = q.shape
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.kernel = kernel
-        self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(compute_dtype).contiguous())  # the op's dtype
+        if kernel == "cpu":  # the panels replace q: one copy of the codes
+            panel_ops(required=True)  # loads torch.ops.servelm_cpu
+            codes, scale32 = pack_int8_panels(q.cpu(), self.scale.cpu())
+            self.register_buffer("codes", codes)
+            self.register_buffer("scale32", scale32)
+            self.register_buffer("q", None)
+        else:
+            self.register_buffer("q", q.to(torch.int8).contiguous())
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -56,13 +72,23 @@ class Int8Linear(QuantizedLinear):
             return w8a16_gemm(x, self.q, self.scale, self.bias)
         if x.device.type != "cpu":  # codes on another device: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
+        if self.kernel == "cpu":
+            y = torch.ops.servelm_cpu.int8_gemm(x.float().contiguous(), self.codes,
+                                                self.scale32, self.out_features)
+            return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(xc, self.q, self.scale)
         return self._add_bias(y.to(x.dtype))
 
+    def codes_int8(self) -> torch.Tensor:
+        """The int8 codes [out, in], whatever the layout."""
+        return unpack_int8_panels(self.codes, self.out_features) if self.q is None else self.q
+
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        return self.codes_int8().float().cpu() * self.scale.float().cpu()[:, None]
 
     @property
     def num_weight_bytes(self) -> int:
+        if self.q is None:
+            return self.codes.numel() + self.scale32.numel() * 4
         return self.q.numel() + self.scale.numel() * self.scale.element_size()

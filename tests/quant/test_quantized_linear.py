@@ -84,22 +84,28 @@ def test_int4_dequantize_is_codes_times_scales():
 
 
 def test_int8_bytes_are_a_quarter_of_fp32():
-    layer = Int8Linear.from_float(_weight(960, 576))
-    assert layer.num_weight_bytes == 960 * 576 + 960 * 2
+    q, scale = quantize_int8_per_channel(_weight(960, 576), torch.bfloat16)
+    # aten keeps bf16 scales; servelm's panels float32 ones (960 rows: no padding)
+    assert Int8Linear(q, scale, None, kernel="aten").num_weight_bytes == 960 * 576 + 960 * 2
+    assert Int8Linear(q, scale, None, kernel="cpu").num_weight_bytes == 960 * 576 + 960 * 4
 
 
-def test_int8_head_greedy_is_exact_despite_bf16():
+@pytest.mark.parametrize("kernel", ["aten", "cpu"])
+def test_int8_head_greedy_is_exact_despite_bf16(kernel):
     # Logits that tie in bf16 but not in float32: the head must pick the true maximum.
     w = _weight(4096, 64, outliers=False)
     w[1] = w[0] * (1 + 1e-3)  # rows 0 and 1 within bf16 rounding of each other
-    head = Int8Head.from_float(w)
+    q, scale = quantize_int8_per_channel(w, torch.bfloat16)
+    head = Int8Head(q, scale, kernel=kernel)
     x = w[0:1].clone() * 40  # makes rows 0/1 the top logits, large enough for coarse bf16
     ref = x @ head.dequantize().t()
     y = head(x)
     assert y.argmax(-1).item() == ref.argmax(-1).item()
     torch.testing.assert_close(y[0, :2], ref[0, :2], atol=1e-4, rtol=1e-5)  # the near-ties
-    coarse = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), head.q, head.scale).float()
+    coarse = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scale).float()
     assert coarse[0, 0] == coarse[0, 1]  # the case the head exists for
+    if kernel == "cpu":  # float32 math on the int8 weight for every logit, not just the top
+        torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
 def test_registry_names_and_errors():
