@@ -3,6 +3,7 @@
     paged_attention.cpp   paged_decode: decode attention reading the paged K/V blocks in place
     layer_ops.cpp         rms_norm, add_rms_norm, rotary_, silu_and_mul: fused float32 layer ops
     quant_gemm.cpp        int4_gemm, int8_gemm: weight-only quantized matmuls, float32 activations
+    decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
     vec16.h               16-lane vectors and exp shared by both
 
 Owns: compiling the sources once per machine (torch.utils.cpp_extension: a C++ compiler and
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "kernel", "torch")
 _DIR = Path(__file__).parent
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp")
 _HEADERS = ("vec16.h",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()

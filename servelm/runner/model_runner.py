@@ -14,6 +14,7 @@ import torch
 from servelm.config import CacheConfig, ModelConfig
 from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from servelm.protocol import Logprob
+from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
@@ -92,6 +93,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self._generators: dict[int, torch.Generator] = {}
+        # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
+        self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend)
+                          if graphs is None else None)
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 
     def release(self, seq_id: int) -> None:
@@ -178,8 +182,11 @@ class ModelRunner:
         return self.model.compute_logits(self._forward(fb)).float()
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Replay a captured graph for a decode batch when one fits, else run eagerly."""
+        """Replay a captured graph for a decode batch when one fits (CUDA), or run it as one
+        C++ call (CPU), else run eagerly."""
         hidden = self.graphs.maybe_run(fb) if self.graphs is not None else None
+        if hidden is None and self.cpu_stack is not None:
+            hidden = self.cpu_stack.maybe_run(fb)
         if hidden is None:
             fb.attn_metadata = self.backend.build_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)

@@ -1,0 +1,195 @@
+// DecodeStack: a Llama-family decoder's layers for one all-decode step in one call.
+//
+// Why: at one token a step the CPU work per layer is ~100 us of kernels, and the Python
+// around them (module calls, views, the attention backend, one dispatcher round trip per op)
+// cost as much again: 30 layers x ~15 ops. This object holds the layers' tensors (shared with
+// the modules, never copied) and runs the same kernels in the same order as the eager path
+// (servelm/models/llama.py with the C++ layer ops, quantized linears and paged decode):
+//
+//   h = rms_norm(x) | add_rms_norm(x, residual)           input_layernorm
+//   q, k, v = split(qkv_proj(h)); [q_norm, k_norm]; rotary_(q, k)
+//   k_cache[slots], v_cache[slots] = k, v; a = paged_decode(q, caches, tables, seq_lens)
+//   h, residual = add_rms_norm(o_proj(a), residual)       post_attention_layernorm
+//   x = down_proj(silu_and_mul(gate_up_proj(h)))
+//   ... final: add_rms_norm(x, residual, norm)
+//
+// Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
+// panels) or int8 (int8_gemm on panels).
+// Every op is reached through the dispatcher's typed handles (no boxing), so the results are
+// the eager path's, bit for bit. servelm/runner/cpu_decode.py builds it and decides when a
+// step may take it (CPU, float32, all sequences decoding one token).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using T = const at::Tensor&;
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(T, T, double)> rms_norm =
+      find_op<at::Tensor(T, T, double)>("servelm_cpu::rms_norm");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(T, T, T, double)> add_rms_norm =
+      find_op<std::tuple<at::Tensor, at::Tensor>(T, T, T, double)>("servelm_cpu::add_rms_norm");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, T, T, T)> rotary =
+      find_op<void(at::Tensor, at::Tensor, T, T, T)>("servelm_cpu::rotary_");
+  c10::TypedOperatorHandle<at::Tensor(T)> silu_and_mul =
+      find_op<at::Tensor(T)>("servelm_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, T, T, int64_t, double)> paged_decode =
+      find_op<at::Tensor(T, T, T, T, T, int64_t, double)>("servelm_cpu::paged_decode");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm =
+      find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t)> int8_gemm =
+      find_op<at::Tensor(T, T, T, int64_t)>("servelm_cpu::int8_gemm");
+};
+
+// kPacked: servelm/layers/linear.py's PackedLinear (oneDNN's packed float weight), called
+// boxed: its schema's C++ types differ between torch versions.
+enum LinearKind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3 };
+
+struct Linear {
+  int64_t kind = kFloat, n = 0, group = 0, k_padded = 0;
+  at::Tensor a, b, bias;  // float: (weight, -); int4: (codes, sz); int8: (codes, scale32)
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm, q_norm, k_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+at::Tensor optional(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // tensors: cos, sin, final norm, then per layer kTensorsPerLayer (see cpu_decode.py);
+  // ints: num_layers, heads, kv_heads, head_dim, block_size, then per layer 4 x (kind, n,
+  // group, k_padded) for qkv, o, gate_up, down; floats: rms eps, attention scale.
+  static constexpr int64_t kTensorsPerLayer = 18;
+
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
+              std::vector<double> floats) {
+    TORCH_CHECK(ints.size() >= 5 && floats.size() == 2, "DecodeStack: bad header");
+    const int64_t L = ints[0];
+    heads_ = ints[1], kv_heads_ = ints[2], head_dim_ = ints[3], block_size_ = ints[4];
+    eps_ = floats[0], scale_ = floats[1];
+    TORCH_CHECK(int64_t(tensors.size()) == 3 + L * kTensorsPerLayer &&
+                    int64_t(ints.size()) == 5 + L * 16,
+                "DecodeStack: expected ", L, " layers of tensors and ints");
+    cos_ = tensors[0], sin_ = tensors[1], final_norm_ = tensors[2];
+    for (int64_t i = 0; i < L; ++i) {
+      const at::Tensor* t = tensors.data() + 3 + i * kTensorsPerLayer;
+      const int64_t* m = ints.data() + 5 + i * 16;
+      Layer layer;
+      layer.in_norm = t[0], layer.post_norm = t[1];
+      layer.q_norm = optional(t[2]), layer.k_norm = optional(t[3]);
+      layer.k_cache = t[4], layer.v_cache = t[5];
+      Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int j = 0; j < 4; ++j) {
+        Linear& l = *lins[j];
+        l.kind = m[4 * j], l.n = m[4 * j + 1], l.group = m[4 * j + 2], l.k_padded = m[4 * j + 3];
+        TORCH_CHECK(l.kind >= kFloat && l.kind <= kPacked, "DecodeStack: unknown linear kind ",
+                    l.kind);
+        if (l.kind == kPacked && !mkldnn_linear_)
+          mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
+              "mkldnn::_linear_pointwise", "");
+        l.a = t[6 + 3 * j], l.b = t[7 + 3 * j], l.bias = optional(t[8 + 3 * j]);
+      }
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // x [B, hidden] (embedded tokens), positions / slots [B], tables [>=B, max_blocks],
+  // seq_lens [B] (all int64) -> hidden states after `layers` layers (-1: all) and, with
+  // final_norm, the model's final norm.
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor tables,
+                 at::Tensor seq_lens, int64_t layers, bool final_norm) {
+    const int64_t B = x.size(0);
+    const int64_t L = layers < 0 ? num_layers() : std::min(layers, num_layers());
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    at::Tensor residual;
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      at::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = ops_.rms_norm.call(x, l.in_norm, eps_);
+      } else {
+        std::tie(h, residual) = ops_.add_rms_norm.call(x, residual, l.in_norm, eps_);
+      }
+      const at::Tensor qkv = linear(l.qkv, h);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({B, heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, kv_heads_, head_dim_});
+      if (l.q_norm.defined()) {
+        q = head_norm(q, l.q_norm);
+        k = head_norm(k, l.k_norm);
+      }
+      ops_.rotary.call(q, k, positions, cos_, sin_);
+      l.k_cache.index_copy_(0, slots, k);
+      l.v_cache.index_copy_(0, slots, v);
+      const at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
+                                                     block_size_, scale_);
+      std::tie(h, residual) = ops_.add_rms_norm.call(linear(l.o, attn.view({B, q_size})),
+                                                     residual, l.post_norm, eps_);
+      x = linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h)));
+    }
+    if (!final_norm) return L == 0 ? x : x + residual;
+    if (L == 0) return ops_.rms_norm.call(x, final_norm_, eps_);
+    return std::get<0>(ops_.add_rms_norm.call(x, residual, final_norm_, eps_));
+  }
+
+ private:
+  at::Tensor linear(const Linear& l, const at::Tensor& x) {
+    if (l.kind == kFloat) return at::linear(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
+    if (l.kind == kPacked) {  // as PackedLinear.forward: (x, w, bias, "none", [], "")
+      torch::jit::Stack stack{x, l.a, l.bias.defined() ? c10::IValue(l.bias) : c10::IValue(),
+                              std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                              std::string("")};
+      mkldnn_linear_->callBoxed(&stack);
+      return stack[0].toTensor();
+    }
+    at::Tensor y;
+    if (l.kind == kInt4) {
+      at::Tensor xp = x.size(1) == l.k_padded ? x : at::constant_pad_nd(x, {0, l.k_padded - x.size(1)});
+      y = ops_.int4_gemm.call(xp.contiguous(), l.a, l.b, l.n, l.group);
+    } else {
+      y = ops_.int8_gemm.call(x.contiguous(), l.a, l.b, l.n);
+    }
+    return l.bias.defined() ? y + l.bias : y;
+  }
+
+  // RMSNorm over each head's D values (Qwen3's q_norm / k_norm), as RMSNorm.forward does for
+  // a [T, H, D] input: the fused kernel where the rows are contiguous, else torch's.
+  at::Tensor head_norm(const at::Tensor& t, const at::Tensor& w) {
+    if (t.is_contiguous()) return ops_.rms_norm.call(t, w, eps_);
+    return at::rms_norm(t, {t.size(-1)}, w, eps_);
+  }
+
+  Ops ops_;
+  c10::optional<c10::OperatorHandle> mkldnn_linear_;
+  std::vector<Layer> layers_;
+  at::Tensor cos_, sin_, final_norm_;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0;
+  double eps_ = 0.0, scale_ = 0.0;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
+}

@@ -1,0 +1,149 @@
+"""CpuDecodeStack: a decode step of a Llama-family model in one C++ call, on the CPU.
+
+At one token a step a decoder layer's kernels take ~100 us on this machine and the Python
+around them (module calls, views, the attention backend, a dispatcher round trip per op)
+about as much again. For a step in which every sequence decodes one token, the runner hands
+the embedded tokens to `torch.classes.servelm_cpu.DecodeStack` (cpu_kernels/decode_stack.cpp),
+which runs the same kernels in the same order as the eager path and returns the final hidden
+states. It holds the modules' tensors (shared, not copied) and the KV cache's layers.
+
+Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
+with a float32 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
+linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized layer on servelm's
+C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Other steps (prefill chunks, speculative verification) and
+other models run eagerly, as before.
+
+    SERVELM_CPU_DECODE=auto    the stack where it applies and the kernels build (default)
+    SERVELM_CPU_DECODE=kernel  the same, but a failed build is an error
+    SERVELM_CPU_DECODE=torch   never
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servelm import cpu_kernels
+from servelm.runner.forward_batch import ForwardBatch
+
+ENV_VAR = "SERVELM_CPU_DECODE"
+_KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED = 0, 1, 2, 3
+
+
+class CpuDecodeStack:
+    def __init__(self, model, kv_cache, backend):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self._stack = None
+        self._built_for = None  # (K cache pointer, number of layers) the stack was built on
+        self.steps = 0  # steps run through the stack
+
+    @classmethod
+    def for_model(cls, model, kv_cache, backend) -> CpuDecodeStack | None:
+        """The stack for this model, or None where it does not apply (see the module doc)."""
+        if cpu_kernels.mode(ENV_VAR) == "torch" or not _applies(model, kv_cache, backend):
+            return None
+        if cpu_kernels.ops_for_mode(ENV_VAR) is None:  # a failed build in mode 'auto'
+            return None
+        return cls(model, kv_cache, backend)
+
+    def maybe_run(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Final hidden states [B, hidden] for an all-decode batch, else None."""
+        if not fb.num_seqs or fb.num_decodes != fb.num_seqs:
+            return None
+        key = (self.kv_cache.k.data_ptr(), len(self.model.layers))
+        if self._built_for != key:
+            self._stack = _build(self.model, self.kv_cache, self.backend)
+            self._built_for = key
+        x = self.model.embed_tokens(fb.input_ids)
+        seq_lens = torch.tensor(fb.seq_lens, dtype=torch.long)
+        self.steps += 1
+        return self._stack.run(x, fb.positions, fb.slot_mapping, fb.block_tables, seq_lens,
+                               -1, True)
+
+
+def _applies(model, kv_cache, backend) -> bool:
+    from servelm.attention.torch_backend import TorchAttentionBackend
+    from servelm.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, TorchAttentionBackend):
+        return False
+    embed = model.embed_tokens.weight
+    if embed.device.type != "cpu" or embed.dtype != torch.float32:
+        return False
+    if (kv_cache.is_fp8 or kv_cache.k.dtype != torch.float32 or backend.kv_cache is not kv_cache
+            or backend.decode_kernel is None):
+        return False
+    eps = model.norm.eps
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.backend is not backend or type(attn.rotary).forward is not _rotary_forward():
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+        if any(n is not None and n.eps != eps for n in norms):
+            return False
+        if any(_linear_kind(m) is None
+               for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return False
+    return True
+
+
+def _rotary_forward():
+    from servelm.layers.rotary import RotaryEmbedding
+
+    return RotaryEmbedding.forward
+
+
+def _linear_kind(m: nn.Module) -> int | None:
+    from servelm.layers.linear import PackedLinear
+    from servelm.quant.int4_linear import Int4Linear
+    from servelm.quant.int8_linear import Int8Linear
+
+    if type(m) is PackedLinear:
+        return _KIND_PACKED
+    if type(m) is nn.Linear:
+        ok = m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        return _KIND_FLOAT if ok else None
+    if type(m) is Int4Linear and m.kernel == "cpu":
+        return _KIND_INT4
+    if type(m) is Int8Linear and m.kernel == "cpu":
+        return _KIND_INT8
+    return None
+
+
+def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """(a, b, bias) tensors and (kind, n, group, k_padded) for one linear; absent = empty."""
+    none = torch.empty(0)
+    kind = _linear_kind(m)
+    bias = none if m.bias is None else m.bias.detach().float().contiguous()
+    if kind == _KIND_FLOAT:
+        return [m.weight.detach(), none, bias], [kind, m.out_features, 0, m.in_features]
+    if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
+        bias = none if m.bias is None else m.bias
+        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
+    if kind == _KIND_INT4:
+        return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
+    return [m.codes, m.scale32, bias], [kind, m.out_features, 0, m.in_features]
+
+
+def _build(model, kv_cache, backend):
+    cpu_kernels.load()
+    first = model.layers[0].self_attn
+    rotary = first.rotary
+    tensors = [rotary.cos.contiguous(), rotary.sin.contiguous(), model.norm.weight.detach()]
+    ints = [len(model.layers), first.num_heads, first.num_kv_heads, first.head_dim,
+            kv_cache.block_size]
+    none = torch.empty(0)
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        k_cache, v_cache = kv_cache.layer(attn.layer)
+        tensors += [layer.input_layernorm.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    none if attn.q_norm is None else attn.q_norm.weight.detach(),
+                    none if attn.k_norm is None else attn.k_norm.weight.detach(),
+                    k_cache, v_cache]
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            t, meta = _linear_entries(m)
+            tensors += t
+            ints += meta
+    return torch.classes.servelm_cpu.DecodeStack(tensors, ints,
+                                                 [float(model.norm.eps), float(backend.scale)])

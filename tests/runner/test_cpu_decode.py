@@ -1,0 +1,74 @@
+"""The CPU decode stack (runner/cpu_decode.py, cpu_kernels/decode_stack.cpp) runs all-decode
+steps through the same kernels in the same order as the eager model: the same tokens and
+bit-identical logprobs with SERVELM_CPU_DECODE=torch, for float, int8 and int4 layers, GQA,
+qkv biases (Qwen2) and q/k norms (Qwen3); and it stays out of the steps and setups it does
+not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.llm import LLM
+from servelm.protocol import SamplingParams
+from servelm.runner import cpu_decode
+
+PROMPTS = [[5, 17, 99, 3, 250, 11, 42], list(range(100, 160)), [7], list(range(200, 223))]
+
+
+def _run(engine, max_tokens=20, logprobs=2):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            logprobs=logprobs)
+    outs = LLM(engine=engine).generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_stack_matches_the_eager_model_bit_for_bit(monkeypatch, tiny_hf, tiny_engine, arch,
+                                                   quantization):
+    hf = tiny_hf(arch)
+    kwargs = dict(max_num_batched_tokens=32, quantization=quantization)
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "kernel")
+    engine = tiny_engine(hf, **kwargs)
+    stack = engine.runner.cpu_stack
+    assert stack is not None
+    ours = _run(engine)
+    assert stack.steps >= 15  # the decode-only steps after the prompts are in
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "torch")
+    eager_engine = tiny_engine(hf, **kwargs)
+    assert eager_engine.runner.cpu_stack is None
+    for a, b in zip(ours, _run(eager_engine)):
+        assert a.token_ids == b.token_ids
+        # every position: the token's logprob and the top-2 alternatives', exactly
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+
+
+def test_stack_stays_out_where_it_does_not_apply(monkeypatch, tiny_hf, tiny_engine):
+    hf = tiny_hf("llama")
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
+    assert tiny_engine(hf, dtype="bfloat16").runner.cpu_stack is None
+    assert tiny_engine(hf, kv_cache_dtype="fp8").runner.cpu_stack is None
+    engine = tiny_engine(hf)
+    # a prefill step (and a mixed one) runs eagerly
+    outs = LLM(engine=engine).generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0),
+                                       use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 1 and engine.runner.cpu_stack.steps == 0
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=cpu_decode.ENV_VAR):
+        tiny_engine(hf)
+
+
+def test_stack_with_speculative_decoding_keeps_the_tokens(monkeypatch, tiny_hf, tiny_engine):
+    """n-gram speculation (no logprobs: requests asking for them are not speculated):
+    verification steps run eagerly, plain decode steps in the stack; greedy tokens are those
+    of the model without speculation."""
+    hf = tiny_hf("llama")
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
+    plain = _run(tiny_engine(hf), max_tokens=40, logprobs=None)
+    engine = tiny_engine(hf, speculative_method="ngram", num_speculative_tokens=3,
+                         spec_adaptive=False)
+    spec = _run(engine, max_tokens=40, logprobs=None)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.stats.spec_num_proposed > 0 and engine.runner.cpu_stack.steps > 0
