@@ -6,9 +6,9 @@ per layer. Each shape is cycled over enough copies (~200 MB of fp32) that the we
 from memory, not cache, as in a real decode step. A guide for choosing a fast path, not a
 test: numbers on a shared machine are noisy (repeat, compare medians).
 
-Paths: float32 / bfloat16 dense matmul; int8 (per channel) and int4-g32 / int4-g128 with
-bf16 activations (servelm's path); int8 and int4-g32 with float32 activations (exact but
-slow on this torch build; timed at T=1 only).
+Paths: float32 / bfloat16 dense matmul; int8 (per channel) and int4-g32 / int4-g128 on
+servelm's C++ kernels (float32 activations, the default); int8 and int4-g32 on aten's packed
+ops with bf16 activations ("/aten", the fallback where the C++ kernels do not build).
 """
 
 from __future__ import annotations
@@ -19,28 +19,30 @@ import time
 
 import torch
 
-from servelm.quant.int4_linear import Int4Linear
-from servelm.quant.int8_linear import Int8Linear
+from servelm.quant.int4_linear import Int4Linear, quantize_int4_groups
+from servelm.quant.int8_linear import Int8Linear, quantize_int8_per_channel
 
 # (name, out_features, in_features) of SmolLM2-135M's linear layers, lm_head last.
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
-PATHS = ["float32", "bfloat16", "int8", "int4-g32", "int4-g128", "int8/f32", "int4-g32/f32"]
+PATHS = ["float32", "bfloat16", "int8", "int4-g32", "int4-g128", "int8/aten", "int4-g32/aten"]
 _POOL_BYTES = 200 * 2**20
 
 
 def _build(path: str, weight: torch.Tensor):
-    f32 = path.endswith("/f32")
-    dtype = torch.float32 if f32 else torch.bfloat16
-    name = path.removesuffix("/f32")
+    kernel = "aten" if path.endswith("/aten") else "cpu"
+    name = path.removesuffix("/aten")
     if name == "float32":
         return lambda x: x @ weight.t()
     if name == "bfloat16":
         w = weight.to(torch.bfloat16)
         return lambda x: (x.to(torch.bfloat16) @ w.t()).float()
     if name == "int8":
-        return Int8Linear.from_float(weight, None, dtype)
-    return Int4Linear.from_float(weight, None, int(name.split("-g")[1]), dtype)
+        q, scale = quantize_int8_per_channel(weight, torch.bfloat16)
+        return Int8Linear(q, scale, None, torch.bfloat16, kernel)
+    group = int(name.split("-g")[1])
+    q, scale, zero = quantize_int4_groups(weight, group, torch.bfloat16)
+    return Int4Linear(q, scale, zero, group, None, torch.bfloat16, kernel)
 
 
 def _time_us(layers, x, iters: int) -> float:
@@ -70,8 +72,7 @@ def run(threads: list[int], tokens: list[int], iters: int):
                 us = {}
                 with torch.inference_mode():
                     for p in PATHS:
-                        slow = p.endswith("/f32") and t > 1
-                        us[p] = float("nan") if slow else _time_us(layers[p], x, iters)
+                        us[p] = _time_us(layers[p], x, iters)
                 yield num_threads, name, t, us
 
 
