@@ -6,12 +6,14 @@ about as much again. For a step in which every sequence decodes one token, the r
 the embedded tokens to `torch.classes.servelm_cpu.DecodeStack` (cpu_kernels/decode_stack.cpp),
 which runs the same kernels in the same order as the eager path and returns the final hidden
 states. It holds the modules' tensors (shared, not copied) and the KV cache's layers.
+Speculative verifications (a few query tokens after a context) ride along as one decode row
+per token (see `maybe_run`).
 
 Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
 with a float32 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
 linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized layer on servelm's
-C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Other steps (prefill chunks, speculative verification) and
-other models run eagerly, as before.
+C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Steps with a prefill chunk and other
+models run eagerly, as before.
 
     SERVELM_CPU_DECODE=auto    the stack where it applies and the kernels build (default)
     SERVELM_CPU_DECODE=kernel  the same, but a failed build is an error
@@ -27,6 +29,7 @@ from servelm import cpu_kernels
 from servelm.runner.forward_batch import ForwardBatch
 
 ENV_VAR = "SERVELM_CPU_DECODE"
+MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
 _KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED = 0, 1, 2, 3
 
 
@@ -36,6 +39,7 @@ class CpuDecodeStack:
         self._stack = None
         self._built_for = None  # (K cache pointer, number of layers) the stack was built on
         self.steps = 0  # steps run through the stack
+        self.verify_steps = 0  # of which with speculative verifications
 
     @classmethod
     def for_model(cls, model, kv_cache, backend) -> CpuDecodeStack | None:
@@ -47,18 +51,32 @@ class CpuDecodeStack:
         return cls(model, kv_cache, backend)
 
     def maybe_run(self, fb: ForwardBatch) -> torch.Tensor | None:
-        """Final hidden states [B, hidden] for an all-decode batch, else None."""
-        if not fb.num_seqs or fb.num_decodes != fb.num_seqs:
+        """Final hidden states [T, hidden] for a batch of decodes and speculative
+        verifications, else None.
+
+        A verification (a sequence with context whose few query tokens are the last token
+        and its drafts) runs as one decode row per token: every row's K/V is stored before
+        attention, and row t attends positions 0..positions[t], which is causal attention
+        over the chunk. Fresh prompts and longer chunks (prefill) run eagerly."""
+        if not fb.num_seqs:
             return None
+        if fb.num_decodes == fb.num_seqs:
+            tables, seq_lens = fb.block_tables, torch.tensor(fb.seq_lens, dtype=torch.long)
+        else:
+            qsl, ctx = fb.query_start_loc, fb.context_lens
+            lens = [qsl[i + 1] - qsl[i] for i in range(fb.num_seqs)]
+            if any(n > MAX_VERIFY_ROWS or (n > 1 and c == 0) for n, c in zip(lens, ctx)):
+                return None
+            tables = fb.block_tables.repeat_interleave(torch.tensor(lens), dim=0)
+            seq_lens = fb.positions + 1
+            self.verify_steps += 1
         key = (self.kv_cache.k.data_ptr(), len(self.model.layers))
         if self._built_for != key:
             self._stack = _build(self.model, self.kv_cache, self.backend)
             self._built_for = key
         x = self.model.embed_tokens(fb.input_ids)
-        seq_lens = torch.tensor(fb.seq_lens, dtype=torch.long)
         self.steps += 1
-        return self._stack.run(x, fb.positions, fb.slot_mapping, fb.block_tables, seq_lens,
-                               -1, True)
+        return self._stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens, -1, True)
 
 
 def _applies(model, kv_cache, backend) -> bool:

@@ -71,4 +71,40 @@ def test_stack_with_speculative_decoding_keeps_the_tokens(monkeypatch, tiny_hf, 
                          spec_adaptive=False)
     spec = _run(engine, max_tokens=40, logprobs=None)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert engine.stats.spec_num_proposed > 0 and engine.runner.cpu_stack.steps > 0
+    stack = engine.runner.cpu_stack
+    assert engine.stats.spec_num_proposed > 0 and stack.verify_steps > 0
+    assert stack.steps > stack.verify_steps  # plain decode steps too
+
+
+@pytest.mark.parametrize("quantization", [None, "int4-g32"])
+def test_verification_rows_are_causal_attention_over_the_chunk(monkeypatch, tiny_hf, tiny_engine,
+                                                               quantization):
+    """A sequence with context and a few new tokens (as a verification is) through the stack,
+    one decode row per token, scores them like the eager path's chunked prefill, within float
+    rounding; a fresh prompt of a few tokens stays eager."""
+    from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from servelm.engine.sequence import Sequence
+    from servelm.protocol import RequestTimings
+
+    hf = tiny_hf("qwen3")
+    prompt = list(range(40, 71))
+    logits = {}
+    for mode in ("kernel", "torch"):
+        monkeypatch.setenv(cpu_decode.ENV_VAR, mode)
+        engine = tiny_engine(hf, quantization=quantization)
+        seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
+        engine.block_manager.allocate(seq, len(prompt))
+        score = lambda start, n: engine.runner.score(  # noqa: E731
+            ScheduledBatch([ScheduledSeq(seq, start, n)]))
+        score(0, 27)  # a prefill chunk: eager either way
+        logits[mode] = score(27, 4)
+        stack = engine.runner.cpu_stack
+        if mode == "kernel":
+            assert stack.verify_steps == 1 and stack.steps == 1
+            fresh = Sequence("q", 1, prompt[:3], SamplingParams(max_tokens=1),
+                             RequestTimings(), 1)
+            engine.block_manager.allocate(fresh, 3)
+            engine.runner.score(ScheduledBatch([ScheduledSeq(fresh, 0, 3)]))
+            assert stack.steps == 1  # a fresh prompt is a prefill
+    assert logits["kernel"].shape == (4, 384)
+    torch.testing.assert_close(logits["kernel"], logits["torch"], atol=1e-4, rtol=1e-4)
