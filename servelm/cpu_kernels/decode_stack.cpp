@@ -49,8 +49,8 @@ struct Ops {
       find_op<at::Tensor(T, T, T, T, T, int64_t, double)>("servelm_cpu::paged_decode");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
-  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t)> int8_gemm =
-      find_op<at::Tensor(T, T, T, int64_t)>("servelm_cpu::int8_gemm");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
+      find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int8_gemm");
 };
 
 // kPacked: servelm/layers/linear.py's PackedLinear (oneDNN's packed float weight), called
@@ -165,7 +165,7 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor xp = x.size(1) == l.k_padded ? x : at::constant_pad_nd(x, {0, l.k_padded - x.size(1)});
       y = ops_.int4_gemm.call(xp.contiguous(), l.a, l.b, l.n, l.group);
     } else {
-      y = ops_.int8_gemm.call(x.contiguous(), l.a, l.b, l.n);
+      y = ops_.int8_gemm.call(x.contiguous(), l.a, l.b, l.n, l.group);
     }
     return l.bias.defined() ? y + l.bias : y;
   }

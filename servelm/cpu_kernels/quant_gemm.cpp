@@ -11,7 +11,8 @@
 // along K so that one column of a panel is one 16-lane vector:
 //   int4: codes [P, K/2, 16] u8, codes[p][k/2][j] = q[16p+j][k] | q[16p+j][k+1] << 4
 //         sz [P, G, 2, 16] (scale, then zero; bf16 or f32), w = (q - 8) scale + zero
-//   int8: codes [P, K, 16] i8, scale [16P] f32, w = q scale
+//   int8: codes [P, K, 16] i8, scale [16P] f32 (one per row) or [P, G, 16] (one per
+//         `group` columns), w = q scale
 // so y[m, 16p : 16p+16] = sum_k x[m, k] * column k: one broadcast multiply-add per column, no
 // horizontal sums, and a group's scale/zero are one vector each:
 //   y += scale * sum_{k in g} (q - 8) x  +  zero * sum_{k in g} x
@@ -184,31 +185,37 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 template <int R>
-inline void int8_panel(const float* x, int64_t K, const int8_t* codes, const float* scale,
-                       f32x16* out) {
+inline void int8_panel(const float* x, int64_t K, int64_t group, int64_t G, const int8_t* codes,
+                       const float* scale, f32x16* out) {
   constexpr int C = R == 1 ? 4 : 2;  // columns a step = accumulators per row
-  f32x16 d[R][C] = {};
-  int64_t k = 0;
-  for (; k + C <= K; k += C) {
-    for (int c = 0; c < C; ++c) {
-      const f32x16 w = i8_to_f32(codes + (k + c) * kLanes);
-      for (int r = 0; r < R; ++r) d[r][c] += w * x[r * K + k + c];
+  f32x16 acc[R] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    f32x16 d[R][C] = {};
+    const int64_t k_end = std::min(K, (g + 1) * group);
+    int64_t k = g * group;
+    for (; k + C <= k_end; k += C) {
+      for (int c = 0; c < C; ++c) {
+        const f32x16 w = i8_to_f32(codes + (k + c) * kLanes);
+        for (int r = 0; r < R; ++r) d[r][c] += w * x[r * K + k + c];
+      }
+    }
+    for (; k < k_end; ++k) {
+      const f32x16 w = i8_to_f32(codes + k * kLanes);
+      for (int r = 0; r < R; ++r) d[r][0] += w * x[r * K + k];
+    }
+    const f32x16 s = load16(scale + g * kLanes);
+    for (int r = 0; r < R; ++r) {
+      f32x16 sum = d[r][0];
+      for (int c = 1; c < C; ++c) sum += d[r][c];
+      acc[r] += s * sum;
     }
   }
-  for (; k < K; ++k) {
-    const f32x16 w = i8_to_f32(codes + k * kLanes);
-    for (int r = 0; r < R; ++r) d[r][0] += w * x[r * K + k];
-  }
-  const f32x16 s = load16(scale);
-  for (int r = 0; r < R; ++r) {
-    f32x16 sum = d[r][0];
-    for (int c = 1; c < C; ++c) sum += d[r][c];
-    out[r] = s * sum;
-  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// group 0: one scale per row (scale [16P]); else one per `group` columns (scale [P, G, 16]).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                     int64_t N) {
+                     int64_t N, int64_t group) {
   check_cpu(x, at::kFloat, "int8_gemm: x");
   check_cpu(codes, at::kChar, "int8_gemm: codes");
   check_cpu(scale, at::kFloat, "int8_gemm: scale");
@@ -218,7 +225,11 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), P = codes.size(0);
   TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "int8_gemm: N=", N, " does not fit ", P,
               " panels");
-  TORCH_CHECK(scale.numel() == P * kLanes, "int8_gemm: scale must have 16 values per panel");
+  TORCH_CHECK(group >= 0, "int8_gemm: group must be >= 0");
+  const int64_t span = group > 0 ? group : std::max<int64_t>(K, 1);
+  const int64_t G = group > 0 ? (K + group - 1) / group : 1;
+  TORCH_CHECK(scale.numel() == P * G * kLanes, "int8_gemm: scale must have 16 values per panel",
+              group > 0 ? " and group" : "");
   at::Tensor y = at::empty({M, N}, x.options());
   const float* px = x.data_ptr<float>();
   const int8_t* pc = codes.data_ptr<int8_t>();
@@ -228,24 +239,24 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     f32x16 out[8];
     for (int64_t p = begin; p < end; ++p) {
       const int8_t* c = pc + p * K * kLanes;
-      const float* s = psc + p * kLanes;
+      const float* s = psc + p * G * kLanes;
       int64_t m = 0;
       for (; m + 8 <= M; m += 8) {
-        int8_panel<8>(px + m * K, K, c, s, out);
+        int8_panel<8>(px + m * K, K, span, G, c, s, out);
         store_panel<8>(out, py, m, N, p);
       }
       if (M - m >= 4) {
-        int8_panel<4>(px + m * K, K, c, s, out);
+        int8_panel<4>(px + m * K, K, span, G, c, s, out);
         store_panel<4>(out, py, m, N, p);
         m += 4;
       }
       if (M - m >= 2) {
-        int8_panel<2>(px + m * K, K, c, s, out);
+        int8_panel<2>(px + m * K, K, span, G, c, s, out);
         store_panel<2>(out, py, m, N, p);
         m += 2;
       }
       if (M - m == 1) {
-        int8_panel<1>(px + m * K, K, c, s, out);
+        int8_panel<1>(px + m * K, K, span, G, c, s, out);
         store_panel<1>(out, py, m, N, p);
       }
     }
@@ -257,5 +268,6 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor codes, Tensor sz, int n, int group) -> Tensor", &int4_gemm);
-  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, int n) -> Tensor", &int8_gemm);
+  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, int n, int group=0) -> Tensor",
+        &int8_gemm);
 }

@@ -138,8 +138,9 @@ def iter_quantized_weights(checkpoint: QuantizedCheckpoint,
                     raise ValueError(f"{path}: no format recorded for {base}")
                 q = f.get_tensor(name)
                 scale = f.get_tensor(f"{base}.scales")
-                if kind == "int8":
-                    weight = QuantizedWeight("int8", q, scale, None, 0)
+                if kind == "int8" or kind.startswith("int8-g"):
+                    group = int(kind.removeprefix("int8-g")) if kind != "int8" else 0
+                    weight = QuantizedWeight("int8", q, scale, None, group)
                 else:
                     group = int(kind.removeprefix("int4-g"))
                     weight = QuantizedWeight("int4", unpack_int4(q), scale,
@@ -308,7 +309,8 @@ def _quantization_config(method: str, quant, formats: dict[str, str], source,
         "formats": kinds,  # per tensor: model.safetensors' header
         "group_size": groups[0] if len(groups) == 1 else None,
         "int4_convention": "w = (q - 8) * scale + zero, q in 0..15",
-        "int8_convention": "w = q * scale, q in -127..127, one scale per output row",
+        "int8_convention": ("w = q * scale, q in -127..127, one scale per output row (int8) "
+                            "or per N inputs of a row (int8-gN)"),
         "scale_dtype": str(quant.compute_dtype).removeprefix("torch."),
         "lm_head": "int8" if quant.lm_head_method() is not None else "float",
         "tied_lm_head": config.tie_word_embeddings,

@@ -5,7 +5,8 @@ that one column of a panel is one 16-lane vector:
 
     int4: codes [P, K/2, 16] uint8, codes[p, k/2, j] = q[16p+j, k] | q[16p+j, k+1] << 4
           sz    [P, G, 2, 16] (scale, zero), w = (q - 8) * scale + zero
-    int8: codes [P, K, 16] int8, scale [16P] float32, w = q * scale
+    int8: codes [P, K, 16] int8, scale [16P] (per row) or [P, G, 16] (per group) float32,
+          w = q * scale
 
 Padded rows have scale 0 and zero 0, so they are 0 whatever their codes.
 """
@@ -51,12 +52,16 @@ def unpack_int4_panels(codes: torch.Tensor, sz: torch.Tensor, n: int, group: int
 
 
 def pack_int8_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] int8, scale [N] -> (codes [P, K, 16] int8, scale [16P] float32)."""
+    """q [N, K] int8, scale [N] or [N, G] -> (codes [P, K, 16] int8, scale [16P] or
+    [P, G, 16] float32)."""
     n, k = q.shape
     p = num_panels(n)
     pad = p * LANES - n
     codes = F.pad(q.to(torch.int8), (0, 0, 0, pad)).view(p, LANES, k).permute(0, 2, 1)
-    return codes.contiguous(), F.pad(scale.float(), (0, pad)).contiguous()
+    if scale.dim() == 1:
+        return codes.contiguous(), F.pad(scale.float(), (0, pad)).contiguous()
+    groups = F.pad(scale.float(), (0, 0, 0, pad)).view(p, LANES, -1).permute(0, 2, 1)
+    return codes.contiguous(), groups.contiguous()
 
 
 def unpack_int8_panels(codes: torch.Tensor, n: int) -> torch.Tensor:

@@ -116,9 +116,9 @@ class Int4Linear(QuantizedLinear):
         if kernel == "cpu":
             panel_ops(required=True)  # loads torch.ops.servelm_cpu
             self.k_padded = -(-in_features // 32) * 32
-            # Scale / zero in the compute dtype, as on the aten path (bf16 by default; the
-            # quantizers round them to it), else float32.
-            sz_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+            # Scale / zero kept as given: bf16 (what the RTN quantizers round to by default)
+            # or float32 (GGUF's exact (d, m + 8 d); other dtypes widen to float32).
+            sz_dtype = torch.bfloat16 if scale.dtype == torch.bfloat16 else torch.float32
             codes, sz = pack_int4_panels(
                 F.pad(q.cpu(), (0, self.k_padded - in_features), value=8),
                 scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype), sz_dtype)
@@ -143,7 +143,8 @@ class Int4Linear(QuantizedLinear):
                    group_size: int = 128, compute_dtype: torch.dtype = torch.bfloat16
                    ) -> Int4Linear:
         q, scale, zero = quantize_int4_groups(weight, group_size, compute_dtype)
-        return cls(q, scale, zero, group_size, bias, compute_dtype)
+        return cls(q, scale.to(compute_dtype), zero.to(compute_dtype), group_size, bias,
+                   compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":

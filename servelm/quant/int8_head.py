@@ -28,8 +28,9 @@ from servelm.quant.int8_linear import Int8Linear
 
 
 class Int8Head(Int8Linear):
-    def __init__(self, q, scale, bias=None, compute_dtype=torch.bfloat16, kernel=None):
-        super().__init__(q, scale, bias, compute_dtype, kernel)
+    def __init__(self, q, scale, bias=None, compute_dtype=torch.bfloat16, kernel=None,
+                 group_size=0):
+        super().__init__(q, scale, bias, compute_dtype, kernel, group_size)
         self.max_row_norm = self.dequantize().norm(dim=1).max().item()  # max_v ||w_v||
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,10 @@ int8, scales[out])`, fast only with bfloat16 activations (with float32 ones it i
 than fp32 BLAS on this torch build, see docs/quantization.md), so the layer casts x to the
 compute dtype (bf16 by default) for the op and the result back. Scales are stored in the
 compute dtype, rounded up so no code leaves [-127, 127].
+
+Grouped int8 (`group_size` > 0: one float32 scale per `group_size` inputs of a row, GGUF's
+Q8_0 with group 32) runs as it is on the "cpu" kernel only; the aten and Triton paths take one
+scale per row, so there the weight is requantized per row at construction.
 On a CUDA device the layer runs the Triton w8a16 GEMM (servelm/kernels/w8a16_gemm.py) on the
 same codes, x in its own dtype; the codes need no other layout, so a layer built on the CPU
 and moved to the GPU takes that path too.
@@ -16,6 +20,7 @@ and moved to the GPU takes that path too.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from servelm.quant.cpu_panels import pack_int8_panels, panel_ops, unpack_int8_panels
 from servelm.quant.quantized_linear import QuantizedLinear, round_up_to
@@ -33,22 +38,45 @@ def quantize_int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype = t
     return q.contiguous(), scale
 
 
+def quantize_int8_groups(weight: torch.Tensor, group_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight[out, in] -> (q[out, in] int8 in [-127, 127], scale[out, G] float32): RTN with
+    scale = max|w| / 127 per group, as ggml's Q8_0 (whose dequantized values this gives back
+    exactly: each block's largest weight is 127 d)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    num_groups = -(-k // group_size)
+    wg = F.pad(w, (0, num_groups * group_size - k)).view(n, num_groups, group_size)
+    scale = wg.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wg / safe[..., None]).clamp_(-127, 127).view(n, -1)[:, :k]
+    return q.to(torch.int8).contiguous(), scale
+
+
 class Int8Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
+                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
+                 group_size: int = 0):
         """kernel: "cpu" (servelm's C++ int8 GEMM on panels, float32 activations), "aten"
         (aten's int8 op, bf16 activations), "triton" (w8a16 GEMM) or None: codes on the CPU
         take "cpu" where servelm's kernels build; otherwise by x's device at each call
-        (CUDA: triton, CPU: aten)."""
+        (CUDA: triton, CPU: aten). group_size 0: scale [out]; else scale [out, G] float32."""
         if kernel not in (None, "cpu", "aten", "triton"):
             raise ValueError("int8 kernel must be 'cpu', 'aten', 'triton' or None, got "
                              f"{kernel!r}")
         if kernel is None and q.device.type == "cpu" and panel_ops() is not None:
             kernel = "cpu"
+        if group_size and kernel != "cpu":  # the other kernels take a scale per row
+            w = q.float() * scale.float().repeat_interleave(group_size, dim=1)[:, :q.shape[1]]
+            q, scale = quantize_int8_per_channel(w, compute_dtype)
+            group_size = 0
         out_features, in_features = q.shape
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.kernel = kernel
-        self.register_buffer("scale", scale.to(compute_dtype).contiguous())  # the op's dtype
+        self.group_size = group_size
+        # the op's dtype; group scales (Q8_0's fp16 d) stay float32, exact
+        self.register_buffer("scale", scale.to(torch.float32 if group_size else compute_dtype)
+                             .contiguous())
         if kernel == "cpu":  # the panels replace q: one copy of the codes
             panel_ops(required=True)  # loads torch.ops.servelm_cpu
             codes, scale32 = pack_int8_panels(q.cpu(), self.scale.cpu())
@@ -74,7 +102,7 @@ class Int8Linear(QuantizedLinear):
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
         if self.kernel == "cpu":
             y = torch.ops.servelm_cpu.int8_gemm(x.float().contiguous(), self.codes,
-                                                self.scale32, self.out_features)
+                                                self.scale32, self.out_features, self.group_size)
             return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(xc, self.q, self.scale)
@@ -85,7 +113,11 @@ class Int8Linear(QuantizedLinear):
         return unpack_int8_panels(self.codes, self.out_features) if self.q is None else self.q
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes_int8().float().cpu() * self.scale.float().cpu()[:, None]
+        scale = self.scale.float().cpu()
+        if self.group_size:
+            scale = scale.repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
+            return self.codes_int8().float().cpu() * scale
+        return self.codes_int8().float().cpu() * scale[:, None]
 
     @property
     def num_weight_bytes(self) -> int:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from servelm.quant.gguf_blocks import GGUFBlocks, decode_q4
+from servelm.quant.gguf_blocks import GGUFBlocks, decode_q4, decode_q8_0
 from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
 from servelm.quant.int4_linear import quantize_int4_groups
-from servelm.quant.int8_linear import Int8Linear, quantize_int8_per_channel
+from servelm.quant.int8_linear import (Int8Linear, quantize_int8_groups,
+                                       quantize_int8_per_channel)
 from servelm.quant.quantized_weight import QuantizedWeight
 
 
@@ -83,17 +84,29 @@ class QuantMethod:
 
 
 class Int8Method(QuantMethod):
+    """int8, one scale per row (group_size 0) or per group_size inputs (float32 scales)."""
+
     layer_class = Int8Linear
 
+    def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
+                 group_size: int = 0):
+        super().__init__(name, compute_dtype)
+        self.group_size = group_size
+
     def quantize(self, weight):
-        q, scale = quantize_int8_per_channel(weight, self.compute_dtype)
-        return QuantizedWeight("int8", q.to(weight.device), scale.to(weight.device), None, 0)
+        if self.group_size:
+            q, scale = quantize_int8_groups(weight, self.group_size)
+        else:
+            q, scale = quantize_int8_per_channel(weight, self.compute_dtype)
+        return QuantizedWeight("int8", q.to(weight.device), scale.to(weight.device), None,
+                               self.group_size)
 
     def build(self, weight, bias):
-        return self.layer_class(weight.q, weight.scale, bias, self.compute_dtype)
+        return self.layer_class(weight.q, weight.scale, bias, self.compute_dtype,
+                                group_size=weight.group_size)
 
     def accepted_formats(self):
-        return ("int8",)
+        return (f"int8-g{self.group_size}",) if self.group_size else ("int8",)
 
 
 class Int8HeadMethod(Int8Method):
@@ -129,13 +142,19 @@ class GGUFMethod(QuantMethod):
     """A GGUF file's quantized tensors served as they are stored.
 
     Q4_0 / Q4_1 -> Int4Linear with groups of 32: the nibbles are the kernel's codes as they
-    are, (d, m) become (scale, zero = m + 8 d), rounded to the compute dtype (bf16: within
-    ~2^-9 relative; float32: exact up to the one rounding of m + 8 d).
-    Q8_0 -> Int8Linear with one scale per row, requantized from the dequantized blocks: no CPU
-    int8 op takes a scale per 32 weights, and int4 would lose precision. The extra error is at
-    most ~max|w_row| / 254 per weight, the same as int8 RTN of the float values.
+    are, (d, m) become (scale, zero = m + 8 d) in float32 (exact up to the one rounding of
+    m + 8 d; servelm's CPU kernel keeps them so, aten's and Triton's paths take the compute
+    dtype).
+    Q8_0 -> Int8Linear with the blocks' codes and their scale per 32 weights as they are
+    (servelm's CPU int8 kernel takes group scales; the aten and Triton paths requantize per
+    row). The lm_head, tied or not, is int8 with groups of 32 too: from a tied Q8_0
+    embedding's float values, RTN per 32 gives back Q8_0's codes and scales exactly, so
+    `gguf` computes with exactly the file's weights.
     Other types (F32, F16, K-quants) are dequantized and stay float.
     """
+
+    def lm_head_method(self):
+        return Int8HeadMethod("int8-g32-head", self.compute_dtype, group_size=32)
 
     def from_blocks(self, blocks, bias, dtype=torch.float32):
         if isinstance(blocks, QuantizedWeight):
@@ -145,10 +164,12 @@ class GGUFMethod(QuantMethod):
     def quantize_blocks(self, blocks, dtype=torch.float32):
         if blocks.type_name in ("Q4_0", "Q4_1"):
             q, scale, zero = decode_q4(blocks)
-            # Rounded to the compute dtype here, as Int4Linear would: a saved checkpoint then
-            # holds exactly what is served.
-            return QuantizedWeight("int4", q, scale.to(self.compute_dtype),
-                                   zero.to(self.compute_dtype), 32)
+            # float32: d is fp16, zero = m + 8 d one float32 rounding (bf16 would move
+            # perplexity by 0.06%); the CPU kernel reads float32 scales as they are.
+            return QuantizedWeight("int4", q, scale.float(), zero.float(), 32)
+        if blocks.type_name == "Q8_0":
+            q, d = decode_q8_0(blocks)
+            return QuantizedWeight("int8", q, d, None, 32)
         return Int8Method("int8", self.compute_dtype).quantize(blocks.dequantize())
 
     def quantize(self, weight):
@@ -157,7 +178,8 @@ class GGUFMethod(QuantMethod):
     def build(self, weight, bias):
         if isinstance(weight, QuantizedWeight):
             if weight.format == "int8":
-                return Int8Method("int8", self.compute_dtype).build(weight, bias)
+                return Int8Method("int8", self.compute_dtype, weight.group_size).build(weight,
+                                                                                       bias)
             return Int4Linear(weight.q, weight.scale, weight.zero, 32, bias,
                               self.compute_dtype)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
@@ -169,4 +191,4 @@ class GGUFMethod(QuantMethod):
         return layer
 
     def accepted_formats(self):
-        return ("int8", "int4-g32")
+        return ("int8", "int8-g32", "int4-g32")

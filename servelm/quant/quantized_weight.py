@@ -5,6 +5,7 @@ and fuse by rows (q/k/v and gate/up are fused row-wise in the model, and stored 
 HF tensors in a checkpoint):
 
     int8   q[out, in] int8 in [-127, 127], scale[out]               w = q * scale
+           or, with group_size > 0, scale[out, G] float32 (GGUF's Q8_0: group 32)
     int4   q[out, in] uint8 in 0..15, scale, zero [out, G]          w = (q - 8) * scale + zero
            (G = ceil(in / group_size); tinygemm's convention, see int4_linear.py)
 
@@ -25,9 +26,9 @@ FORMATS = ("int8", "int4")
 class QuantizedWeight(NamedTuple):
     format: str  # "int8" | "int4"
     q: torch.Tensor  # codes [out, in]: int8 (int8) or uint8 0..15 (int4)
-    scale: torch.Tensor  # [out] (int8) or [out, G] (int4)
+    scale: torch.Tensor  # [out] (int8), [out, G] (int4, grouped int8)
     zero: torch.Tensor | None  # [out, G] (int4) or None
-    group_size: int  # int4 only; 0 for int8
+    group_size: int  # int4; grouped int8; 0 for per-row int8
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -36,7 +37,9 @@ class QuantizedWeight(NamedTuple):
     @property
     def type_name(self) -> str:
         """One name per format and group size: shards fuse only when these agree."""
-        return self.format if self.format == "int8" else f"int4-g{self.group_size}"
+        if self.format == "int8":
+            return f"int8-g{self.group_size}" if self.group_size else "int8"
+        return f"int4-g{self.group_size}"
 
     def to(self, *args, **kwargs) -> QuantizedWeight:
         return self  # dtype casts apply to float tensors only; codes stay codes
@@ -48,9 +51,12 @@ class QuantizedWeight(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]."""
-        if self.format == "int8":
+        if self.format == "int8" and not self.group_size:
             return self.q.float() * self.scale.float()[:, None]
         out, k = self.shape
+        if self.format == "int8":
+            return self.q.float() * self.scale.float().repeat_interleave(
+                self.group_size, dim=1)[:, :k]
         g = self.group_size
         scale = self.scale.float().repeat_interleave(g, dim=1)[:, :k]
         zero = self.zero.float().repeat_interleave(g, dim=1)[:, :k]
@@ -65,7 +71,10 @@ class QuantizedWeight(NamedTuple):
             raise ValueError(f"codes must be 2-D [out, in], got {tuple(self.q.shape)}")
         out, k = self.shape
         if self.format == "int8":
-            want_scale, want_q = (out,), torch.int8
+            want_q = torch.int8
+            want_scale = (out, -(-k // self.group_size)) if self.group_size > 0 else (out,)
+            if self.group_size < 0:
+                raise ValueError(f"int8 group_size must be >= 0, got {self.group_size}")
         else:
             want_scale, want_q = (out, -(-k // max(self.group_size, 1))), torch.uint8
             if self.group_size <= 0:

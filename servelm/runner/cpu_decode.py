@@ -140,7 +140,7 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_INT4:
         return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
-    return [m.codes, m.scale32, bias], [kind, m.out_features, 0, m.in_features]
+    return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]
 
 
 def _build(model, kv_cache, backend):

@@ -13,7 +13,8 @@ from servelm.quant import cpu_panels
 from servelm.quant.cpu_panels import (pack_int4_panels, pack_int8_panels, unpack_int4_panels,
                                       unpack_int8_panels)
 from servelm.quant.int4_linear import Int4Linear
-from servelm.quant.int8_linear import Int8Linear
+from servelm.quant.int8_linear import Int8Linear, quantize_int8_groups
+from servelm.quant.quantized_weight import QuantizedWeight
 
 GEN = torch.Generator().manual_seed(7)
 
@@ -52,16 +53,57 @@ def test_int4_gemm_is_float32_math_on_the_dequantized_weight(ops, m, n, k, group
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 64])
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 97), (100, 576), (7, 3)])
-def test_int8_gemm_is_float32_math_on_the_dequantized_weight(ops, m, n, k):
+@pytest.mark.parametrize("group", [0, 32, 64])
+def test_int8_gemm_is_float32_math_on_the_dequantized_weight(ops, m, n, k, group):
+    """group 0: a scale per row; else a scale per `group` inputs (a last group cut short)."""
     q = torch.randint(-127, 128, (n, k), generator=GEN, dtype=torch.int8)
-    scale = torch.rand(n, generator=GEN) * 0.01 + 1e-4
+    num_groups = -(-k // group) if group else 1
+    scale = torch.rand(n, num_groups, generator=GEN) * 0.01 + 1e-4
+    if not group:
+        scale = scale[:, 0]
     codes, scale32 = pack_int8_panels(q, scale)
     assert torch.equal(unpack_int8_panels(codes, n), q)
     x = torch.randn(m, k, generator=GEN)
-    w = q.double() * scale.double()[:, None]
-    y = ops.int8_gemm(x, codes, scale32, n)
+    per_col = (scale.double().repeat_interleave(group, dim=1)[:, :k] if group
+               else scale.double()[:, None])
+    w = q.double() * per_col
+    y = ops.int8_gemm(x, codes, scale32, n, group)
     bound = 1e-6 * (x.double().abs() @ w.abs().t()) + 1e-7
     assert y.shape == (m, n) and ((y.double() - x.double() @ w.t()).abs() <= bound).all()
+
+
+def test_int8_groups_give_back_q8_0_exactly():
+    """RTN per 32 on Q8_0's dequantized values returns its codes and (fp16) scales: each
+    block's largest code is 127, as ggml's quantizer makes it."""
+    n, k = 24, 96
+    q = torch.randint(-127, 128, (n, k), generator=GEN, dtype=torch.int8)
+    q.view(n, k // 32, 32)[..., 5] = 127  # ggml: the block's max |x| maps to +-127
+    q.view(n, k // 32, 32)[0, 1, 5] = -127
+    d = (torch.rand(n, k // 32, generator=GEN) * 0.01 + 1e-4).half().float()
+    w = q.float() * d.repeat_interleave(32, dim=1)
+    q2, d2 = quantize_int8_groups(w, 32)
+    assert torch.equal(q2, q) and torch.equal(d2, d)
+    weight = QuantizedWeight("int8", q, d, None, 32).validate()
+    assert weight.type_name == "int8-g32" and torch.equal(weight.dequantize(), w)
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedWeight("int8", q, d[:, :1], None, 32).validate()
+
+
+def test_grouped_int8_layer_on_each_kernel():
+    """The C++ kernel keeps the group scales; aten's op takes one per row, so the layer
+    requantizes (RTN per row of the grouped weight: within half a row step)."""
+    n, k = 40, 96
+    w = torch.randn(n, k, generator=GEN) * torch.linspace(0.01, 1.0, k)  # uneven columns
+    q, d = quantize_int8_groups(w, 32)
+    grouped = q.float() * d.repeat_interleave(32, dim=1)
+    x = torch.randn(3, k, generator=GEN)
+    cpu = Int8Linear(q, d, None, kernel="cpu", group_size=32)
+    assert cpu.group_size == 32 and torch.equal(cpu.dequantize(), grouped)
+    torch.testing.assert_close(cpu(x), x @ grouped.t(), atol=1e-5, rtol=1e-5)
+    aten = Int8Linear(q, d, None, torch.float32, kernel="aten", group_size=32)
+    assert aten.group_size == 0 and aten.scale.shape == (n,)
+    step = grouped.abs().amax(1, keepdim=True) / 127
+    assert ((aten.dequantize() - grouped).abs() <= step / 2 + 1e-7).all()
 
 
 def test_kernels_reject_bad_operands(ops):
