@@ -7,7 +7,8 @@ the embedded tokens to `torch.classes.servelm_cpu.DecodeStack` (cpu_kernels/deco
 which runs the same kernels in the same order as the eager path and returns the final hidden
 states. It holds the modules' tensors (shared, not copied) and the KV cache's layers.
 Speculative verifications (a few query tokens after a context) ride along as one decode row
-per token (see `maybe_run`).
+per token (see `maybe_run`); a draft model's steps (servelm/spec/draft.py) take a stack of
+their own, early-exit drafts the target's first N layers.
 
 Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
 with a float32 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
@@ -43,16 +44,20 @@ class CpuDecodeStack:
 
     @classmethod
     def for_model(cls, model, kv_cache, backend) -> CpuDecodeStack | None:
-        """The stack for this model, or None where it does not apply (see the module doc)."""
-        if cpu_kernels.mode(ENV_VAR) == "torch" or not _applies(model, kv_cache, backend):
+        """The stack for this model, or None where it does not apply (see the module doc).
+        kv_cache None: the backend's."""
+        kv_cache = kv_cache if kv_cache is not None else getattr(backend, "kv_cache", None)
+        if (cpu_kernels.mode(ENV_VAR) == "torch" or kv_cache is None
+                or not _applies(model, kv_cache, backend)):
             return None
         if cpu_kernels.ops_for_mode(ENV_VAR) is None:  # a failed build in mode 'auto'
             return None
         return cls(model, kv_cache, backend)
 
-    def maybe_run(self, fb: ForwardBatch) -> torch.Tensor | None:
+    def maybe_run(self, fb: ForwardBatch, num_layers: int | None = None) -> torch.Tensor | None:
         """Final hidden states [T, hidden] for a batch of decodes and speculative
-        verifications, else None.
+        verifications, else None. num_layers: the first N layers, then the final norm (an
+        early-exit draft); None: all.
 
         A verification (a sequence with context whose few query tokens are the last token
         and its drafts) runs as one decode row per token: every row's K/V is stored before
@@ -76,7 +81,8 @@ class CpuDecodeStack:
             self._built_for = key
         x = self.model.embed_tokens(fb.input_ids)
         self.steps += 1
-        return self._stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens, -1, True)
+        return self._stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens,
+                               -1 if num_layers is None else num_layers, True)
 
 
 def _applies(model, kv_cache, backend) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.sampling import draw_tensors, sampling_probs
 from servelm.spec.proposer import Proposal, Proposer
@@ -53,6 +54,8 @@ class DraftModelProposer(Proposer):
         self.shares_target_kv = shares_target_kv
         self.vocab_size = vocab_size or model.config.vocab_size
         self._kv_end: dict[int, tuple[int, int]] = {}  # seq_id -> (num_resets, draft KV end)
+        # CPU, float32: the draft's decode steps in one C++ call (runner/cpu_decode.py)
+        self.stack = CpuDecodeStack.for_model(model, None, backend)
 
     def release(self, seq_id: int) -> None:
         self._kv_end.pop(seq_id, None)
@@ -106,8 +109,11 @@ class DraftModelProposer(Proposer):
         return min(end, seq.num_computed_tokens)
 
     def _logits(self, fb: ForwardBatch) -> torch.Tensor:
-        fb.attn_metadata = self.backend.build_metadata(fb)
         m = self.model
+        hidden = self.stack.maybe_run(fb, self.num_layers) if self.stack is not None else None
+        if hidden is not None:
+            return m.compute_logits(hidden[fb.logits_indices]).float()
+        fb.attn_metadata = self.backend.build_metadata(fb)
         if self.num_layers is None:
             hidden = m(fb.input_ids, fb.positions, fb)
         else:

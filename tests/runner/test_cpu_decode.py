@@ -108,3 +108,25 @@ def test_verification_rows_are_causal_attention_over_the_chunk(monkeypatch, tiny
             assert stack.steps == 1  # a fresh prompt is a prefill
     assert logits["kernel"].shape == (4, 384)
     torch.testing.assert_close(logits["kernel"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["quantized-copy", "early-exit"])
+def test_draft_models_run_their_steps_in_a_stack(monkeypatch, tmp_path, tiny_hf, tiny_engine,
+                                                 draft):
+    """A draft model's proposals through its own stack (a separate model, int4-quantized,
+    with its own KV cache; or the target's first layer): the same greedy tokens as without
+    speculation."""
+    hf = tiny_hf("llama")
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
+    plain = _run(tiny_engine(hf), max_tokens=24, logprobs=None)
+    if draft == "quantized-copy":
+        hf.save_pretrained(tmp_path)
+        kw = dict(spec_draft_model=str(tmp_path), spec_draft_quantization="int4-g32")
+    else:
+        kw = dict(spec_draft_layers=1)
+    engine = tiny_engine(hf, speculative_method="draft", num_speculative_tokens=3,
+                         spec_adaptive=False, **kw)
+    spec = _run(engine, max_tokens=24, logprobs=None)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stack = engine.runner.proposer.stack
+    assert stack is not None and stack.steps > 0
