@@ -1,13 +1,14 @@
 """Which path CPU decodes take: the C++ paged kernel (servelm/cpu_kernels/paged_attention.cpp)
 or the torch backend's gather + SDPA. Chosen once, when a backend is built:
 
-    SERVELM_CPU_ATTENTION=auto    the kernel for fp32/bf16 caches on the CPU where it builds,
-                                  else the torch path (default)
+    SERVELM_CPU_ATTENTION=auto    the kernel for fp32/bf16/fp8 caches on the CPU where it
+                                  builds, else the torch path (default)
     SERVELM_CPU_ATTENTION=kernel  the same, but a failed build is an error
     SERVELM_CPU_ATTENTION=torch   always the torch path
 
 paged_decode(q [B, H, D], k_cache, v_cache [num_slots, K, D], block_tables [>=B, M] int64,
-             seq_lens [B] int64, block_size, scale) -> out [B, H, D] float32
+             seq_lens [B] int64, block_size, scale, k_scale=None, v_scale=None)
+    -> out [B, H, D] float32; k_scale, v_scale: float32 [K], for an fp8 (e4m3) cache
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import torch
 from servelm import cpu_kernels
 
 ENV_VAR = "SERVELM_CPU_ATTENTION"
-CACHE_DTYPES = (torch.float32, torch.bfloat16)  # others (fp16, fp8) take the torch path
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # fp16: the torch path
 
 
 def decode_kernel_for(cache: torch.Tensor) -> Callable | None:
     """The kernel for decodes over `cache` (a K or V pool, [..., K, D]), or None where the
-    torch path must run: not the CPU, an fp16/fp8 cache, D not a multiple of 16 (or over
+    torch path must run: not the CPU, an fp16 cache, D not a multiple of 16 (or over
     256), mode 'torch', or a failed build in mode 'auto'."""
     cpu_kernels.mode(ENV_VAR)  # a bad value is an error whatever the cache
     head_dim = cache.shape[-1]

@@ -99,10 +99,10 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale=None,
                 v_scale=None) -> torch.Tensor:
-        if meta.decode_seq_lens is not None:  # never for fp8: the kernel takes fp32/bf16
+        if meta.decode_seq_lens is not None:  # the C++ kernel (fp8: with the head scales)
             return self.decode_kernel(q, k_cache, v_cache, meta.decode_tables,
                                       meta.decode_seq_lens, self.kv_cache.block_size,
-                                      self.scale).to(q.dtype)
+                                      self.scale, k_scale, v_scale).to(q.dtype)
         bd, h, d = q.shape
         kh = k_cache.shape[1]
         keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [Bd, K, C, D]

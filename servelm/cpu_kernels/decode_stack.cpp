@@ -45,8 +45,9 @@ struct Ops {
       find_op<void(at::Tensor, at::Tensor, T, T, T)>("servelm_cpu::rotary_");
   c10::TypedOperatorHandle<at::Tensor(T)> silu_and_mul =
       find_op<at::Tensor(T)>("servelm_cpu::silu_and_mul");
-  c10::TypedOperatorHandle<at::Tensor(T, T, T, T, T, int64_t, double)> paged_decode =
-      find_op<at::Tensor(T, T, T, T, T, int64_t, double)>("servelm_cpu::paged_decode");
+  using OptT = const c10::optional<at::Tensor>&;
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)> paged_decode =
+      find_op<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)>("servelm_cpu::paged_decode");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
@@ -64,6 +65,7 @@ struct Linear {
 
 struct Layer {
   at::Tensor in_norm, post_norm, q_norm, k_norm, k_cache, v_cache;
+  at::Tensor k_scale, v_scale;  // an fp8 cache's scales per KV head [K]; else undefined
   Linear qkv, o, gate_up, down;
 };
 
@@ -74,7 +76,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // tensors: cos, sin, final norm, then per layer kTensorsPerLayer (see cpu_decode.py);
   // ints: num_layers, heads, kv_heads, head_dim, block_size, then per layer 4 x (kind, n,
   // group, k_padded) for qkv, o, gate_up, down; floats: rms eps, attention scale.
-  static constexpr int64_t kTensorsPerLayer = 18;
+  static constexpr int64_t kTensorsPerLayer = 20;
 
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
               std::vector<double> floats) {
@@ -104,6 +106,7 @@ class DecodeStack : public torch::CustomClassHolder {
               "mkldnn::_linear_pointwise", "");
         l.a = t[6 + 3 * j], l.b = t[7 + 3 * j], l.bias = optional(t[8 + 3 * j]);
       }
+      layer.k_scale = optional(t[18]), layer.v_scale = optional(t[19]);
       layers_.push_back(std::move(layer));
     }
   }
@@ -137,10 +140,17 @@ class DecodeStack : public torch::CustomClassHolder {
         k = head_norm(k, l.k_norm);
       }
       ops_.rotary.call(q, k, positions, cos_, sin_);
-      l.k_cache.index_copy_(0, slots, k);
-      l.v_cache.index_copy_(0, slots, v);
+      c10::optional<at::Tensor> ks, vs;
+      if (l.k_scale.defined()) {  // fp8: as KVCache.store and quantize_fp8, byte for byte
+        ks = l.k_scale, vs = l.v_scale;
+        store_fp8(l.k_cache, slots, k, l.k_scale);
+        store_fp8(l.v_cache, slots, v, l.v_scale);
+      } else {
+        l.k_cache.index_copy_(0, slots, k);
+        l.v_cache.index_copy_(0, slots, v);
+      }
       const at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
-                                                     block_size_, scale_);
+                                                     block_size_, scale_, ks, vs);
       std::tie(h, residual) = ops_.add_rms_norm.call(linear(l.o, attn.view({B, q_size})),
                                                      residual, l.post_norm, eps_);
       x = linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h)));
@@ -168,6 +178,16 @@ class DecodeStack : public torch::CustomClassHolder {
       y = ops_.int8_gemm.call(x.contiguous(), l.a, l.b, l.n, l.group);
     }
     return l.bias.defined() ? y + l.bias : y;
+  }
+
+  // code = saturate(x / scale) rounded to e4m3, written through byte views (index_copy_ has
+  // no fp8 kernel on the CPU): the ops of servelm/quant/fp8.py and KVCache.store.
+  static void store_fp8(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& x,
+                        const at::Tensor& scale) {
+    const at::Tensor codes = (x.to(at::kFloat) / scale.unsqueeze(1))
+                                 .clamp_(-448.0, 448.0)
+                                 .to(at::kFloat8_e4m3fn);
+    cache.view(at::kByte).index_copy_(0, slots, codes.view(at::kByte));
   }
 
   // RMSNorm over each head's D values (Qwen3's q_norm / k_norm), as RMSNorm.forward does for

@@ -15,7 +15,9 @@
 // of a slot at once). 16 scores per head come out of one transpose-and-add tree, softmax is
 // online per tile (running max and sum in fp32), and a head's accumulator stays in
 // registers while the tile's V rows stream.
-// D must be a multiple of 16. Caches hold float32 or bfloat16; q either; the output is fp32.
+// D must be a multiple of 16. Caches hold float32, bfloat16 or float8 e4m3 codes with a scale
+// per KV head (k_scale folded into q, v_scale into the output); q float32 or bfloat16; the
+// output is fp32.
 // Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
 //
 // Keep this file small: it is compiled on first use (servelm/cpu_kernels/__init__.py).
@@ -212,8 +214,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   k_cache.sizes() == v_cache.sizes(),
               "paged_decode: k_cache and v_cache must be contiguous [num_slots, K, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
-              "paged_decode: caches must both be float32 or both bfloat16");
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 ||
+                   k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "paged_decode: caches must both be float32, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
               "paged_decode: head_dim differs or H is not a multiple of K");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxChunks,
@@ -239,16 +242,30 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
+// k_scale, v_scale: float32 [K], required for (and only for) float8 caches.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        int64_t block_size, double scale) {
+                        int64_t block_size, double scale, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale) {
   check_inputs(q, k_cache, v_cache, block_tables, seq_lens, block_size);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k_cache.size(1);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "paged_decode: k_scale and v_scale go with (and only with) float8 caches");
+  const float *ks = nullptr, *vs = nullptr;
+  if (fp8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == K,
+                  "paged_decode: k_scale and v_scale must be float32 [K]");
+    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
+  }
   at::Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
   const Problem p{k_cache.data_ptr(), v_cache.data_ptr(), K * D,
                   block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                   seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>()};
-  const AttendFn attend_kv = k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D) : pick<float>(D);
+  const AttendFn attend_kv = fp8 ? pick<fp8_e4m3>(D)
+                             : k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D)
+                                                                       : pick<float>(D);
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   // Whole sequences (all KV heads: contiguous slots) when there are enough to share out;
   // (sequence, KV head) items when few sequences must still keep every thread busy.
@@ -267,7 +284,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
       else
         load_q<float>(q, b, h0, heads, float(scale), s);
+      const int64_t nc = D / 16;
+      if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t c = 0; c < nc; ++c) s.q[h * nc + c] *= ks[kh0 + h / p.group];
       attend_kv(p, b, kh0, kh0 + kv_per_item, s);
+      if (fp8) {  // ... and V's into the output
+        float* o = p.out + (b * H + h0) * D;
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t d = 0; d < D; ++d) o[h * D + d] *= vs[kh0 + h / p.group];
+      }
     }
   }
   return out;
@@ -277,6 +303,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, int block_size, float scale) -> Tensor",
+        "Tensor seq_lens, int block_size, float scale, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor",
         &paged_decode);
 }

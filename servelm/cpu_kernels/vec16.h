@@ -26,6 +26,23 @@ inline f32x16 load16(const bf16* p) {
 inline f32x16 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
 
+// float8 e4m3fn codes (an fp8 KV cache): 1 sign, 4 exponent (bias 7), 3 mantissa bits.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+// Exact: normal codes move their exponent and mantissa into float32's fields and rebias by
+// integer add; subnormals (exponent 0) are m * 2^-9. No denormal float is formed, so flush-
+// to-zero modes cannot touch it. NaN codes are never stored (writers saturate).
+inline f32x16 load16(const fp8_e4m3* p) {
+  typedef uint8_t u8x16_ __attribute__((vector_size(16), aligned(1), may_alias));
+  const i32x16 w = __builtin_convertvector(*reinterpret_cast<const u8x16_*>(p), i32x16);
+  const i32x16 mag = w & 0x7F;
+  const f32x16 normal = (f32x16)((mag << 20) + (120 << 23));
+  const f32x16 sub = __builtin_convertvector(mag, f32x16) * 0x1p-9f;
+  const f32x16 v = mag >= 8 ? normal : sub;
+  return (f32x16)((i32x16)v | ((w & 0x80) << 24));
+}
+
 inline float lane_sum(f32x16 v) {
   float s = 0.0f;
   for (int i = 0; i < 16; ++i) s += v[i];

@@ -11,7 +11,7 @@ per token (see `maybe_run`); a draft model's steps (servelm/spec/draft.py) take 
 their own, early-exit drafts the target's first N layers.
 
 Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
-with a float32 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
+with a float32 or fp8 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
 linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized layer on servelm's
 C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Steps with a prefill chunk and other
 models run eagerly, as before.
@@ -94,8 +94,8 @@ def _applies(model, kv_cache, backend) -> bool:
     embed = model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.float32:
         return False
-    if (kv_cache.is_fp8 or kv_cache.k.dtype != torch.float32 or backend.kv_cache is not kv_cache
-            or backend.decode_kernel is None):
+    if (kv_cache.k.dtype != torch.float32 and not kv_cache.is_fp8
+            or backend.kv_cache is not kv_cache or backend.decode_kernel is None):
         return False
     eps = model.norm.eps
     for layer in model.layers:
@@ -160,6 +160,7 @@ def _build(model, kv_cache, backend):
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = kv_cache.layer(attn.layer)
+        k_scale, v_scale = kv_cache.layer_scales(attn.layer)  # fp8; else (None, None)
         tensors += [layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                     none if attn.q_norm is None else attn.q_norm.weight.detach(),
@@ -169,5 +170,6 @@ def _build(model, kv_cache, backend):
             t, meta = _linear_entries(m)
             tensors += t
             ints += meta
+        tensors += [none if k_scale is None else k_scale, none if v_scale is None else v_scale]
     return torch.classes.servelm_cpu.DecodeStack(tensors, ints,
                                                  [float(model.norm.eps), float(backend.scale)])

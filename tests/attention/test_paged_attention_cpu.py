@@ -59,6 +59,44 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     return out
 
 
+def test_fp8_codes_decode_exactly(kernel):
+    """Every e4m3fn code but NaN (subnormals, zeros, saturation at +-448) as a K and V row
+    of length one: attention returns V's value exactly, times v_scale."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes
+    n = codes.numel()  # 254 slots, one per code, one KV head, D = 16 (code repeated)
+    cache = codes.repeat_interleave(16).view(n, 1, 16).view(torch.float8_e4m3fn)
+    q = torch.zeros(n, 1, 16)
+    tables = torch.arange(n, dtype=torch.long)[:, None]
+    one = torch.ones(n, dtype=torch.long)
+    ks, vs = torch.tensor([1.0]), torch.tensor([0.5])
+    out = kernel(q, cache, cache, tables, one, 1, 1.0, ks, vs)
+    want = cache[:, :, :].float() * 0.5
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="float8 caches"):
+        kernel(q, cache, cache, tables, one, 1, 1.0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fp8_kernel_matches_reference(kernel, num_heads, num_kv_heads, batch):
+    """fp8 caches with a scale per KV head: against the float64 reference on the
+    dequantized caches."""
+    gen = torch.Generator().manual_seed(batch + num_heads)
+    block_size, head_dim = 16, 64
+    lens = [300] if batch == 1 else [1, 17, 33, 100, 250][:batch]
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, batch, num_heads, num_kv_heads, head_dim, block_size, lens, torch.float32)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    ks = torch.rand(num_kv_heads, generator=gen) + 0.5
+    vs = torch.rand(num_kv_heads, generator=gen) + 0.5
+    scale = head_dim ** -0.5
+    out = kernel(q, k8, v8, tables, seq_lens, block_size, scale, ks, vs)
+    ref = _reference(q, k8.float() * ks[:, None], v8.float() * vs[:, None], tables, seq_lens,
+                     block_size, scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
@@ -238,7 +276,7 @@ def test_path_choice(fresh_loader):
     assert choose(pool()) is None
     fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "auto")
     assert choose(pool(torch.float16)) is None
-    assert choose(pool(torch.float8_e4m3fn)) is None
+    assert choose(pool(torch.float8_e4m3fn)) is not None  # with the head scales
     assert choose(pool(device="meta")) is None
     assert choose(pool(head_dim=72)) is None and choose(pool(head_dim=512)) is None
     assert choose(pool(torch.bfloat16, head_dim=96)) is not None
