@@ -31,7 +31,9 @@ class Int8Head(Int8Linear):
     def __init__(self, q, scale, bias=None, compute_dtype=torch.bfloat16, kernel=None,
                  group_size=0):
         super().__init__(q, scale, bias, compute_dtype, kernel, group_size)
-        self.max_row_norm = self.dequantize().norm(dim=1).max().item()  # max_v ||w_v||
+        # max_v ||w_v||, for the bound below; the C++ kernel's logits need none (exact already)
+        self.max_row_norm = (None if self.kernel == "cpu"
+                             else self.dequantize().norm(dim=1).max().item())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         coarse = super().forward(x)
