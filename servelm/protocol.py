@@ -54,6 +54,10 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
     MAX_STOP_LEN = 256
+    # A salt names a prefix-cache namespace (a tenant); its key lives as long as the
+    # namespace holds a block, so its size is bounded like everything else a client sends.
+    MAX_CACHE_SALT_LEN = 256
+    SEED_RANGE = (-2**63, 2**63 - 1)  # a signed 64-bit integer, as OpenAI's API takes
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,8 +110,19 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise bad("seed", f"must be an integer, got {self.seed!r}")
+            lo, hi = self.SEED_RANGE
+            if not lo <= self.seed <= hi:
+                raise bad("seed", f"must be in [-2**63, 2**63 - 1], got {self.seed}")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise bad("cache_salt", f"must be a string, got {self.cache_salt!r}")
+            if len(self.cache_salt) > self.MAX_CACHE_SALT_LEN:
+                raise InvalidParameterError(
+                    f"cache_salt must be at most {self.MAX_CACHE_SALT_LEN} characters, got "
+                    f"{len(self.cache_salt)}", param="cache_salt", code="cache_salt_too_long")
         if self.logprobs is not None:
             if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool):
                 raise bad("logprobs", f"must be an integer, got {self.logprobs!r}")

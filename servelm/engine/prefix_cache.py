@@ -3,7 +3,10 @@
 Owns: which KV blocks hold which token prefixes, per namespace (`extra_key`: cache salt,
 adapter id), and least-recently-used eviction of blocks no sequence references.
 Never: tensors, or reference counting of blocks (the BlockManager counts holders and tells
-the cache when a cached block becomes free to evict or is taken again).
+the cache when a cached block becomes free to evict or is taken again), or memory that
+outgrows the KV pool: a namespace lives only while it holds a block (its root goes with its
+last block), and the lazy LRU heap is compacted when stale entries outnumber live ones, so
+the bookkeeping is O(cached blocks) whatever the clients send (`usage()` measures it).
 
 Each edge is one full block of tokens; a node is the block holding them:
 
@@ -29,6 +32,15 @@ class PrefixMatch(NamedTuple):
     num_tokens: int
 
 
+class PrefixCacheUsage(NamedTuple):
+    """What the cache's bookkeeping holds (exported on /metrics)."""
+
+    num_namespaces: int
+    num_cached_blocks: int
+    num_lru_entries: int
+    num_bytes: int  # estimate: nodes, their token keys, namespace keys, LRU entries
+
+
 @dataclass(eq=False)
 class _Node:
     block: int
@@ -37,6 +49,16 @@ class _Node:
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     last_access: int = 0
     is_evictable: bool = False  # no sequence holds the block
+    namespace: object = None  # roots only: the extra_key they are filed under
+
+
+# Rough CPython sizes (64-bit) behind PrefixCacheUsage.num_bytes: a node (object, its dict of
+# children, its entries in the parent's dict and in the block index), a tuple's header and
+# one int pointer per token, an LRU heap entry (a 3-tuple and its list slot).
+_NODE_BYTES = 400
+_TUPLE_BYTES, _TOKEN_BYTES = 56, 8
+_LRU_ENTRY_BYTES = 72
+_MIN_LRU_COMPACT = 64  # below this many entries a rebuild is not worth it
 
 
 @dataclass
@@ -60,6 +82,7 @@ class PrefixCache:
         self._lru: list[tuple[int, int, _Node]] = []  # (last_access, tiebreak, node), lazy
         self._tiebreak = itertools.count()
         self.num_evictable_blocks = 0
+        self._num_namespace_bytes = 0  # sizes of the extra_keys of live namespaces
         self.stats = PrefixCacheStats()
 
     @property
@@ -69,10 +92,21 @@ class PrefixCache:
     def contains(self, block: int) -> bool:
         return block in self._nodes
 
-    def _root(self, extra_key) -> _Node:
-        root = self._roots.get(extra_key)
-        if root is None:
-            root = self._roots[extra_key] = _Node(-1, (), None)
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._roots)
+
+    def usage(self) -> PrefixCacheUsage:
+        nodes = len(self._nodes) + len(self._roots)
+        key_bytes = len(self._nodes) * (_TUPLE_BYTES + _TOKEN_BYTES * self.block_size)
+        num_bytes = (nodes * _NODE_BYTES + key_bytes + self._num_namespace_bytes
+                     + len(self._lru) * _LRU_ENTRY_BYTES)
+        return PrefixCacheUsage(len(self._roots), len(self._nodes), len(self._lru), num_bytes)
+
+    def _add_root(self, extra_key) -> _Node:
+        """A namespace is filed only once it gets its first block (see _remove)."""
+        root = self._roots[extra_key] = _Node(-1, (), None, namespace=extra_key)
+        self._num_namespace_bytes += _key_bytes(extra_key)
         return root
 
     def _block_keys(self, tokens: list[int], num_blocks: int):
@@ -103,7 +137,14 @@ class PrefixCache:
         """Add the full blocks blocks[start:] holding tokens[start*bs:]. Stops at the first
         block whose tokens are already cached under another block (that copy stays private
         to its sequence). Returns how many blocks are now cached along this path."""
-        parent = self._root(extra_key) if start == 0 else self._nodes.get(parent_block)
+        if start == 0:
+            parent = self._roots.get(extra_key)
+            if parent is None:
+                if not blocks:
+                    return 0
+                parent = self._add_root(extra_key)
+        else:
+            parent = self._nodes.get(parent_block)
         if parent is None:
             return start
         now = next(self._clock)
@@ -132,7 +173,18 @@ class PrefixCache:
             self._push(node)
 
     def _push(self, node: _Node) -> None:
+        # Entries are lazy (a block taken again, or touched, leaves its old entry behind):
+        # without compaction a hot prefix released after every request would grow the heap
+        # by one entry per request, forever, while nothing is evicted.
+        if len(self._lru) >= max(_MIN_LRU_COMPACT, 2 * self.num_evictable_blocks):
+            self._compact_lru()
         heapq.heappush(self._lru, (node.last_access, next(self._tiebreak), node))
+
+    def _compact_lru(self) -> None:
+        """One entry per evictable leaf, at its current age."""
+        self._lru = [(n.last_access, next(self._tiebreak), n) for n in self._nodes.values()
+                     if n.is_evictable and not n.children]
+        heapq.heapify(self._lru)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to num_blocks unreferenced blocks, least recently used leaves first."""
@@ -155,7 +207,11 @@ class PrefixCache:
         self.num_evictable_blocks -= 1
         parent = node.parent
         del parent.children[node.key]
-        if parent.parent is not None and parent.is_evictable and not parent.children:
+        if parent.parent is None:
+            if not parent.children:  # an empty namespace costs nothing
+                del self._roots[parent.namespace]
+                self._num_namespace_bytes -= _key_bytes(parent.namespace)
+        elif parent.is_evictable and not parent.children:
             self._push(parent)
 
     def check_invariants(self) -> None:
@@ -172,3 +228,11 @@ class PrefixCache:
                 stack.append(child)
         assert seen == len(self._nodes), "tree and block index disagree"
         assert self.num_evictable_blocks == sum(n.is_evictable for n in self._nodes.values())
+        for key, root in self._roots.items():
+            assert root.children, f"namespace {key!r} kept without a block"
+            assert root.namespace == key
+        assert self._num_namespace_bytes == sum(_key_bytes(k) for k in self._roots)
+
+
+def _key_bytes(extra_key) -> int:
+    return len(extra_key.encode("utf-8", "surrogatepass")) if isinstance(extra_key, str) else 0

@@ -168,3 +168,57 @@ def test_match_respects_limit_and_whole_blocks():
     assert cache.match(tokens, max_tokens=11).blocks == [5, 6]
     assert cache.match(tokens[:6] + [99] * 6).blocks == [5]
     assert cache.match(tokens, extra_key="other").blocks == []
+
+
+def _serve(engine, prompt, salt, rid):
+    engine.add_request(EngineRequest(rid, prompt, SamplingParams(
+        max_tokens=2, ignore_eos=True, cache_salt=salt)))
+    while engine.has_unfinished:
+        engine.step()
+
+
+def test_a_namespace_goes_with_its_last_block():
+    """A new salt per request must not leave a namespace behind once its blocks are evicted:
+    the cache's bookkeeping stays O(KV pool), not O(salts ever seen)."""
+    engine = make_engine(num_blocks=16, block_size=4, prefix_caching=True)
+    cache = engine.block_manager.prefix_cache
+    for i in range(300):
+        _serve(engine, [i % 50 + 1] * 9, f"tenant-{i}-" + "x" * 200, f"r{i}")
+        engine.check_invariants()
+    usage = cache.usage()
+    assert usage.num_namespaces <= usage.num_cached_blocks <= 16
+    assert usage.num_bytes < 16 * 2000  # a few hundred bytes per block and salt, not 300 salts
+    assert cache.stats.num_evicted_blocks > 0
+
+
+def test_evicting_every_block_leaves_no_namespace():
+    cache = PrefixCache(block_size=4)
+    for i in range(10):
+        cache.insert(list(range(8)), [2 * i, 2 * i + 1], extra_key=f"salt-{i}")
+        for b in (2 * i, 2 * i + 1):
+            cache.set_evictable(b, True)
+    assert cache.num_namespaces == 10
+    assert sorted(cache.evict(100)) == list(range(20))
+    assert cache.usage() == (0, 0, 0, 0)
+    cache.check_invariants()
+
+
+def test_lru_heap_stays_bounded_when_nothing_is_evicted():
+    """A hot prefix taken and released by every request leaves a stale heap entry each time;
+    they are compacted instead of piling up while the pool never runs out."""
+    engine = make_engine(num_blocks=64, block_size=4, prefix_caching=True)
+    cache = engine.block_manager.prefix_cache
+    for i in range(400):
+        _serve(engine, [5] * 12 + [i % 7], None, f"r{i}")
+    assert cache.stats.num_evicted_blocks == 0
+    assert cache.usage().num_lru_entries <= 2 * 64 + 64
+    engine.check_invariants()
+
+
+def test_cache_salt_has_a_length_limit():
+    from servelm.protocol import InvalidParameterError
+
+    SamplingParams(cache_salt="s" * SamplingParams.MAX_CACHE_SALT_LEN)
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(cache_salt="s" * (SamplingParams.MAX_CACHE_SALT_LEN + 1))
+    assert info.value.param == "cache_salt"
