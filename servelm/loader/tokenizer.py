@@ -11,9 +11,12 @@ by the backend's post-processor, which each loader sets to match the original HF
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 
 import tokenizers
+from tokenizers import decoders
 
 from servelm.loader.chat_template import render_chat_template
 from servelm.protocol import InvalidParameterError
@@ -45,6 +48,25 @@ def end_of_generation_ids(
     return tuple(dict.fromkeys(found))
 
 
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the
+    others are shifted to code points from 256 (so a space is 'Ġ')."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokenizer:
     """Text <-> token ids, with the special tokens and chat template of one model."""
 
@@ -61,11 +83,12 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        added_tokens = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(
-            token_id
-            for token_id, added in backend.get_added_tokens_decoder().items()
-            if added.special
+            token_id for token_id, added in added_tokens.items() if added.special
         )
+        self._added_text = {token_id: added.content for token_id, added in added_tokens.items()}
+        self._is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -84,6 +107,26 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """Raw vocabulary strings (byte-level BPE spells a space as 'Ġ'), for logprobs."""
         return [self.backend.id_to_token(int(i)) or "" for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A token holding part of a multi-byte character
+        gives its own bytes (decoding it alone would give U+FFFD's): what the `bytes` of
+        OpenAI's logprobs are for, so a client can join tokens into exact text."""
+        added = self._added_text.get(token_id)
+        if added is not None:
+            return added.encode("utf-8")
+        piece = self.backend.id_to_token(int(token_id)) or ""
+        if self._is_byte_level:
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        else:
+            m = _BYTE_FALLBACK.fullmatch(piece)
+            if m:  # SentencePiece byte fallback
+                return bytes([int(m.group(1), 16)])
+            if "▁" in piece:
+                return piece.replace("▁", " ").encode("utf-8")
+        return self.backend.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

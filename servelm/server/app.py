@@ -49,6 +49,12 @@ class ServerConfig:
     idempotency_max_entries: int = 1024
     peak_bandwidth: float | None = None  # bytes/s
     peak_flops: float | None = None  # FLOP/s
+    # Request and connection limits (docs/server.md, "Limits"); the CLI's defaults are these.
+    max_prompts: int = 64  # prompts in one completion request
+    max_choices: int = 256  # n x prompts in one request
+    header_timeout: float = 10.0  # seconds for a request line and headers to arrive
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 1024  # open connections; more are answered 503 and closed
 
 
 @dataclass

@@ -52,6 +52,18 @@ def add_parser(subparsers) -> None:
     g.add_argument("--peak-flops", type=float, default=None,
                    help="FLOP/s for compute utilisation (default: 1e12 on CPU, 989e12 on "
                         "CUDA)")
+    # Limits: the defaults are ServerConfig's (one source; docs/server.md lists them).
+    g.add_argument("--max-prompts", type=int, default=None,
+                   help="prompts in one completion request; more get a 400 naming `prompt`")
+    g.add_argument("--max-choices", type=int, default=None,
+                   help="n x prompts in one request; more get a 400 naming `n`")
+    g.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds a connection may take to send a request line and headers "
+                        "before it is closed")
+    g.add_argument("--keep-alive-timeout", type=float, default=None,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections; a connection beyond it gets a 503 and is closed")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
@@ -69,7 +81,13 @@ def server_config_from_cli(args, model_name: str):
         drain_timeout=args.drain_timeout, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, max_body_bytes=args.max_body_bytes,
         write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
-        peak_flops=args.peak_flops)
+        peak_flops=args.peak_flops,
+        **{name: getattr(args, name) for name in _LIMIT_FLAGS
+           if getattr(args, name, None) is not None})
+
+
+_LIMIT_FLAGS = ("max_prompts", "max_choices", "header_timeout", "keep_alive_timeout",
+                "max_connections")
 
 
 def _setup_request_log(enabled: bool) -> None:
@@ -88,7 +106,7 @@ def handler(args) -> int:
     from servelm.config import engine_args_from_cli
     from servelm.engine_builder import build_engine
     from servelm.server.app import build_app
-    from servelm.server.draining_server import DrainingServer
+    from servelm.server.draining_server import DrainingServer, uvicorn_options
 
     _setup_request_log(args.log_requests)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -100,7 +118,8 @@ def handler(args) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5),
+                                           timeout_graceful_shutdown=5,
+                                           **uvicorn_options(app.state.servelm)),
                             state=app.state.servelm, drain_timeout=config.drain_timeout,
                             ready_message=f"[servelm] serving {config.served_model_name} at "
                                           f"http://{shown}:{port}/v1")

@@ -137,8 +137,15 @@ class ChatFormatter(Formatter):
         self.want_logprobs = want_logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        tok = self.token_text(token_id)
-        return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+        return {"token": self.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.token_bytes(token_id))}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: `token` may be U+FFFD for part of a character, `bytes`
+        never is (the bytes of a reply's tokens join to its UTF-8 text)."""
+        if self.tokenizer is None:
+            return self.token_text(token_id).encode("utf-8")
+        return self.tokenizer.token_bytes(token_id)
 
     def logprobs(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
         if not self.want_logprobs or lps is None:

@@ -33,6 +33,20 @@ _RATIO_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0
                   0.8, 0.9, 1.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
+# servelm_requests_rejected_total{reason}: a limit's error code names the reason; any other
+# 4xx is "invalid". The connection-level limits (draining_server.py) count themselves.
+REJECTION_REASON_BY_CODE = {
+    "queue_full": "queue_full",
+    "server_draining": "draining",
+    "request_too_large": "body_too_large",
+    "context_length_exceeded": "context_length",
+    "too_many_prompts": "too_many_prompts",
+    "too_many_choices": "too_many_choices",
+    "cache_salt_too_long": "cache_salt_too_long",
+}
+REJECTION_REASONS = (*dict.fromkeys(REJECTION_REASON_BY_CODE.values()), "invalid",
+                     "too_many_connections", "header_timeout")
+
 
 def timing_breakdown(timings: RequestTimings | None, num_prompt_tokens: int,
                      num_output_tokens: int) -> dict[str, Any]:
@@ -214,8 +228,17 @@ class ServerMetrics:
                     str(cost.peak_flops if cost else "")).set(1)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
-        for reason in ("queue_full", "draining", "invalid"):
+        for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
+        self.prefix_cache_namespaces = Gauge(
+            "servelm_prefix_cache_namespaces",
+            "Prefix-cache namespaces (cache_salt values) holding at least one block", registry=r)
+        self.prefix_cache_bookkeeping_bytes = Gauge(
+            "servelm_prefix_cache_bookkeeping_bytes",
+            "Estimated bytes of the prefix cache's bookkeeping (tree nodes, token keys, "
+            "namespace keys, LRU entries); bounded by the KV pool", registry=r)
+        self.connections = Gauge("servelm_http_connections",
+                                 "Open HTTP connections", registry=r)
 
     def start_from(self, engine) -> None:
         """Count from the engine's current totals (an engine may outlive one app)."""
@@ -329,3 +352,15 @@ class ServerMetrics:
             self.kv_usage.set(snap.num_used_blocks / snap.num_total_blocks)
         self.running.set(snap.num_running_requests)
         self.waiting.set(async_engine.num_waiting)
+        # An in-process engine's cache is read across threads without a lock (usage() only
+        # takes lengths and an int); an engine core in another process has to send it with
+        # its step report, which does not carry it yet.
+        engine = getattr(async_engine, "engine", None)
+        if engine is not None:
+            cache = engine.block_manager.prefix_cache
+            self.set_prefix_cache_usage(cache.usage() if cache is not None else None)
+
+    def set_prefix_cache_usage(self, usage) -> None:
+        """From PrefixCache.usage() (None: prefix caching is off)."""
+        self.prefix_cache_namespaces.set(usage.num_namespaces if usage else 0)
+        self.prefix_cache_bookkeeping_bytes.set(usage.num_bytes if usage else 0)

@@ -17,7 +17,11 @@ from servelm.protocol import InvalidParameterError, SamplingParams
 # OpenAI's limit on stop sequences (SamplingParams allows more for the Python API, and checks
 # their length).
 MAX_STOP_STRINGS = 4
-MAX_SEED = 2**63 - 1
+
+# The roles a chat template may see (OpenAI's, `function` being its deprecated `tool`); every
+# one but the assistant's (which may carry only tool calls) must have content.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_ROLES_WITHOUT_CONTENT = frozenset({"assistant"})
 
 # A JSON number, not a bool or a numeric string (pydantic's lax float takes both).
 Number = Union[StrictInt, StrictFloat]
@@ -70,9 +74,6 @@ class _SamplingRequest(BaseModel):
             raise InvalidParameterError(
                 f"stop has {len(stop)} sequences; at most {MAX_STOP_STRINGS} are allowed",
                 param="stop")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise InvalidParameterError(f"seed must be in [0, 2**63 - 1], got {self.seed}",
-                                        param="seed")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options is only allowed when stream is true",
                                         param="stream_options")
@@ -94,6 +95,27 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def client_param(self, param: str | None) -> str | None:
+        """The request field the client sent for an engine-side parameter name."""
+        return param
+
+    def num_prompts(self) -> int:
+        return 1
+
+    def check_size(self, max_prompts: int, max_choices: int) -> None:
+        """Prompts per request and choices (n x prompts) within the server's limits; checked
+        before anything is tokenized."""
+        num_prompts = self.num_prompts()
+        if num_prompts > max_prompts:
+            raise InvalidParameterError(
+                f"prompt has {num_prompts} prompts; at most {max_prompts} are allowed per "
+                "request", param="prompt", code="too_many_prompts")
+        if self.n * num_prompts > max_choices:
+            raise InvalidParameterError(
+                f"n x prompts is {self.n} x {num_prompts} = {self.n * num_prompts} choices; at "
+                f"most {max_choices} are allowed per request", param="n",
+                code="too_many_choices")
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
@@ -129,6 +151,9 @@ class CompletionRequest(_SamplingRequest):
                 raise InvalidParameterError("prompt must not be empty", param="prompt")
         return items
 
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
     def check_unsupported(self) -> None:
         if self.suffix:
             raise InvalidParameterError("suffix is not supported", param="suffix")
@@ -148,7 +173,15 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
 
     def to_template(self, i: int) -> dict[str, Any]:
-        """{'role', 'content': str}, text parts joined; other part types are rejected."""
+        """{'role', 'content': str}, text parts joined; other part types, unknown roles and
+        missing content are rejected."""
+        if self.role not in CHAT_ROLES:
+            raise InvalidParameterError(
+                f"messages[{i}].role: unknown role {self.role[:64]!r} (expected one of: "
+                f"{', '.join(sorted(CHAT_ROLES))})", param="messages")
+        if self.content is None and self.role not in _ROLES_WITHOUT_CONTENT:
+            raise InvalidParameterError(f"messages[{i}]: a {self.role} message needs content",
+                                        param="messages")
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -186,6 +219,15 @@ class ChatCompletionRequest(_SamplingRequest):
                                         param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def client_param(self, param: str | None) -> str | None:
+        if param == "prompt":
+            return "messages"
+        if param == "logprobs" and self.top_logprobs is not None:
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
+
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidParameterError("messages must be a non-empty list", param="messages")
@@ -199,5 +241,5 @@ class ChatCompletionRequest(_SamplingRequest):
                                         param="response_format")
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_STOP_STRINGS",
-           "StreamOptions"]
+__all__ = ["CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",
+           "CompletionRequest", "StreamOptions"]

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from servelm.server.errors import APIError, read_json_object
 from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChoiceState,
                                        CompletionFormatter, Formatter, finish_reason_name, sse)
 from servelm.server.idempotency import IdempotencyEntry, fingerprint
-from servelm.server.metrics import timing_breakdown
+from servelm.server.metrics import REJECTION_REASON_BY_CODE, timing_breakdown
 from servelm.server.schemas import ChatCompletionRequest, CompletionRequest
 from servelm.server.sse import SSEResponse
 
@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # Prompts longer than this many characters are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 16_384
+
+# Timing keys summed over prompts in a header summary; every other number is the worst
+# (largest) prompt's.
+_SUMMED_TIMING_KEYS = frozenset({"prompt_tokens", "completion_tokens", "num_preemptions",
+                                 "num_cached_tokens"})
 
 
 class ClientGone(Exception):
@@ -52,8 +57,10 @@ class Generation:
     """The engine requests of one HTTP request (one per prompt, each with n choices)."""
 
     def __init__(self, async_engine: AsyncEngine, base_id: str, prompts: list[list[int]],
-                 params: SamplingParams, arrival: float, timeout_s: float | None):
+                 params: SamplingParams, arrival: float, timeout_s: float | None,
+                 client_param: Callable[[str | None], str | None] = lambda p: p):
         self.async_engine = async_engine
+        self.client_param = client_param  # engine parameter name -> the field the client sent
         self.base_id = base_id
         self.n = params.n
         self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, arrival_time=arrival)
@@ -89,6 +96,7 @@ class Generation:
             await self.stream.admitted
         except InvalidParameterError as exc:
             self.close("rejected")
+            exc.param = self.client_param(exc.param)
             raise APIError.from_invalid(exc) from None
         except EngineDeadError as exc:
             self.close("engine_dead")
@@ -144,12 +152,21 @@ class Generation:
 
     def timing(self) -> Any:
         """One breakdown per prompt (a dict when there is one prompt)."""
+        out = self._timings()
+        return out[0] if len(out) == 1 else out
+
+    def timing_summary(self) -> dict[str, Any]:
+        """The breakdown for a header: one prompt's, or a summary of all of them whose size
+        does not depend on the number of prompts (the per-prompt detail is in the log)."""
+        return summarize_timings(self._timings())
+
+    def _timings(self) -> list[dict[str, Any]]:
         out = []
         for i, r in enumerate(self.requests):
             completion = sum(len(c.token_ids) for c in self.choices[i * self.n:(i + 1) * self.n])
             out.append(timing_breakdown(self.timings.get(r.request_id),
                                         len(r.prompt_token_ids), completion))
-        return out[0] if len(out) == 1 else out
+        return out
 
     def timeout_error(self) -> APIError:
         return APIError(408, f"request timed out after {self.timeout_s:g}s before any token "
@@ -213,13 +230,15 @@ class OpenAIServing:
                 state.num_inflight -= 1
 
     def _count_rejection(self, exc: APIError) -> None:
-        metrics = self.state.metrics
-        if exc.status == 429:
-            metrics.rejected.labels("queue_full").inc()
-        elif exc.status == 503:
-            metrics.rejected.labels("draining").inc()
-        elif 400 <= exc.status < 500 and exc.status != 408:
-            metrics.rejected.labels("invalid").inc()
+        reason = REJECTION_REASON_BY_CODE.get(exc.code or "")
+        if reason is None:
+            if exc.status == 503:
+                reason = "draining"
+            elif 400 <= exc.status < 500 and exc.status != 408:
+                reason = "invalid"
+            else:
+                return
+        self.state.metrics.rejected.labels(reason).inc()
 
     def _check_admission(self) -> None:
         if self.state.draining:
@@ -248,15 +267,26 @@ class OpenAIServing:
                            code="model_not_found")
         try:
             req.check_unsupported()
+            req.check_size(self.config.max_prompts, self.config.max_choices)
             params = req.sampling_params(self.config.max_n)
+            self._check_stop_token_ids(params)
             if kind == "completion":
                 prompts, texts = await self._completion_prompts(req)
             else:
                 prompts, texts = await self._chat_prompts(req)
         except InvalidParameterError as exc:
+            exc.param = req.client_param(exc.param)
             raise APIError.from_invalid(exc) from None
         return Prepared(kind, body, req, params, prompts, texts,
                         self._timeout(request), arrival)
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise InvalidParameterError(
+                    f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})",
+                    param="stop_token_ids")
 
     def _timeout(self, request: Request) -> float | None:
         raw = request.headers.get("timeout")
@@ -294,8 +324,12 @@ class OpenAIServing:
             ids_list.append(ids)
         return ids_list, texts
 
+    @property
+    def vocab_size(self) -> int:
+        return self.state.async_engine.engine.vocab_size
+
     def _decode_prompt(self, ids: list[int]) -> str | None:
-        vocab = self.state.async_engine.engine.vocab_size
+        vocab = self.vocab_size
         if self.tokenizer is None or any(not 0 <= t < vocab for t in ids):
             return None  # the engine rejects bad ids with a clear error
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -324,7 +358,7 @@ class OpenAIServing:
         prefix = "cmpl" if p.kind == "completion" else "chatcmpl"
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
-                         p.timeout_s)
+                         p.timeout_s, p.request.client_param)
         name = self.config.served_model_name
         if p.kind == "completion":
             fmt: Formatter = CompletionFormatter(self.tokenizer, base_id, name,
@@ -353,7 +387,7 @@ class OpenAIServing:
             gen.status = "timeout"
             self._log(gen, p)
             raise gen.timeout_error()
-        timing = gen.timing()
+        timing = gen.timing_summary()
         self._log(gen, p)
         body = fmt.response(gen.choices, p.prompt_texts, gen.usage())
         return JSONResponse(body, headers={"x-servelm-timing": _header_json(timing)})
@@ -507,6 +541,24 @@ class OpenAIServing:
             "timing": gen.timing(),
         }
         request_logger.info(json.dumps(record, ensure_ascii=False))
+
+
+def summarize_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """One prompt's breakdown as it is; for several, the same keys with counts summed and
+    times (seconds) the largest over prompts, plus `num_prompts`: a fixed size whatever the
+    number of prompts."""
+    if len(timings) == 1:
+        return timings[0]
+    out: dict[str, Any] = {"num_prompts": len(timings)}
+    for key in dict.fromkeys(k for t in timings for k in t):
+        values = [t[key] for t in timings if t.get(key) is not None]
+        if not values:
+            out[key] = None
+        elif key in _SUMMED_TIMING_KEYS:
+            out[key] = sum(values)
+        else:
+            out[key] = max(values)
+    return out
 
 
 def _header_json(obj: Any) -> str:

@@ -16,7 +16,9 @@ MODEL = "smollm2-135m-instruct"
 class LiveServer:
     """build_app(engine, ServerConfig(**overrides)) served by uvicorn in a thread."""
 
-    def __init__(self, engine, sndbuf: int | None = None, **overrides):
+    def __init__(self, engine, sndbuf: int | None = None, wrap_protocol=None, **overrides):
+        """`wrap_protocol(cls) -> cls` may subclass the HTTP protocol (a test's transport
+        hooks); `overrides` are ServerConfig fields."""
         import uvicorn
 
         from servelm.server.app import ServerConfig, build_app
@@ -30,8 +32,13 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        from servelm.server.draining_server import uvicorn_options
+
+        options = uvicorn_options(self.state)
+        if wrap_protocol is not None:
+            options["http"] = wrap_protocol(options["http"])
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
-                                                    access_log=False))
+                                                    access_log=False, **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
         self.thread.start()

@@ -50,7 +50,31 @@ CASES = {
     "five_stop_strings": (_c(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
     "overlong_stop": (_c(stop=["x" * 300]), 400, "stop", None),
     "empty_stop": (_c(stop=[""]), 400, "stop", None),
-    "seed_negative": (_c(seed=-1), 400, "seed", None),
+    "seed_below_int64": (_c(seed=-2**63 - 1), 400, "seed", None),
+    "seed_above_int64": (_c(seed=2**63), 400, "seed", None),
+    "stop_token_id_outside_vocab": (_c(stop_token_ids=[2, 10**9]), 400, "stop_token_ids",
+                                    None),
+    "chat_stop_token_id_outside_vocab": (_chat(stop_token_ids=[-1]), 400, "stop_token_ids",
+                                         None),
+    "unknown_role": (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages",
+                     None),
+    "user_message_without_content": (_chat(messages=[{"role": "user"}]), 400, "messages",
+                                     None),
+    "user_message_null_content": (_chat(messages=[{"role": "user", "content": None}]), 400,
+                                  "messages", None),
+    "chat_context_length": (_chat(messages=[{"role": "user", "content": LONG}]), 400,
+                            "messages", "context_length_exceeded"),
+    "chat_top_logprobs_too_many": (_chat(logprobs=True, top_logprobs=21), 400,
+                                   "top_logprobs", None),
+    "chat_max_completion_tokens_too_long": (_chat(max_completion_tokens=100_000), 400,
+                                            "max_completion_tokens",
+                                            "context_length_exceeded"),
+    "cache_salt_too_long": (_c(cache_salt="s" * 257), 400, "cache_salt",
+                            "cache_salt_too_long"),
+    "too_many_prompts": (_c(prompt=["Hi"] * 65), 400, "prompt", "too_many_prompts"),
+    "too_many_token_id_prompts": (_c(prompt=[[1, 2]] * 65), 400, "prompt",
+                                  "too_many_prompts"),
+    "too_many_choices": (_c(prompt=["Hi"] * 20, n=16), 400, "n", "too_many_choices"),
     "token_id_outside_vocab": (_c(prompt=[1, 2, 10**9]), 400, "prompt", None),
     "token_id_negative": (_c(prompt=[-1]), 400, "prompt", None),
     "empty_prompt": (_c(prompt=""), 400, "prompt", None),
@@ -151,4 +175,24 @@ def test_bad_input_leaves_no_blocks_held(server, http):
         assert http.post(path, content=body, headers=headers).status_code == status
     m = server.wait_idle()
     assert m["servelm_kv_blocks_free"] == m["servelm_kv_blocks_total"]
-    assert m['servelm_requests_rejected_total{reason="invalid"}'] >= 3
+    assert m['servelm_requests_rejected_total{reason="invalid"}'] >= 1
+    assert m['servelm_requests_rejected_total{reason="context_length"}'] >= 2
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("too_many_prompts", "too_many_prompts"), ("too_many_choices", "too_many_choices"),
+    ("cache_salt_too_long", "cache_salt_too_long"), ("oversized_body", "body_too_large"),
+    ("context_length", "context_length"), ("unknown_role", "invalid")])
+def test_each_limit_counts_its_rejections(server, http, name, reason):
+    key = f'servelm_requests_rejected_total{{reason="{reason}"}}'
+    before = server.metrics()[key]
+    (path, body, headers), status, _, _ = CASES[name]
+    assert http.post(path, content=body, headers=headers).status_code == status
+    assert server.metrics()[key] == before + 1
+
+
+def test_ten_thousand_prompts_are_refused_before_any_work(server, http):
+    before = server.metrics()["servelm_prompt_tokens_total"]
+    r = http.post("/v1/completions", json={**GOOD, "prompt": ["Hi"] * 10_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert server.metrics()["servelm_prompt_tokens_total"] == before
