@@ -1,4 +1,4 @@
-"""RMSNorm, with the residual add fused into the same pass."""
+"""RMSNorm, with the residual add fused into the same pass; GemmaRMSNorm scales by (1 + w)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,26 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        weight = self.scale()
         ops = fused_ops(x)
         if ops is not None and x.is_contiguous():  # one pass instead of ~8 ops
             if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
+                return ops.rms_norm(x, weight, self.eps)
             if residual.is_contiguous() and residual.dtype == x.dtype:
-                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return ops.add_rms_norm(x, residual, weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
-        out = torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        out = torch.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return out if residual is None else (out, residual)
+
+    def scale(self) -> torch.Tensor:
+        """What the normalised row is multiplied by."""
+        return self.weight
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma stores w with the norm computing x_hat * (1 + w); checkpoints keep w."""
+
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1.0

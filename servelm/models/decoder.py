@@ -1,0 +1,271 @@
+"""DecoderLM: the frame the non-Llama families share (embedding, layers, final norm, head)
+and their weight loading from Hugging Face names.
+
+A family subclasses it with its decoder layer and its name rules; each layer takes
+`(positions, x, residual, batch) -> (x, residual)` as the Llama layers do, so the early-exit
+draft (spec/draft.py) runs any family's first N layers. These families are not
+LlamaForCausalLM subclasses on purpose: the CPU decode stack (runner/cpu_decode.py) takes
+Llama-shaped models only and tells them apart by that type, so these run eagerly.
+
+Never: quantizes (a quantization method is refused at build, naming the family).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from servelm.config import ModelConfig
+from servelm.layers.activation import act_and_mul
+from servelm.layers.norm import RMSNorm
+from servelm.layers.rotary import RotaryEmbedding
+from servelm.runner.forward_batch import ForwardBatch
+
+
+class Placement(NamedTuple):
+    """Where one checkpoint tensor goes: rows [start, start+len) of `target` (the whole
+    tensor when rows is None), inside expert `expert` of a stacked expert tensor."""
+
+    target: str
+    rows: tuple[int, int] | None = None
+    expert: int | None = None
+
+
+Rule = tuple[str, Callable[[re.Match], Placement | None]]
+
+
+class DecoderLM(nn.Module):
+    family = ""  # for error messages
+    # (regex over the HF name without "model.", -> Placement or None to skip), first match wins
+    rules: tuple[Rule, ...] = ()
+
+    def __init__(self, config: ModelConfig, quant=None):
+        super().__init__()
+        if quant is not None:
+            raise ValueError(f"quantization {getattr(quant, 'name', quant)!r} is not supported "
+                             f"for the {self.family or config.architecture} family (float only)")
+        self.config = config
+        self.quant = None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.embed_scale = 1.0  # Gemma multiplies the embedding by sqrt(hidden)
+        self.layers = nn.ModuleList()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        if self.lm_head is not None:
+            self.lm_head.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale == 1.0 else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            logits = hidden @ self.embed_tokens.weight.t()
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def process_weights_after_loading(self) -> None:
+        pass
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def place(self, name: str) -> Placement | None:
+        """The placement of HF tensor `name` ("model." removed); None: not a model weight."""
+        for pattern, make in self.rules:
+            m = re.fullmatch(pattern, name)
+            if m:
+                return make(m)
+        return Placement(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        filled = {n: 0 for n in params}
+        seen: set[Placement] = set()
+        for raw, tensor in weights:
+            name = raw.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            p = self.place(name)
+            if p is None:
+                continue
+            if p.target not in params:
+                raise ValueError(f"checkpoint tensor {raw!r} has no place in the "
+                                 f"{self.family} model")
+            if p in seen:
+                raise ValueError(f"checkpoint tensor {raw!r} given twice")
+            seen.add(p)
+            dst = params[p.target].data
+            if p.expert is not None:
+                dst = dst[p.expert]
+            if p.rows is not None:
+                dst = dst.narrow(0, *p.rows)
+            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: their float values
+                tensor = tensor.dequantize()
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"shape {tuple(dst.shape)} ({p.target})")
+            dst.copy_(tensor)
+            filled[p.target] += dst.numel()
+        missing = [n for n, p in params.items() if filled[n] != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+        for name, buf in self.named_buffers():
+            if name.endswith("num_routed_tokens"):  # built on the meta device: uninitialised
+                buf.zero_()
+
+
+def qkv_rule(q_size: int, kv_size: int) -> Rule:
+    """q/k/v projections into one fused qkv_proj (rows: q, then k, then v)."""
+    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+    return (r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)",
+            lambda m: Placement(f"{m[1]}.self_attn.qkv_proj.{m[3]}", offsets[m[2]]))
+
+
+def gate_up_rule(prefix: str, intermediate: int, target: str | None = None) -> Rule:
+    """`{prefix}.gate_proj` / `.up_proj` into `{target}.gate_up_proj` (gate rows first)."""
+    target = target or prefix
+    return (rf"(.*)\.{re.escape(prefix)}\.(gate|up)_proj\.weight",
+            lambda m: Placement(f"{m[1]}.{target}.gate_up_proj.weight",
+                                (0 if m[2] == "gate" else intermediate, intermediate)))
+
+
+def expert_rules(intermediate: int) -> tuple[Rule, ...]:
+    """Routed experts, in the stacked layout transformers 5 writes (experts.gate_up_proj
+    [E, 2I, hidden], experts.down_proj [E, hidden, I]) or one tensor per expert (Mixtral's
+    block_sparse_moe.experts.N.w1/w3/w2, Qwen-MoE's and DeepSeek's mlp.experts.N.*_proj)."""
+    gate_up = {"w1": 0, "gate_proj": 0, "w3": intermediate, "up_proj": intermediate}
+    return (
+        (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.gate_up_proj",
+         lambda m: Placement(f"{m[1]}.mlp.experts.w13")),
+        (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.down_proj",
+         lambda m: Placement(f"{m[1]}.mlp.experts.w2")),
+        (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w3|gate_proj|up_proj)\.weight",
+         lambda m: Placement(f"{m[1]}.mlp.experts.w13", (gate_up[m[3]], intermediate),
+                             int(m[2]))),
+        (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:w2|down_proj)\.weight",
+         lambda m: Placement(f"{m[1]}.mlp.experts.w2", None, int(m[2]))),
+        (r"(.*)\.block_sparse_moe\.gate\.weight",
+         lambda m: Placement(f"{m[1]}.mlp.gate.weight")),
+    )
+
+
+def make_rotary(config: ModelConfig, local: bool = False) -> RotaryEmbedding:
+    """The rotary table of global layers, or with local=True of sliding-window layers where
+    those have their own base (Gemma 3: plain rope at rope_local_theta)."""
+    rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+    if local and config.rope_local_theta:
+        return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                               config.rope_local_theta, None, rotary_dim)
+    return RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                           config.rope_scaling, rotary_dim)
+
+
+def _frozen_linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
+    linear = nn.Linear(n_in, n_out, bias=bias)
+    linear.requires_grad_(False)
+    return linear
+
+
+class Attention(nn.Module):
+    """GQA attention with a fused qkv projection and the variants a config asks for: q/k
+    norms, a sliding window on this layer, soft-capped scores, a query_pre_attn_scalar."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
+                 norm: type[RMSNorm] = RMSNorm):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = _frozen_linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                       config.attention_bias)
+        self.o_proj = _frozen_linear(self.q_size, config.hidden_size)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.window = config.sliding_window if config.is_sliding_layer(layer) else 0
+        self.softcap = config.attn_logit_softcapping
+        # The backend scales scores by 1/sqrt(head_dim); a query_pre_attn_scalar s wants
+        # 1/sqrt(s), so q takes the ratio.
+        s = config.query_pre_attn_scalar
+        self.q_mult = math.sqrt(config.head_dim / s) if s else 1.0
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # q: [T, H, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # k: [T, K, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        if self.q_mult != 1.0:
+            q = q * self.q_mult
+        out = self.backend.forward(self.layer, q, k, v, batch, **self._variants(batch))
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def _variants(self, batch: ForwardBatch) -> dict:
+        extra = {}
+        if self.window and batch.seq_lens and max(batch.seq_lens) > self.window:
+            extra["window"] = self.window  # shorter contexts: the window changes nothing
+        if self.softcap:
+            extra["softcap"] = self.softcap
+        if extra and not getattr(self.backend, "supports_variants", False):
+            raise ValueError(f"attention backend {getattr(self.backend, 'name', '?')!r} "
+                             f"implements neither sliding_window nor attn_logit_softcapping; "
+                             "use attention_backend 'torch'")
+        return extra
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        super().__init__()
+        self.gate_up_proj = _frozen_linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = _frozen_linear(intermediate_size, hidden_size)
+        self.act_and_mul = act_and_mul(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); `mlp` is dense or MoE."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
+                 mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions, x, residual, batch):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual

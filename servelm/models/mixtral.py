@@ -1,0 +1,53 @@
+"""Mixtral: the Llama decoder with every MLP a mixture of experts (top-k of E by softmax,
+the k weights renormalised); also the base of the Qwen-MoE families (servelm/models/qwen_moe.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from servelm.config import ModelConfig
+from servelm.layers.activation import act_and_mul
+from servelm.layers.moe import MoE, RoutingConfig
+from servelm.models.decoder import (DecoderLayer, DecoderLM, GatedMLP, Placement, expert_rules,
+                                    gate_up_rule, make_rotary, qkv_rule)
+
+
+class MixtralForCausalLM(DecoderLM):
+    family = "mixtral"
+
+    def __init__(self, config: ModelConfig, backend, quant=None):
+        super().__init__(config, quant)
+        rotary = make_rotary(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, backend, self.make_mlp(config, i))
+            for i in range(config.num_layers))
+        self.rules = self.weight_rules(config)
+
+    def routing(self, config: ModelConfig) -> RoutingConfig:
+        return RoutingConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        if layer < config.num_leading_dense_layers:
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        shared = None
+        if config.shared_expert_intermediate_size:
+            shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                              config.hidden_act)
+        return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size,
+                   self.routing(config), act_and_mul(config.hidden_act), shared,
+                   has_shared_gate=config.has_shared_expert_gate)
+
+    def weight_rules(self, config: ModelConfig) -> tuple:
+        shared = config.shared_expert_intermediate_size
+        return (
+            qkv_rule(config.q_size, config.kv_size),
+            *expert_rules(config.moe_intermediate_size),
+            gate_up_rule("mlp.shared_expert", shared, "mlp.shared"),
+            gate_up_rule("mlp.shared_experts", shared, "mlp.shared"),
+            (r"(.*)\.mlp\.shared_experts?\.down_proj\.weight",
+             lambda m: Placement(f"{m[1]}.mlp.shared.down_proj.weight")),
+            (r"(.*)\.mlp\.shared_expert_gate\.weight",
+             lambda m: Placement(f"{m[1]}.mlp.shared_gate.weight")),
+            gate_up_rule("mlp", config.intermediate_size),
+        )

@@ -1,0 +1,104 @@
+"""Parity with Hugging Face transformers for the MoE and other non-Llama families, on tiny
+random-weight checkpoints transformers builds: prefill logits, 32 greedy decode steps with
+their top logprobs, and the same tokens when requests are batched, chunked, hit the prefix
+cache and are preempted. The planner's parameter counts equal the loaded model's.
+"""
+
+import pytest
+import torch
+
+from tiny_families import FAMILIES, make_tiny_family_model
+from tiny_models import make_tiny_engine, prefill_logits
+from servelm.config import ModelConfig
+from servelm.cost import count_params
+from servelm.llm import LLM
+from servelm.protocol import SamplingParams
+
+ALL = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="module", params=ALL)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf(family):
+    return make_tiny_family_model(family)
+
+
+def test_prefill_logits_match_transformers(hf):
+    engine = make_tiny_engine(hf)
+    prompt = torch.randint(0, hf.config.vocab_size, (37,),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(prompt[None]).logits[0]
+    torch.testing.assert_close(prefill_logits(engine, prompt.tolist()), ref,
+                               atol=1e-4, rtol=1e-4)
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        # An explicit mask: generate() would take pad_token_id in a prompt for padding.
+        gen = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                            dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          pad_token_id=0)
+    return gen.sequences[0, len(prompt):].tolist(), gen.logits
+
+
+def test_32_decode_steps_match_transformers(hf):
+    llm = LLM(engine=make_tiny_engine(hf))
+    prompt = [5, 17, 99, 3, 250, 11, 42]
+    out = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                              logprobs=5), use_tqdm=False)[0].outputs[0]
+    ref_tokens, ref_logits = _hf_greedy(hf, prompt, 32)
+    assert out.token_ids == ref_tokens
+    for step, (lp, logits) in enumerate(zip(out.logprobs, ref_logits)):
+        ref_top = torch.log_softmax(logits[0].float(), dim=-1).topk(5)
+        assert [t for t, _ in lp.top] == ref_top.indices.tolist(), f"step {step}"
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), ref_top.values,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_batched_chunked_prefix_hits_and_preemption_match_transformers(hf):
+    # 6 prompts sharing a 24-token prefix (prefix-cache hits), prefills chunked at 16 tokens,
+    # 30 blocks of 4 tokens for up to 6 x 64 tokens (preemption).
+    prefix = [(7 * i + 3) % hf.config.vocab_size for i in range(24)]
+    prompts = [prefix + [(11 * i + j) % hf.config.vocab_size for j in range(3 + 4 * i)]
+               for i in range(6)]
+    engine = make_tiny_engine(hf, num_blocks=30, max_num_batched_tokens=16)
+    outs = LLM(engine=engine).generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16)[0]
+
+
+def _num_weights(model) -> int:
+    """Parameters of a loaded model; a PackedLinear keeps its weight as a buffer in oneDNN's
+    layout, counted by its shape (a tied head's packed copy of the embedding not at all)."""
+    from servelm.layers.linear import PackedLinear
+
+    total = sum(p.numel() for p in model.parameters())
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear) and not (name == "lm_head"
+                                                and model.config.tie_word_embeddings):
+            total += m.in_features * m.out_features + (0 if m.bias is None else m.out_features)
+    return total
+
+
+def test_param_counts_equal_the_loaded_model(hf):
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    engine = make_tiny_engine(hf)
+    model = engine.runner.model
+    total = _num_weights(model)
+    counts = count_params(config)
+    assert counts.total == total == sum(p.numel() for p in hf.parameters())
+    routed = sum(m.w13.numel() + m.w2.numel() for m in model.modules()
+                 if hasattr(m, "w13"))
+    unchosen = routed * (1 - config.num_experts_per_tok / max(config.num_experts, 1))
+    assert counts.active == total - unchosen

@@ -1,0 +1,39 @@
+"""Tiny random-weight transformers checkpoints of the families beyond Llama/Qwen2/Qwen3
+(import as `tiny_families`); engines over them come from tiny_models.make_tiny_engine."""
+
+# name -> (transformers config class, model class, config overrides)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                   "head_dim": 16, "norm_topk_prob": True}),
+}
+
+
+def make_tiny_family_model(family: str, seed: int = 0, **overrides):
+    """A random-weight transformers model of `family` (float32, eval, ~N(0, 0.08) matrices
+    so greedy picks are rarely near-ties)."""
+    import torch
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[family]
+    kwargs = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif p.dim() == 1 and p.numel() != config.hidden_size:
+                p.normal_(0, 0.05)  # biases and head norms: off their trivial init
+    return model
