@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
+# servelm.loader.model_cache.DEFAULT_MODEL (make runs before the venv that could import it)
 MODEL ?= smollm2-135m-instruct
 HOST ?= 127.0.0.1
 PORT ?= 8000

@@ -13,9 +13,9 @@ import sys
 import time
 
 from servelm.config import add_engine_cli_args, engine_args_from_cli
+from servelm.loader.model_cache import DEFAULT_MODEL
+from servelm.own_env import apply_defaults
 from servelm.protocol import InvalidParameterError, SamplingParams
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Sub-packages that register their own sub-commands.
 _SUBCOMMAND_MODULES = ["servelm.loader.cli", "servelm.bench.cli", "servelm.planner.cli",
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_defaults()  # before any sub-command loads torch (libgomp reads them then)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[servelm] %(message)s", stream=sys.stderr)

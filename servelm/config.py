@@ -1,32 +1,47 @@
 """Frozen configuration dataclasses, normalised once at start-up.
 
-Owns: ModelConfig (from an HF config.json or GGUF metadata), CacheConfig, SchedulerConfig.
-Never: mutated after start-up. Values found at run time (the number of KV blocks) are passed
-explicitly, not written back here.
+Owns: ModelConfig, the one description of a model's shape (from an HF config.json or GGUF
+metadata; dense, MoE and MLA alike: the planner plans families the engine cannot run, and
+`servelm.models.get_model_class` refuses those by name), CacheConfig, SchedulerConfig,
+EngineArgs and the engine's CLI flags (their defaults read from EngineArgs).
+Never: mutated after start-up (values found at run time, such as the number of KV blocks, are
+passed explicitly, not written back here); imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.quant import quant_method_names  # torch-free: the registry's names
 
-# HF `model_type` -> servelm model family. Families share code in models/.
+# HF `model_type` -> servelm model family. Families share code in models/. Other model types
+# (Mixtral, Qwen-MoE, DeepSeek-V2/V3, ...) keep their model_type as `architecture`: the
+# planner and the cost model read their shapes; the model build refuses them by name.
 _FAMILY_BY_MODEL_TYPE = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
+# GGUF general.architecture -> servelm family (the rest keep their GGUF name, as above).
+_FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer, in one normalised vocabulary."""
+    """Architecture of a decoder-only transformer, in one normalised vocabulary.
 
-    architecture: str  # model family: "llama" | "qwen2" | "qwen3"
+    MoE fields are 0 for dense models: `num_leading_dense_layers` leading layers use the dense
+    MLP (intermediate_size), the rest route each token to `num_experts_per_tok` of
+    `num_experts` experts (plus always-on shared experts). MLA fields (DeepSeek-V2/V3) are 0
+    for MHA/GQA models: K and V are re-projected from a cached latent of kv_lora_rank.
+    """
+
+    architecture: str  # model family: "llama" | "qwen2" | "qwen3", else the HF/GGUF type
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,6 +61,31 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # MoE
+    num_experts: int = 0  # routed experts per MoE layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one routed expert's MLP width
+    shared_expert_intermediate_size: int = 0  # summed over the always-on shared experts
+    num_leading_dense_layers: int = 0
+    # MLA
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: one q_proj
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The storage type of a GGUF file's layer weights (its most common one, e.g. "Q4_1"):
+    # what `--quantization gguf` keeps. "" for other checkpoints.
+    gguf_weight_type: str = ""
+    source: str = field(default="", compare=False)  # where the shapes were read from
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{self.name or self.architecture}: {name} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"{self.name or self.architecture}: num_experts_per_tok "
+                             f"{self.num_experts_per_tok} out of range 1..{self.num_experts}")
 
     @property
     def q_size(self) -> int:
@@ -55,61 +95,223 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def attention_kind(self) -> str:
+        if self.is_mla:
+            return "MLA"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_leading_dense_layers if self.is_moe else 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers (MLA: its latent and
+        shared rope key); servelm.cost.kv_bytes_per_token takes a KV cache dtype name."""
+        from servelm.cost import kv_elems_per_token_layer
+
+        return self.num_layers * kv_elems_per_token_layer(self) * dtype_bytes
+
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Normalise a Hugging Face config.json dictionary."""
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "",
+                       source: str = "") -> ModelConfig:
+        """Normalise a Hugging Face config.json dictionary (Llama, Qwen2/3, Mixtral,
+        Qwen-MoE, DeepSeek-V2/V3, and multimodal wrappers that nest the LM under
+        `text_config`). A missing or malformed field is a ValueError naming it."""
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", "")}
+        try:
+            return cls._from_hf(cfg, name, source)
+        except KeyError as e:
+            raise ValueError(f"config.json has no {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config.json has a bad field: {e}") from e
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any], name: str, source: str) -> ModelConfig:
         model_type = cfg.get("model_type", "")
-        family = _FAMILY_BY_MODEL_TYPE.get(model_type)
-        if family is None:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; supported: "
-                f"{sorted(_FAMILY_BY_MODEL_TYPE)}"
-            )
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        family = _FAMILY_BY_MODEL_TYPE.get(model_type, model_type or "unknown")
+        num_heads = int(_first(cfg, "num_attention_heads", "n_head"))
+        hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta in here
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if isinstance(rope_scaling, dict):
-            rope_scaling = dict(rope_scaling)
-            rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
-            if rope_scaling["rope_type"] == "default":
-                rope_scaling = None
+        rope_theta, rope_scaling = _hf_rope(cfg)
         return cls(
             architecture=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=int(_first(cfg, "intermediate_size", "n_inner",
+                                         default=4 * hidden)),
+            num_layers=int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers")),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            name=cfg.get("_name_or_path", "") or model_type,
+            name=name or cfg.get("_name_or_path", "") or model_type or "custom",
+            source=source,
+            **_hf_moe_mla(cfg),
         )
+
+    @classmethod
+    def from_gguf_metadata(cls, get: Callable[[str, Any], Any], tensor_types: dict[str, str],
+                           *, name: str = "", source: str = "",
+                           **extra: Any) -> ModelConfig:
+        """Normalise a GGUF file's metadata (llama.cpp key names). get(key, default): one
+        metadata value; tensor_types: tensor name -> ggml type name ("Q4_1", "F32", ...).
+        extra: fields only the loader reads (rope_scaling, bos/eos token ids)."""
+        arch = get("general.architecture", None)
+        if not arch:
+            raise ValueError("GGUF file has no general.architecture")
+
+        def meta(key: str, default: Any = None) -> Any:
+            value = get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata has no {arch}.{key}")
+            return _scalar(value)
+
+        hidden = meta("embedding_length")
+        num_heads = meta("attention.head_count")
+        key_len = meta("attention.key_length", hidden // num_heads)
+        tokens = get("tokenizer.ggml.tokens", None) or []
+        return cls(
+            architecture=_FAMILY_BY_GGUF_ARCH.get(arch, arch),
+            vocab_size=len(tokens) or meta("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=meta("feed_forward_length", 4 * hidden),
+            num_layers=meta("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=meta("attention.head_count_kv", num_heads),
+            head_dim=key_len,
+            max_position_embeddings=meta("context_length", 2048),
+            rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in tensor_types,
+            attention_bias="blk.0.attn_q.bias" in tensor_types,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_types,
+            name=name or str(get("general.name", "") or ""),
+            source=source,
+            gguf_weight_type=_main_weight_type(tensor_types),
+            **_gguf_moe_mla(meta, key_len),
+            **extra,
+        )
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    if default is None:
+        raise KeyError(keys[0])
+    return default
+
+
+def _scalar(v: Any) -> int:
+    # Some GGUF files store per-layer head counts as arrays; the cache is sized by the largest.
+    return int(max(v)) if isinstance(v, list) else int(v)
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    rope_scaling = cfg.get("rope_scaling")
+    rope_theta = cfg.get("rope_theta")
+    rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta in here
+    if isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+    if isinstance(rope_scaling, dict):
+        rope_scaling = dict(rope_scaling)
+        rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+        if rope_scaling["rope_type"] == "default":
+            rope_scaling = None
+    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
+
+
+def _hf_moe_mla(cfg: dict[str, Any]) -> dict[str, int]:
+    num_experts = int(_first(cfg, "n_routed_experts", "num_local_experts", "num_experts",
+                             default=0))
+    moe_inter = int(_first(cfg, "moe_intermediate_size", default=0)) if num_experts else 0
+    if num_experts and not moe_inter:  # Mixtral: experts use intermediate_size
+        moe_inter = int(cfg["intermediate_size"])
+    shared = int(_first(cfg, "shared_expert_intermediate_size", default=0))
+    if not shared and cfg.get("n_shared_experts"):
+        shared = int(cfg["n_shared_experts"]) * moe_inter
+    out = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(_first(cfg, "num_experts_per_tok", default=0))
+        if num_experts else 0,
+        "moe_intermediate_size": moe_inter,
+        "shared_expert_intermediate_size": shared,
+        "num_leading_dense_layers": int(_first(cfg, "first_k_dense_replace", default=0))
+        if num_experts else 0,
+    }
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                "v_head_dim"):
+        out[key] = int(_first(cfg, key, default=0))
+    return out
+
+
+def _gguf_moe_mla(meta: Callable[[str, Any], int], key_len: int) -> dict[str, int]:
+    num_experts = meta("expert_count", 0)
+    expert_ff = meta("expert_feed_forward_length", 0)
+    kv_lora = meta("attention.kv_lora_rank", 0)
+    rope_dim = meta("rope.dimension_count", 0)
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": meta("expert_used_count", 0),
+        "moe_intermediate_size": expert_ff or (meta("feed_forward_length", 0)
+                                               if num_experts else 0),
+        "shared_expert_intermediate_size": meta("expert_shared_count", 0) * expert_ff,
+        "num_leading_dense_layers": meta("leading_dense_block_count", 0),
+        "kv_lora_rank": kv_lora,
+        "q_lora_rank": meta("attention.q_lora_rank", 0),
+        "qk_rope_head_dim": rope_dim if kv_lora else 0,
+        "qk_nope_head_dim": key_len - rope_dim if kv_lora else 0,
+        "v_head_dim": meta("attention.value_length", key_len) if kv_lora else 0,
+    }
+
+
+def _main_weight_type(tensor_types: dict[str, str]) -> str:
+    """The most common ggml type of the layers' matrices (a Q4_K_M file mixes a few)."""
+    counts: dict[str, int] = {}
+    for tensor, kind in tensor_types.items():
+        if tensor.startswith("blk.") and tensor.endswith(".weight") and "norm" not in tensor:
+            counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.get) if counts else ""
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -221,6 +423,9 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
     kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
+    # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
+    # "attention=torch,decode=kernel" (servelm/cpu_kernels/choice.py).
+    cpu_kernels: str = "auto"
     # Speculative decoding (servelm/spec/): None = off; "ngram" or "draft".
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
@@ -230,6 +435,14 @@ class EngineArgs:
     spec_draft_layers: int | None = None
     spec_draft_quantization: str | None = None
     spec_adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
+
+    def cpu_kernel_choice(self):
+        from servelm.cpu_kernels.choice import CpuKernelChoice  # torch-free
+
+        return CpuKernelChoice.parse(self.cpu_kernels)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_method is None:
@@ -264,50 +477,85 @@ def parse_bytes(text: str) -> int:
     return int(s)
 
 
+def _default(name: str) -> Any:
+    """EngineArgs' default for a field: the flags never repeat the dataclass's literals."""
+    return _ENGINE_DEFAULTS[name]
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+
+
+def _cpu_kernels_arg(text: str) -> str:
+    import argparse
+
+    from servelm.cpu_kernels.choice import CpuKernelChoice
+
+    try:
+        CpuKernelChoice.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_engine_cli_args(parser) -> None:
-    """Engine flags shared by `generate`, `chat`, `serve` and `bench`."""
+    """Engine flags shared by `generate`, `chat`, `serve` and `bench`; defaults from
+    EngineArgs."""
+    d = _default
     g = parser.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    g.add_argument("--max-model-len", type=int, default=d("max_model_len"))
+    g.add_argument("--block-size", type=int, default=d("block_size"))
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=d("kv_cache_memory"),
                    help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
-    g.add_argument("--memory-fraction", type=float, default=0.25,
+    g.add_argument("--memory-fraction", type=float, default=d("memory_fraction"),
                    help="share of free memory for the KV cache when --kv-cache-memory is unset")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"))
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   default=d("enable_chunked_prefill"))
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   default=d("enable_prefix_caching"),
                    help="disable prefix caching (for comparison)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    g.add_argument("--cuda-graphs", action="store_true",
+    g.add_argument("--device", default=d("device"))
+    g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default=d("attention_backend"),
+                   choices=["torch", "triton"])
+    g.add_argument("--cuda-graphs", action="store_true", default=d("cuda_graphs"),
                    help="capture decode steps as CUDA graphs (GPU, triton backend)")
-    g.add_argument("--engine-seed", dest="seed", type=int, default=0,
+    g.add_argument("--engine-seed", dest="seed", type=int, default=d("seed"),
                    help="seed of the stream unseeded requests sample from")
-    g.add_argument("--threads", dest="num_threads", type=int, default=None)
-    g.add_argument("--quantization", default=None, choices=quant_method_names(),
+    g.add_argument("--threads", dest="num_threads", type=int, default=d("num_threads"))
+    g.add_argument("--quantization", default=d("quantization"), choices=quant_method_names(),
                    help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
                         "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'fp8' is W8A8 "
                         "on CUDA sm89+ GPUs (default: float)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+    g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"),
+                   choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: 'auto' = the model's --dtype; 'fp8' = e4m3 codes "
                         "with a scale per layer and KV head (half the bytes of bf16)")
+    g.add_argument("--cpu-kernels", type=_cpu_kernels_arg, default=d("cpu_kernels"),
+                   metavar="MODE|PART=MODE,...",
+                   help="servelm's C++ CPU kernels: 'auto' (where they build, else torch), "
+                        "'kernel' (or an error), 'torch' (never); per part, e.g. "
+                        "'attention=torch,decode=kernel' (parts: attention, decode, "
+                        "layer_ops, quant; default %(default)s). The start-up log (-v) says "
+                        "which path each part took")
     s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
+    s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
                    help="propose tokens with an n-gram lookup or a draft model and verify "
                         "them in one target step (default: off)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
+    s.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
                    help="most draft tokens per sequence and step (k)")
-    s.add_argument("--spec-ngram-max", type=int, default=4)
-    s.add_argument("--spec-ngram-min", type=int, default=2)
-    s.add_argument("--spec-draft-model", default=None,
+    s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"))
+    s.add_argument("--spec-ngram-min", type=int, default=d("spec_ngram_min"))
+    s.add_argument("--spec-draft-model", default=d("spec_draft_model"),
                    help="draft model (cached name, GGUF file or HF dir; same tokenizer)")
-    s.add_argument("--spec-draft-layers", type=int, default=None,
+    s.add_argument("--spec-draft-layers", type=int, default=d("spec_draft_layers"),
                    help="draft with the target's own first N layers and its head")
-    s.add_argument("--spec-draft-quantization", default=None, choices=quant_method_names(),
+    s.add_argument("--spec-draft-quantization", default=d("spec_draft_quantization"),
+                   choices=quant_method_names(),
                    help="draft with a copy of the target (or --spec-draft-model) quantized so")
     s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
+                   default=d("spec_adaptive"),
                    help="always speculate k tokens, even past the break-even batch")
 
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from servelm import cpu_kernels
 from servelm.attention import get_backend_class
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
@@ -98,6 +99,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     """Engine from a config and a weights iterator (tests pass in-memory checkpoints)."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    cpu_choice = args.cpu_kernel_choice()
+    cpu_kernels.configure(cpu_choice)  # before the model: its layers read it as they build
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()
@@ -147,7 +150,12 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                    // cache_config.block_size), device)
         logger.info("CUDA graphs captured in %.1fs", graphs.capture())
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
-                         proposer)
+                         proposer, cpu_decode=cpu_choice.decode)
+    if device.type == "cpu":
+        from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
+
+        logger.info("cpu kernels (--cpu-kernels %s): %s", cpu_choice, describe(
+            kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
     block_manager = BlockManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)

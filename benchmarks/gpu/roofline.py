@@ -1,7 +1,8 @@
 """Roofline arithmetic for the GPU benchmark: the least time a step could take on this device.
 
-Owns: bytes and FLOPs of a forward step from a ModelConfig and the step's spans, and the
-ideal time given a measured copy bandwidth and matmul rate. Never imports torch or measures:
+Owns: bytes and FLOPs of a forward step from a ModelConfig and the step's spans (counted by
+servelm.cost, as the planner and the server's metrics count them), and the ideal time given a
+measured copy bandwidth and matmul rate. Never imports torch or measures:
 it is pure arithmetic, so the CPU can check it.
 
 Per step (spans: (context, new tokens, sampled?) per sequence; KV per token covers all layers):
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from servelm import cost
 from servelm.config import ModelConfig
 
 
@@ -38,36 +40,26 @@ class StepCost(NamedTuple):
         return self.weight_bytes + self.kv_bytes
 
 
-def layer_params(c: ModelConfig) -> int:
-    attn = c.hidden_size * (2 * c.q_size + 2 * c.kv_size)  # q, k, v, o
-    bias = (c.q_size + 2 * c.kv_size) if c.attention_bias else 0
-    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
-    return attn + bias + norms + 3 * c.hidden_size * c.intermediate_size
-
-
 def num_params(c: ModelConfig) -> int:
-    embed = c.vocab_size * c.hidden_size
-    head = 0 if c.tie_word_embeddings else embed
-    return c.num_layers * layer_params(c) + embed + head + c.hidden_size
+    return cost.count_params(c).total
 
 
 def model_costs(c: ModelConfig, dtype_bytes: int) -> ModelCosts:
-    linear = c.num_layers * layer_params(c)
-    head = c.vocab_size * c.hidden_size
+    """The per-model numbers of servelm.cost (the planner and the server count the same)."""
     return ModelCosts(
-        weight_bytes=(linear + head + c.hidden_size) * dtype_bytes,
-        linear_flops_per_token=2 * linear,
-        lm_head_flops_per_sample=2 * head,
-        attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
-        kv_bytes_per_token=c.kv_bytes_per_token(dtype_bytes))
+        weight_bytes=int(cost.weight_bytes_read_per_step(c, 1, dtype_bytes)),
+        linear_flops_per_token=int(cost.layer_matmul_flops_per_token(c)),
+        lm_head_flops_per_sample=int(cost.lm_head_flops_per_token(c)),
+        attn_flops_per_pair=int(cost.attention_flops_per_pair(c)),
+        kv_bytes_per_token=int(cost.kv_bytes_per_token(c, dtype_bytes)))
 
 
 def step_cost(costs: ModelCosts, spans: Iterable[tuple[int, int, bool]]) -> StepCost:
     """spans: (context tokens, new tokens, is_sampling) per scheduled sequence."""
     flops = kv_tokens = 0
     for ctx, n, sampled in spans:
-        pairs = n * ctx + n * (n + 1) // 2
-        flops += (n * costs.linear_flops_per_token + pairs * costs.attn_flops_per_pair
+        flops += (n * costs.linear_flops_per_token
+                  + cost.attention_pairs(ctx, n) * costs.attn_flops_per_pair
                   + (costs.lm_head_flops_per_sample if sampled else 0))
         kv_tokens += ctx + 2 * n  # read context + new keys, write new keys
     return StepCost(float(flops), float(costs.weight_bytes),

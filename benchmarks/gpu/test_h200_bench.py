@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h200_bench
 import roofline
 
+from servelm import cost
 from servelm.loader.dummy import dummy_model_config
 
 
@@ -27,7 +28,9 @@ def _tiny():
 
 def test_costs_by_hand():
     c = _tiny()  # L=2, hidden 64, I=128, H=4, K=2, D=16, vocab 512
-    assert roofline.layer_params(c) == 64 * (2 * 64 + 2 * 32) + 2 * 64 + 3 * 64 * 128
+    b = cost.count_params(c)  # one layer: attention + 2 norms + MLP
+    assert b.attention_per_layer + b.norms_per_layer + b.dense_mlp_per_layer == \
+        64 * (2 * 64 + 2 * 32) + 2 * 64 + 3 * 64 * 128
     costs = roofline.model_costs(c, dtype_bytes=4)
     assert costs.weight_bytes == (2 * 36992 + 512 * 64 + 64) * 4
     assert costs.attn_flops_per_pair == 4 * 2 * 4 * 16

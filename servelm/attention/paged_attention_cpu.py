@@ -1,10 +1,11 @@
 """Which path CPU decodes take: the C++ paged kernel (servelm/cpu_kernels/paged_attention.cpp)
-or the torch backend's gather + SDPA. Chosen once, when a backend is built:
+or the torch backend's gather + SDPA. Chosen once, when a backend is built, by the engine
+option `--cpu-kernels attention=MODE` (servelm/cpu_kernels/choice.py):
 
-    SERVELM_CPU_ATTENTION=auto    the kernel for fp32/bf16/fp8 caches on the CPU where it
-                                  builds, else the torch path (default)
-    SERVELM_CPU_ATTENTION=kernel  the same, but a failed build is an error
-    SERVELM_CPU_ATTENTION=torch   always the torch path
+    auto    the kernel for fp32/bf16/fp8 caches on the CPU where it builds, else the torch
+            path (default)
+    kernel  the same, but a failed build is an error
+    torch   always the torch path
 
 paged_decode(q [B, H, D], k_cache, v_cache [num_slots, K, D], block_tables [>=B, M] int64,
              seq_lens [B] int64, block_size, scale, k_scale=None, v_scale=None)
@@ -19,18 +20,20 @@ import torch
 
 from servelm import cpu_kernels
 
-ENV_VAR = "SERVELM_CPU_ATTENTION"
+PART = "attention"  # of CpuKernelChoice
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # fp16: the torch path
 
 
-def decode_kernel_for(cache: torch.Tensor) -> Callable | None:
+def decode_kernel_for(cache: torch.Tensor, mode: str | None = None) -> Callable | None:
     """The kernel for decodes over `cache` (a K or V pool, [..., K, D]), or None where the
     torch path must run: not the CPU, an fp16 cache, D not a multiple of 16 (or over
-    256), mode 'torch', or a failed build in mode 'auto'."""
-    cpu_kernels.mode(ENV_VAR)  # a bad value is an error whatever the cache
+    256), mode 'torch', or a failed build in mode 'auto'. mode None: the process's choice."""
+    mode = cpu_kernels.mode(PART) if mode is None else mode
+    if mode not in cpu_kernels.MODES:  # a bad value is an error whatever the cache
+        raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
     head_dim = cache.shape[-1]
     if (cache.device.type != "cpu" or cache.dtype not in CACHE_DTYPES
             or head_dim % 16 or head_dim > 256):
         return None
-    ops = cpu_kernels.ops_for_mode(ENV_VAR)
+    ops = cpu_kernels.ops_for_mode(PART, mode)
     return None if ops is None else ops.paged_decode

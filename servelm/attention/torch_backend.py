@@ -38,12 +38,14 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float):
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float,
+                 decode_kernel_mode: str | None = None):
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.scale = scale
-        # CPU, fp32/bf16 cache: decodes read the paged blocks in place (C++); else None.
-        self.decode_kernel = decode_kernel_for(kv_cache.k)
+        # CPU, fp32/bf16/fp8 cache: decodes read the paged blocks in place (C++); else None.
+        # decode_kernel_mode: `--cpu-kernels attention=MODE`; None: the engine build's choice.
+        self.decode_kernel = decode_kernel_for(kv_cache.k, decode_kernel_mode)
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         bs = batch.block_size

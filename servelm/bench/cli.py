@@ -20,8 +20,8 @@ from typing import Any
 from servelm.bench.results import render_table
 from servelm.bench.workloads import (RangeError, Request, format_range, parse_range,
                                      random_lengths, shared_prefix)
+from servelm.loader.model_cache import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 PEERS = ("llama.cpp", "vllm", "hf")
 PEERS_SCRIPT = Path(__file__).with_name("peers.py")
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
@@ -145,9 +145,9 @@ def _tee_stderr(proc: subprocess.Popen, keep: int = 4000) -> str:
 
 def peer_env() -> dict[str, str]:
     """The environment a user would run the peer in: without servelm's own defaults."""
-    import servelm
+    from servelm.own_env import OWN_ENV
 
-    return {k: v for k, v in os.environ.items() if k not in servelm.OWN_ENV}
+    return {k: v for k, v in os.environ.items() if k not in OWN_ENV}
 
 
 def run_peer(args: argparse.Namespace, peer: str, python: str, model: str,

@@ -21,8 +21,8 @@ from servelm.bench.metrics import build_serve_result, render_serve_table
 from servelm.bench.results import SCHEMA_VERSION, git_commit, machine_info
 from servelm.bench.workloads import (RangeError, Request, conversation, documents,
                                      format_range, parse_range, random_lengths)
+from servelm.loader.model_cache import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
 WORKLOADS = ("random", "conversation", "documents")
 # Per workload: (input_len, output_len, num_prompts) when the flags are not given.

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from servelm.bench.results import git_commit, machine_info
+from servelm.loader.model_cache import DEFAULT_MODEL
 
 PROMPTS = Path(__file__).with_name("data") / "spec_prompts.json"
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def parse_method(text: str) -> dict[str, Any]:

@@ -12,9 +12,14 @@ hashes the sources, the torch version and the CPU's instruction sets, then loadi
 A second process finds the build and only loads it; concurrent first builds take turns
 (cpp_extension's lock file).
 
-Never: fails a caller in 'auto' mode. Each user picks its path from its own environment
-variable with `mode()`: 'auto' (the kernels where they build, else torch), 'kernel' (the
-kernels, or an error), 'torch'; a failed build is tried once per process and warned about once.
+Also owns the process's CpuKernelChoice (servelm/cpu_kernels/choice.py): the engine build
+sets it from EngineArgs.cpu_kernels with `configure()` before it builds the model, and each
+part asks `mode(part)` or `ops_for_mode(part)` ('auto': the kernels where they build, else
+torch; 'kernel': the kernels, or an error; 'torch'). Parts built once per engine (the attention
+backend, the decode stack) also take the mode as an argument.
+
+Never: fails a caller in 'auto' mode (a failed build is tried once per process and warned
+about once), or imports torch before a kernel is asked for.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import shutil
 import threading
 from pathlib import Path
 
-import torch
+from servelm.cpu_kernels.choice import MODES, PARTS, CpuKernelChoice, stale_env_vars
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "kernel", "torch")
+__all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "load", "mode",
+           "ops_for_mode"]
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp")
 _HEADERS = ("vec16.h",)
@@ -39,19 +45,36 @@ _lock = threading.Lock()
 _loaded = None  # torch.ops.servelm_cpu once built
 _error: Exception | None = None
 _warned = False
+_choice = CpuKernelChoice()
 
 
-def mode(env_var: str) -> str:
-    value = os.environ.get(env_var, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{env_var}={value!r}: choose one of {MODES}")
-    return value
+def configure(choice: CpuKernelChoice) -> None:
+    """Set the process's choice (the engine build does, from EngineArgs.cpu_kernels)."""
+    global _choice
+    _choice = choice
+    stale = stale_env_vars()
+    if stale:
+        logger.warning("%s: no longer read; the engine option --cpu-kernels (EngineArgs."
+                       "cpu_kernels, now %r) chooses the CPU kernel paths", ", ".join(stale),
+                       str(choice))
 
 
-def ops_for_mode(env_var: str):
+def current_choice() -> CpuKernelChoice:
+    return _choice
+
+
+def mode(part: str) -> str:
+    """'auto' | 'kernel' | 'torch' for a part ("attention", "decode", "layer_ops", "quant")."""
+    return _choice.mode(part)
+
+
+def ops_for_mode(part: str, chosen: str | None = None):
     """torch.ops.servelm_cpu, or None: for mode 'torch', or a failed build in mode 'auto'
-    (warned once). Mode 'kernel' raises what the build raised."""
-    chosen = mode(env_var)
+    (warned once). Mode 'kernel' raises what the build raised. chosen: the part's mode when
+    the caller was given one, else the process's."""
+    chosen = mode(part) if chosen is None else chosen
+    if chosen not in MODES:
+        raise ValueError(f"cpu_kernels: {part}={chosen!r}: choose one of {MODES}")
     if chosen == "torch":
         return None
     if chosen == "kernel":
@@ -72,9 +95,11 @@ def load():
         if _error is not None:
             raise _error
         try:
+            import torch
+
             _build()
             _loaded = torch.ops.servelm_cpu
-            _loaded.paged_decode  # noqa: B018 - fails here, not mid-step, if registration did
+            _loaded.paged_decode
         except Exception as exc:
             _error = exc
             raise
@@ -88,8 +113,7 @@ def _warn_once(exc: Exception) -> None:
     _warned = True
     last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
     logger.warning("servelm's C++ CPU kernels are unavailable (%s); the torch path runs "
-                   "instead (slower). SERVELM_CPU_ATTENTION=torch and "
-                   "SERVELM_CPU_LAYER_OPS=torch skip the build.", last)
+                   "instead (slower). --cpu-kernels torch skips the build.", last)
 
 
 def _build() -> None:
@@ -108,8 +132,12 @@ def _build() -> None:
 
 def _build_key() -> str:
     """-march=native code runs only where it was built: a home shared by different machines
-    must not hand one machine's build to another."""
-    h = hashlib.sha256()
+    must not hand one machine's build to another. The sources' directory is in the key too:
+    ninja's command lines name the sources by path, so two checkouts sharing one home would
+    otherwise rebuild each other's library on every load."""
+    import torch
+
+    h = hashlib.sha256(str(_DIR.resolve()).encode())
     for name in _SOURCES + _HEADERS:
         h.update((_DIR / name).read_bytes())
     h.update(" ".join([torch.__version__, *_CFLAGS, _cpu_flags()]).encode())

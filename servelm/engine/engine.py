@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from servelm.config import SchedulerConfig
+from servelm.cost import attention_pairs
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
@@ -46,7 +47,7 @@ class EngineStats:
     num_computed_prompt_tokens: int = 0  # of which at prompt positions
     # For bandwidth/FLOP estimates of the last step (server metrics):
     last_num_context_tokens: int = 0  # KV positions the step attended over (sum of seq lens)
-    last_num_attention_pairs: int = 0  # sum over seqs of new tokens x seq len (causal bound)
+    last_num_attention_pairs: int = 0  # causal (query, key) pairs: servelm.cost.attention_pairs
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     # Speculative decoding (zero when off):
     spec_num_verifications: int = 0  # sequence-steps that verified drafts (or asked for them)
@@ -242,7 +243,7 @@ class Engine:
         st.last_num_seqs = len(batch.seqs)
         st.last_num_tokens = num_tokens
         st.last_num_context_tokens = sum(start + n for start, n in ran)
-        st.last_num_attention_pairs = sum(n * (start + n) for start, n in ran)
+        st.last_num_attention_pairs = sum(attention_pairs(start, n) for start, n in ran)
         st.num_computed_tokens += num_tokens
         st.num_computed_prompt_tokens += sum(
             max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)

@@ -3,11 +3,13 @@
 Eager torch runs a residual add + RMSNorm, rotary and SiLU-and-mul as ~25 small ops per
 decoder layer, each a pass over memory and, on the CPU, a parallel region; fused they are 4.
 Float32 CPU tensors only (other dtypes and devices keep the torch code, which defines what
-the kernels compute):
+the kernels compute). The engine option `--cpu-kernels layer_ops=MODE` chooses, for the
+process (servelm/cpu_kernels/choice.py; these ops run deep in every layer, so they read the
+choice the engine build set rather than taking an argument):
 
-    SERVELM_CPU_LAYER_OPS=auto    fused where the kernels build (default)
-    SERVELM_CPU_LAYER_OPS=kernel  fused, or an error if the kernels cannot be built
-    SERVELM_CPU_LAYER_OPS=torch   never
+    auto    fused where the kernels build (default)
+    kernel  fused, or an error if the kernels cannot be built
+    torch   never
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import torch
 
 from servelm import cpu_kernels
 
-ENV_VAR = "SERVELM_CPU_LAYER_OPS"
+PART = "layer_ops"  # of CpuKernelChoice
 
 
 def fused_ops(x: torch.Tensor):
     """torch.ops.servelm_cpu if `x` may take the fused kernels, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    return cpu_kernels.ops_for_mode(ENV_VAR)
+    return cpu_kernels.ops_for_mode(PART)

@@ -40,9 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# GGUF general.architecture -> servelm family.
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
 _TOKEN_UNKNOWN = 2  # llama.cpp token types
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -64,43 +61,25 @@ def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def load_gguf_config(path: Path, name: str) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata and the tensors present."""
+    """ModelConfig from `{arch}.*` metadata and the tensors present (ModelConfig's own GGUF
+    reader), plus what only the loader reads: rope scaling, BOS and end-of-generation ids.
+    An architecture no model family runs is refused when the model is built."""
     reader = _reader(path)
     arch = _get(reader, "general.architecture")
-    if arch not in _FAMILIES:
-        raise ValueError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {sorted(_FAMILIES)}"
-        )
 
     def meta(key: str, default: Any = None) -> Any:
         return _get(reader, f"{arch}.{key}", default)
 
-    tensor_names = {t.name for t in reader.tensors}
-    hidden = int(meta("embedding_length"))
-    num_heads = int(meta("attention.head_count"))
     tokens = _get(reader, "tokenizer.ggml.tokens") or []
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    return ModelConfig(
-        architecture=_FAMILIES[arch],
-        vocab_size=len(tokens) or int(meta("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
-        max_position_embeddings=int(meta("context_length", 2048)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, meta),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        bos_token_id=_get(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_gguf_eos_ids(reader, vocab.get),
-        name=name,
-    )
+    try:
+        return ModelConfig.from_gguf_metadata(
+            functools.partial(_get, reader), {t.name: t.tensor_type.name for t in reader.tensors},
+            name=name, source=str(path), rope_scaling=_rope_scaling(reader, meta),
+            bos_token_id=_get(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_gguf_eos_ids(reader, vocab.get))
+    except ValueError as e:
+        raise ValueError(f"{path.name}: {e}") from e
 
 
 def _rope_scaling(reader: GGUFReader, meta) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = [
+    "DEFAULT_MODEL",
     "REGISTRY",
     "ModelPullError",
     "RegistryEntry",
@@ -50,6 +51,10 @@ REGISTRY: dict[str, RegistryEntry] = {
         size=98_362_432,
     ),
 }
+
+# The model every command serves when none is named (the Makefile's MODEL repeats it: make
+# cannot import Python before the venv exists).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _CHUNK = 1 << 20
 

@@ -8,9 +8,6 @@ _MODELS = {
     "llama": "servelm.models.llama:LlamaForCausalLM",
     "qwen2": "servelm.models.qwen2:Qwen2ForCausalLM",
     "qwen3": "servelm.models.qwen3:Qwen3ForCausalLM",
-    "mixtral": "servelm.models.mixtral:MixtralForCausalLM",
-    "qwen2_moe": "servelm.models.qwen_moe:Qwen2MoeForCausalLM",
-    "qwen3_moe": "servelm.models.qwen_moe:Qwen3MoeForCausalLM",
 }
 
 
@@ -18,6 +15,9 @@ def get_model_class(architecture: str):
     try:
         module, cls = _MODELS[architecture].split(":")
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{sorted(_MODELS)}") from None
+        # ModelConfig reads MoE/MLA and other families too (the planner and the cost model
+        # use their shapes); the engine refuses them here, before any weight is read.
+        raise ValueError(f"architecture {architecture!r} is not supported by the engine; "
+                         f"supported: {sorted(_MODELS)} (`servelm plan` still plans it)"
+                         ) from None
     return getattr(importlib.import_module(module), cls)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from servelm.planner.calibration import load_calibration
 from servelm.planner.capacity import plan_capacity
@@ -24,6 +24,7 @@ from servelm.planner.errors import PlanInputError
 from servelm.planner.fleet import Workload, plan_fleet
 from servelm.planner.hardware import (
     ACCELERATORS,
+    DEFAULT_GPU,
     LINKS,
     TIERS,
     get_accelerator,
@@ -76,7 +77,7 @@ _AUTO_TP = "default: smallest power of two whose weight shard leaves room for KV
 
 def _hw_flags(p: argparse.ArgumentParser, tp_default: str = _AUTO_TP) -> None:
     _model_flags(p)
-    p.add_argument("--gpu", default="H100-SXM", help=f"one of {', '.join(ACCELERATORS)}")
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=f"one of {', '.join(ACCELERATORS)}")
     p.add_argument("--tp", type=pos_int, default=None,
                    help=f"tensor-parallel size per replica ({tp_default})")
     p.add_argument("--mem-util", type=fraction, default=0.9,
@@ -173,8 +174,8 @@ def _run_fleet(a):
 def _print_catalog(as_json: bool) -> None:
     import json
 
+    from servelm.cost import count_params
     from servelm.planner.model_catalog import builtin_model
-    from servelm.planner.models import count_params
 
     models = {n: {"attention": builtin_model(n).attention_kind,
                   "total_params": count_params(builtin_model(n)).total,

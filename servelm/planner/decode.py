@@ -12,15 +12,17 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from servelm.planner.chain import Chain, PlanResult
-from servelm.planner.compute import (
-    attention_flops_per_token,
-    matmul_flops_per_token,
+from servelm.cost import (
+    attention_pairs,
+    count_params,
+    expected_experts_touched,
+    step_cost,
     weight_bytes_read_per_step,
 )
+from servelm.planner.chain import Chain, PlanResult
+from servelm.planner.compute import attention_flops_per_token, matmul_flops_per_token
 from servelm.planner.deployment import Deployment
 from servelm.planner.errors import require_positive
-from servelm.planner.models import count_params, expected_experts_touched
 from servelm.planner.units import fmt_num as f
 
 _MAX_BATCH = 1 << 24
@@ -37,17 +39,18 @@ class StepTime(NamedTuple):
 
 def step_time(d: Deployment, batch: int, context: float, tokens_per_seq: int = 1) -> StepTime:
     """One forward step for `batch` sequences with `context` cached tokens each, scoring
-    `tokens_per_seq` new tokens per sequence (k+1 when verifying drafts). The KV cache is
-    read once per sequence however many query tokens share it."""
+    `tokens_per_seq` new tokens per sequence (k+1 when verifying drafts), costed by
+    servelm.cost.step_cost: the KV cache is read once per sequence however many query tokens
+    share it, and the new tokens' keys are written."""
     cal = d.calibration
     num_tokens = batch * tokens_per_seq
-    w = weight_bytes_read_per_step(d.model, num_tokens, d.bytes_per_param)
-    kv = batch * context * d.kv_bytes_per_token
-    per_tok = matmul_flops_per_token(d.model) + attention_flops_per_token(d.model, context)
-    flops = num_tokens * per_tok
-    mem_s = (w + kv) / (d.tp * d.gpu.hbm_bandwidth_Bps * cal.bandwidth_fraction)
-    comp_s = flops / (d.tp * d.peak_flops * cal.decode_mfu)
-    return StepTime(w, kv, flops, mem_s, comp_s, max(mem_s, comp_s) + cal.step_overhead_s)
+    s = step_cost(d.model, d.bytes_per_param, d.kv_bytes_per_token, num_tokens,
+                  batch * (context + tokens_per_seq),
+                  batch * attention_pairs(context, tokens_per_seq))
+    mem_s = s.bytes / (d.tp * d.gpu.hbm_bandwidth_Bps * cal.bandwidth_fraction)
+    comp_s = s.flops / (d.tp * d.peak_flops * cal.decode_mfu)
+    return StepTime(s.weight_bytes, s.kv_bytes, s.flops, mem_s, comp_s,
+                    max(mem_s, comp_s) + cal.step_overhead_s)
 
 
 def ridge_batch(d: Deployment, context: float) -> float:
@@ -83,13 +86,14 @@ class DecodePlan(PlanResult):
 def _memory_and_compute(c: Chain, d: Deployment, s: StepTime, batch: int, context: int) -> None:
     cal, g = d.calibration, d.gpu
     _weight_read_step(c, d, batch)
-    c.add("kv_bytes_read", "batch x context x kv_bytes_per_token",
-          f"{batch} x {f(context)} x {f(d.kv_bytes_per_token)}", s.kv_bytes, "B")
+    c.add("kv_bytes_read", "batch x (context + 2) x kv_bytes_per_token (each sequence reads "
+          "its context and new key, writes the new key)",
+          f"{batch} x ({f(context)} + 2) x {f(d.kv_bytes_per_token)}", s.kv_bytes, "B")
     c.add("memory_time_s", "(weight_bytes_read + kv_bytes_read) / (tp x hbm_bw x bw_fraction)",
           f"({f(s.weight_bytes)} + {f(s.kv_bytes)}) / ({d.tp} x {f(g.hbm_bandwidth_Bps)} x "
           f"{cal.bandwidth_fraction})", s.memory_s, "s")
     per_tok = s.flops / batch
-    c.add("flops", "batch x (2 x active_matmul_params + attention_flops(context))",
+    c.add("flops", "batch x (2 x active_matmul_params + attention_flops(context + 1 keys))",
           f"{batch} x {f(per_tok)}", s.flops, "FLOP")
     c.add("compute_time_s", f"flops / (tp x peak_{d.compute_dtype} x mfu)",
           f"{f(s.flops)} / ({d.tp} x {f(d.peak_flops)} x {cal.decode_mfu})", s.compute_s, "s")
@@ -103,9 +107,9 @@ def _weight_read_step(c: Chain, d: Deployment, batch: int) -> None:
               f"{f(b.matmul_active)} x {f(d.bytes_per_param)}", w, "B")
         return
     touched = expected_experts_touched(m, batch)
-    fixed = b.matmul_active - m.num_moe_layers * m.experts_per_token * b.expert
+    fixed = b.matmul_active - m.num_moe_layers * m.num_experts_per_tok * b.expert
     c.add("experts_touched_per_layer", "experts x (1 - (1 - experts_per_token/experts)^batch)",
-          f"{m.num_experts} x (1 - (1 - {m.experts_per_token}/{m.num_experts})^{batch})",
+          f"{m.num_experts} x (1 - (1 - {m.num_experts_per_tok}/{m.num_experts})^{batch})",
           touched, "experts")
     c.add("weight_bytes_read", "(non-expert matmul params + moe_layers x experts_touched x "
           "expert_params) x bytes_per_param",
@@ -120,10 +124,10 @@ def _ridge_steps(c: Chain, d: Deployment, context: int) -> float:
                f"{cal.bandwidth_fraction})",
                d.peak_flops * cal.decode_mfu / (g.hbm_bandwidth_Bps * cal.bandwidth_fraction),
                "FLOP/B")
-    per_tok = matmul_flops_per_token(d.model) + attention_flops_per_token(d.model, context)
-    seq = c.add("flops_per_kv_byte", "flops per sequence / its KV bytes read",
-                f"{f(per_tok)} / ({f(context)} x {f(d.kv_bytes_per_token)})",
-                per_tok / (context * d.kv_bytes_per_token), "FLOP/B")
+    per_tok = matmul_flops_per_token(d.model) + attention_flops_per_token(d.model, context + 1)
+    seq = c.add("flops_per_kv_byte", "flops per sequence / its KV bytes",
+                f"{f(per_tok)} / (({f(context)} + 2) x {f(d.kv_bytes_per_token)})",
+                per_tok / ((context + 2) * d.kv_bytes_per_token), "FLOP/B")
     ridge = c.add("ridge_batch", "smallest batch with compute_time_s >= memory_time_s "
                   "(exists only if flops_per_kv_byte > hardware_ridge)",
                   "bisection over batch at this context", ridge_batch(d, context), "sequences")

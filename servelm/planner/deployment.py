@@ -11,21 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelm.config import ModelConfig
+from servelm.cost import count_params, kv_bytes_per_token
 from servelm.planner.calibration import Calibration
-from servelm.planner.compute import compute_dtype, kv_bytes_per_token, kv_shard_factor
+from servelm.planner.compute import compute_dtype, kv_shard_factor
 from servelm.planner.errors import (
     PlanInputError,
     require_fraction,
     require_non_negative,
 )
 from servelm.planner.hardware import Accelerator
-from servelm.planner.models import ModelSpec, count_params
 from servelm.planner.units import GB, KV_DTYPES, dtype_bytes
 
 
 @dataclass(frozen=True)
 class Deployment:
-    model: ModelSpec
+    model: ModelConfig
     gpu: Accelerator
     tp: int = 1
     weight_dtype: str = "bf16"
@@ -83,7 +84,7 @@ class Deployment:
         return out
 
 
-def auto_tp(model: ModelSpec, gpu: Accelerator, weight_dtype: str, mem_util: float = 0.9,
+def auto_tp(model: ModelConfig, gpu: Accelerator, weight_dtype: str, mem_util: float = 0.9,
             reserve_gb: float = 2.0, max_tp: int = 64) -> int:
     """Smallest power-of-two TP whose weight shard leaves at least a fifth of each GPU's
     usable memory for KV cache (a replica with no room for KV serves nobody)."""

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from servelm.cost import kv_bytes_per_token
 from servelm.planner.chain import Chain, PlanResult
-from servelm.planner.compute import kv_bytes_per_token
 from servelm.planner.decode import step_time
 from servelm.planner.deployment import Deployment
 from servelm.planner.errors import require_fraction, require_positive

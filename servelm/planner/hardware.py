@@ -1,6 +1,7 @@
 """Accelerator, link and storage-tier catalogs; every number carries its source.
 
 Owns: Accelerator (memory, HBM bandwidth, dense bf16/fp8 FLOP/s, interconnect, host link),
+the default CPU and GPU peaks the server's utilisation metrics assume (`default_peaks`),
 Link (one-direction bandwidth), Tier (where cached KV or weights live, and the link they
 come back over), their catalogs and name lookup.
 Never: derates numbers. These are vendor peaks; achieved fractions belong to Calibration.
@@ -82,6 +83,36 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
         fp8_flops="72 PFLOPS with sparsity per 8 GPUs -> 4.5 PFLOPS dense per GPU",
         interconnect="NVLink 5, 1.8 TB/s per GPU", host_link="PCIe Gen5")),
 )}
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """The peaks the server's utilisation metrics assume on a CPU when not told
+    (--peak-bandwidth / --peak-flops): a modest socket, not a measured one."""
+
+    name: str
+    dram_bandwidth_Bps: float
+    fp32_flops: float
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+DEFAULT_CPU = HostCpu("cpu", 50e9, 1e12, {
+    "dram_bandwidth_Bps": "assumed: a few DDR4/DDR5 channels of one socket (one DDR5-4800 "
+                          "channel is 38.4 GB/s, JEDEC); pass --peak-bandwidth for yours",
+    "fp32_flops": "assumed: ~16 cores x 2 AVX-512 FMA units x 16 lanes x 2 FLOP x ~1 GHz "
+                  "sustained; pass --peak-flops for yours"})
+# The GPU the server assumes on CUDA when not told: the planner's default --gpu.
+DEFAULT_GPU = "H100-SXM"
+
+
+def default_peaks(device_type: str) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) the server's utilisation metrics divide by on `device_type`
+    ("cuda": DEFAULT_GPU's HBM bandwidth and dense bf16 FLOP/s; else DEFAULT_CPU)."""
+    if device_type == "cuda":
+        gpu = ACCELERATORS[DEFAULT_GPU]
+        return gpu.hbm_bandwidth_Bps, gpu.bf16_flops
+    return DEFAULT_CPU.dram_bandwidth_Bps, DEFAULT_CPU.fp32_flops
+
 
 _PCIE = "PCI-SIG base spec: {} GT/s per lane x 16 lanes, 128b/130b encoding, one direction"
 LINKS: dict[str, Link] = {link.name: link for link in (

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from servelm.config import ModelConfig
+from servelm.cost import kv_bytes_per_token
 from servelm.planner.chain import Chain, PlanResult
-from servelm.planner.compute import kv_bytes_per_token
 from servelm.planner.errors import require_positive
-from servelm.planner.models import ModelSpec
 from servelm.planner.units import KV_DTYPES, KiB, dtype_bytes
 from servelm.planner.units import fmt_num as f
 
@@ -27,14 +27,14 @@ class KvPlan(PlanResult):
     kv_bytes_per_request: float
 
 
-def _gqa_heads(m: ModelSpec) -> int:
+def _gqa_heads(m: ModelConfig) -> int:
     # Llama-3's choice of 8 KV groups, or the largest divisor of the head count below it.
     if m.attention_kind == "GQA":
         return m.num_kv_heads
     return max(d for d in range(1, 9) if m.num_heads % d == 0)
 
 
-def _layouts(m: ModelSpec) -> list[tuple[str, ModelSpec]]:
+def _layouts(m: ModelConfig) -> list[tuple[str, ModelConfig]]:
     """The same layers/heads/head size under each layout. An MLA model's MHA counterpart
     caches per-head K of qk_head_dim and V of v_head_dim; a non-MLA model's MLA counterpart
     uses DeepSeek-V2's ratios (latent 4 x head_dim, rope key head_dim / 2)."""
@@ -56,7 +56,7 @@ def _layouts(m: ModelSpec) -> list[tuple[str, ModelSpec]]:
     ]
 
 
-def _layout_rows(m: ModelSpec, nbytes: float, context: int, own: float) -> tuple[dict, ...]:
+def _layout_rows(m: ModelConfig, nbytes: float, context: int, own: float) -> tuple[dict, ...]:
     rows = []
     for label, v in _layouts(m):
         per_tok = kv_bytes_per_token(v, nbytes)
@@ -74,7 +74,7 @@ def _layout_rows(m: ModelSpec, nbytes: float, context: int, own: float) -> tuple
     return tuple(rows)
 
 
-def plan_kv(m: ModelSpec, kv_dtype: str = "bf16", context: int = 8192) -> KvPlan:
+def plan_kv(m: ModelConfig, kv_dtype: str = "bf16", context: int = 8192) -> KvPlan:
     require_positive("--context", context)
     nbytes = dtype_bytes("--kv-dtype", kv_dtype, KV_DTYPES)
     c = Chain()

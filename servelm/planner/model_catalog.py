@@ -2,17 +2,20 @@
 
 Owns: the catalog (name -> config dict + the URL it was copied from) and `resolve_model`,
 which turns a `--model` value (catalog name, HF repo id, config.json path, directory or
-.gguf file) into a ModelSpec.
-Never: stores parameter counts; those are computed from the shapes (models.count_params).
+.gguf file) into a ModelConfig, read by ModelConfig's own HF and GGUF readers, with their
+errors as PlanInputError naming --model.
+Never: stores parameter counts; those are computed from the shapes (servelm.cost); imports
+`gguf` unless a .gguf file is read.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from servelm.config import ModelConfig
 from servelm.planner.errors import PlanInputError
-from servelm.planner.models import ModelSpec, from_hf_config, load_hf_config
 
 _HF = "https://huggingface.co/{}/blob/main/config.json"
 
@@ -70,7 +73,48 @@ def catalog_names() -> list[str]:
     return list(_CATALOG)
 
 
-def builtin_model(name: str) -> ModelSpec:
+def from_hf_config(cfg: dict[str, Any], name: str = "", source: str = "") -> ModelConfig:
+    """ModelConfig.from_hf_config, its errors naming the planner's --model flag."""
+    try:
+        return ModelConfig.from_hf_config(cfg, name=name, source=source)
+    except ValueError as e:
+        raise PlanInputError("--model", str(e)) from e
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """A config.json file, or a directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanInputError("--model", f"cannot read {p}: {e}") from e
+    return from_hf_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem,
+                          source=str(p))
+
+
+def load_gguf(path: str | Path) -> ModelConfig:
+    """A .gguf file's metadata (no tensor data is read)."""
+    p = Path(path)
+    try:
+        from gguf import GGUFReader  # lazy: optional for the planner
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise PlanInputError("--model", "reading GGUF needs the `gguf` package") from e
+    try:
+        reader = GGUFReader(str(p))
+    except (OSError, ValueError) as e:
+        raise PlanInputError("--model", f"cannot read GGUF {p}: {e}") from e
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    try:
+        return ModelConfig.from_gguf_metadata(meta.get, types, name=str(meta.get(
+            "general.name") or p.stem), source=str(p))
+    except (TypeError, ValueError) as e:
+        raise PlanInputError("--model", f"GGUF {p}: missing or bad metadata: {e}") from e
+
+
+def builtin_model(name: str) -> ModelConfig:
     """Catalog lookup, case-insensitive; an HF repo id ("meta-llama/Llama-3.1-8B") works too."""
     wanted = name.lower()
     for key, (repo, cfg) in _CATALOG.items():
@@ -81,13 +125,11 @@ def builtin_model(name: str) -> ModelSpec:
         "or a path to a config.json, a model directory or a .gguf file")
 
 
-def resolve_model(value: str) -> ModelSpec:
+def resolve_model(value: str) -> ModelConfig:
     p = Path(value)
     if p.suffix == ".gguf":
         if not p.is_file():
             raise PlanInputError("--model", f"no such GGUF file: {value}")
-        from servelm.planner.gguf_spec import load_gguf
-
         return load_gguf(p)
     if p.suffix == ".json" or p.is_dir():
         return load_hf_config(p)

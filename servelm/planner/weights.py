@@ -2,15 +2,17 @@
 bytes per dtype, computed from the architecture.
 
 Owns: the weights formula chain and the bytes-per-dtype table.
-Never: types in a published parameter count; every number comes from ModelSpec shapes.
+Never: types in a published parameter count; every number comes from ModelConfig shapes
+(servelm.cost).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.config import ModelConfig
+from servelm.cost import ParamBreakdown, count_params
 from servelm.planner.chain import Chain, PlanResult
-from servelm.planner.models import ModelSpec, ParamBreakdown, count_params
 from servelm.planner.units import DTYPE_BYTES, DTYPE_SOURCES, dtype_bytes
 from servelm.planner.units import fmt_num as f
 
@@ -25,7 +27,7 @@ class WeightsPlan(PlanResult):
     active_weight_bytes: float
 
 
-def _attention_formula(m: ModelSpec) -> tuple[str, str]:
+def _attention_formula(m: ModelConfig) -> tuple[str, str]:
     if m.is_mla:
         return ("q (low-rank) + kv_a + kv_b + o projections (MLA)",
                 f"hidden {m.hidden_size}, heads {m.num_heads}, q_lora {m.q_lora_rank}, "
@@ -36,7 +38,7 @@ def _attention_formula(m: ModelSpec) -> tuple[str, str]:
             f"{m.hidden_size} x (2 x {m.num_heads} + 2 x {m.num_kv_heads}) x {m.head_dim}")
 
 
-def _layer_steps(c: Chain, m: ModelSpec, b: ParamBreakdown) -> None:
+def _layer_steps(c: Chain, m: ModelConfig, b: ParamBreakdown) -> None:
     c.add("embedding", "vocab x hidden", f"{m.vocab_size} x {m.hidden_size}",
           b.embedding, "params")
     if b.lm_head:
@@ -56,7 +58,7 @@ def _layer_steps(c: Chain, m: ModelSpec, b: ParamBreakdown) -> None:
               b.shared_experts_per_layer + b.router_per_layer, "params")
 
 
-def _totals(c: Chain, m: ModelSpec, b: ParamBreakdown) -> None:
+def _totals(c: Chain, m: ModelConfig, b: ParamBreakdown) -> None:
     dense_layer = b.attention_per_layer + b.norms_per_layer + b.dense_mlp_per_layer
     fixed = b.embedding + b.lm_head + b.final_norm
     common = (f"{f(fixed)} (embeddings + final norm) + {m.num_dense_layers} x {f(dense_layer)}"
@@ -72,11 +74,11 @@ def _totals(c: Chain, m: ModelSpec, b: ParamBreakdown) -> None:
           f"{common} + {m.num_moe_layers} x ({f(moe_fixed)} + {m.num_experts} x {f(b.expert)})",
           b.total, "params")
     c.add("active_params", "same, with experts_per_token routed experts per MoE layer",
-          f"{common} + {m.num_moe_layers} x ({f(moe_fixed)} + {m.experts_per_token} x "
+          f"{common} + {m.num_moe_layers} x ({f(moe_fixed)} + {m.num_experts_per_tok} x "
           f"{f(b.expert)})", b.active, "params")
 
 
-def plan_weights(m: ModelSpec, weight_dtype: str = "bf16") -> WeightsPlan:
+def plan_weights(m: ModelConfig, weight_dtype: str = "bf16") -> WeightsPlan:
     nbytes = dtype_bytes("--weight-dtype", weight_dtype)
     b = count_params(m)
     c = Chain()

@@ -70,17 +70,19 @@ def unpack_int8_panels(codes: torch.Tensor, n: int) -> torch.Tensor:
     return codes.permute(0, 2, 1).reshape(p * LANES, k)[:n].contiguous()
 
 
-ENV_VAR = "SERVELM_CPU_QUANT"
+PART = "quant"  # of CpuKernelChoice: `--cpu-kernels quant=MODE`
 
 
 def panel_ops(required: bool = False):
-    """torch.ops.servelm_cpu for the panel kernels, or None (SERVELM_CPU_QUANT=torch, or a
+    """torch.ops.servelm_cpu for the panel kernels, or None (`--cpu-kernels quant=torch`, or a
     failed build in mode 'auto': the layers then take aten's bf16 ops). required: raise
-    instead of returning None (a layer built with kernel='cpu')."""
+    instead of returning None (a layer built with kernel='cpu'). The layers are built by the
+    engine build, after it set the process's choice."""
     from servelm import cpu_kernels
 
     if required:
-        if cpu_kernels.mode(ENV_VAR) == "torch":
-            raise ValueError(f"kernel='cpu' needs servelm's C++ kernels, but {ENV_VAR}=torch")
+        if cpu_kernels.mode(PART) == "torch":
+            raise ValueError("kernel='cpu' needs servelm's C++ kernels, but the engine option "
+                             f"says cpu_kernels {PART}=torch")
         return cpu_kernels.load()
-    return cpu_kernels.ops_for_mode(ENV_VAR)
+    return cpu_kernels.ops_for_mode(PART)

@@ -9,7 +9,7 @@ CPU path (`kernel="cpu"`, the default where servelm's C++ kernels build): `int4_
 servelm/cpu_kernels/quant_gemm.cpp on codes repacked in panels of 16 rows
 (servelm/quant/cpu_panels.py), float32 activations, float32 math on the exact dequantized
 weight; in_features is padded to a multiple of 32 (codes 8 meeting zero-padded x).
-`kernel="aten"` (the fallback where the kernels do not build, or SERVELM_CPU_QUANT=torch):
+`kernel="aten"` (the fallback where the kernels do not build, or `--cpu-kernels quant=torch`):
 `_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a weight);
 `_weight_int4pack_mm_for_cpu` multiplies. It is fast only with bf16 activations, so x is cast
 to the compute dtype (bf16 by default) and back. The op wants group_size in {32, 64, 128, 256},

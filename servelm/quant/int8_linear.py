@@ -3,7 +3,7 @@
 CPU path (`kernel="cpu"`, the default where servelm's C++ kernels build): `int8_gemm` in
 servelm/cpu_kernels/quant_gemm.cpp on the codes repacked in panels of 16 rows
 (servelm/quant/cpu_panels.py), float32 activations and math. `kernel="aten"` (the fallback
-where they do not build, or SERVELM_CPU_QUANT=torch): `aten._weight_int8pack_mm(x, q[out, in]
+where they do not build, or `--cpu-kernels quant=torch`): `aten._weight_int8pack_mm(x, q[out, in]
 int8, scales[out])`, fast only with bfloat16 activations (with float32 ones it is ~10x slower
 than fp32 BLAS on this torch build, see docs/quantization.md), so the layer casts x to the
 compute dtype (bf16 by default) for the op and the result back. Scales are stored in the

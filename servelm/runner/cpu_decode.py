@@ -16,9 +16,12 @@ linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized lay
 C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Steps with a prefill chunk and other
 models run eagerly, as before.
 
-    SERVELM_CPU_DECODE=auto    the stack where it applies and the kernels build (default)
-    SERVELM_CPU_DECODE=kernel  the same, but a failed build is an error
-    SERVELM_CPU_DECODE=torch   never
+The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
+given it as `cpu_decode`) chooses:
+
+    auto    the stack where it applies and the kernels build (default)
+    kernel  the same, but a failed build is an error
+    torch   never
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 from servelm import cpu_kernels
 from servelm.runner.forward_batch import ForwardBatch
 
-ENV_VAR = "SERVELM_CPU_DECODE"
+PART = "decode"  # of CpuKernelChoice
 MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
 _KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED = 0, 1, 2, 3
 
@@ -43,14 +46,18 @@ class CpuDecodeStack:
         self.verify_steps = 0  # of which with speculative verifications
 
     @classmethod
-    def for_model(cls, model, kv_cache, backend) -> CpuDecodeStack | None:
+    def for_model(cls, model, kv_cache, backend, mode: str | None = None
+                  ) -> CpuDecodeStack | None:
         """The stack for this model, or None where it does not apply (see the module doc).
-        kv_cache None: the backend's."""
+        kv_cache None: the backend's. mode: 'auto' | 'kernel' | 'torch'; None: the
+        process's choice."""
+        mode = cpu_kernels.mode(PART) if mode is None else mode
+        if mode not in cpu_kernels.MODES:
+            raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
         kv_cache = kv_cache if kv_cache is not None else getattr(backend, "kv_cache", None)
-        if (cpu_kernels.mode(ENV_VAR) == "torch" or kv_cache is None
-                or not _applies(model, kv_cache, backend)):
+        if mode == "torch" or kv_cache is None or not _applies(model, kv_cache, backend):
             return None
-        if cpu_kernels.ops_for_mode(ENV_VAR) is None:  # a failed build in mode 'auto'
+        if cpu_kernels.ops_for_mode(PART, mode) is None:  # a failed build in mode 'auto'
             return None
         return cls(model, kv_cache, backend)
 

@@ -82,7 +82,7 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
-                 graphs=None, proposer=None):
+                 graphs=None, proposer=None, cpu_decode: str = "auto"):
         self.model = model
         self.proposer = proposer  # servelm.spec proposer, when speculating
         self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
@@ -94,7 +94,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self._generators: dict[int, torch.Generator] = {}
         # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
-        self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend)
+        # cpu_decode: its mode, the engine option's `decode` part (auto | kernel | torch).
+        self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend, mode=cpu_decode)
                           if graphs is None else None)
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 

@@ -1,8 +1,9 @@
 """The FastAPI app: routes, auth, error shapes, lifespan of the engine thread.
 
-Owns: ServerConfig (server flags), ServerState (what the routes share: the AsyncEngine,
+Owns: ServerState (what the routes share: the AsyncEngine,
 metrics, idempotency store, drain flag, in-flight count), `build_app(engine, config)`, and
 the pure-ASGI middleware that checks the API key before any routing happens.
+ServerConfig (the server flags) lives in server_config.py, importable without FastAPI.
 Never: runs model code on the event loop, or answers bad input with a 5xx.
 """
 
@@ -25,36 +26,12 @@ from servelm.engine.async_engine import AsyncEngine
 from servelm.server.errors import APIError, error_response
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
+from servelm.server.server_config import ServerConfig
 from servelm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})  # exact, decoded paths that need no API key
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    api_key: str | None = None
-    max_n: int = 16
-    max_queue: int = 1024
-    request_timeout: float | None = None  # seconds; None: no default deadline
-    drain_timeout: float = 30.0
-    slo_ttft_ms: float = 1000.0
-    slo_tpot_ms: float = 100.0
-    max_body_bytes: int = 8 * 2**20
-    write_timeout: float = 30.0  # a stream reader stalled this long is dropped
-    retry_after_s: int = 1
-    idempotency_ttl_s: float = 600.0
-    idempotency_max_entries: int = 1024
-    peak_bandwidth: float | None = None  # bytes/s
-    peak_flops: float | None = None  # FLOP/s
-    # Request and connection limits (docs/server.md, "Limits"); the CLI's defaults are these.
-    max_prompts: int = 64  # prompts in one completion request
-    max_choices: int = 256  # n x prompts in one request
-    header_timeout: float = 10.0  # seconds for a request line and headers to arrive
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    max_connections: int = 1024  # open connections; more are answered 503 and closed
 
 
 @dataclass

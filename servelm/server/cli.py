@@ -15,11 +15,18 @@ import os
 import socket
 import sys
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
 def add_parser(subparsers) -> None:
+    """The serve flags; their defaults are ServerConfig's (servelm/server/server_config.py)
+    and the engine's EngineArgs' (add_engine_cli_args)."""
+    import dataclasses
+
     from servelm.config import add_engine_cli_args
+    from servelm.loader.model_cache import DEFAULT_MODEL
+    from servelm.planner.hardware import default_peaks
+    from servelm.server.server_config import ServerConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(ServerConfig)}.__getitem__
+    (cpu_bw, cpu_flops), (gpu_bw, gpu_flops) = default_peaks("cpu"), default_peaks("cuda")
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve MODEL over the OpenAI API (docs/server.md).")
@@ -33,25 +40,25 @@ def add_parser(subparsers) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $SERVELM_API_KEY)")
-    g.add_argument("--max-n", type=int, default=16, help="largest n accepted")
-    g.add_argument("--max-queue", type=int, default=1024,
+    g.add_argument("--max-n", type=int, default=d("max_n"), help="largest n accepted")
+    g.add_argument("--max-queue", type=int, default=d("max_queue"),
                    help="waiting requests before new ones get 429")
-    g.add_argument("--request-timeout", type=float, default=None,
+    g.add_argument("--request-timeout", type=float, default=d("request_timeout"),
                    help="default per-request deadline in seconds (the `timeout` header "
                         "overrides it)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=float, default=d("drain_timeout"),
                    help="seconds in-flight requests may run after SIGTERM")
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    g.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    g.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
-    g.add_argument("--write-timeout", type=float, default=30.0,
+    g.add_argument("--slo-ttft-ms", type=float, default=d("slo_ttft_ms"))
+    g.add_argument("--slo-tpot-ms", type=float, default=d("slo_tpot_ms"))
+    g.add_argument("--max-body-bytes", type=int, default=d("max_body_bytes"))
+    g.add_argument("--write-timeout", type=float, default=d("write_timeout"),
                    help="seconds a stream reader may stall before it is dropped")
-    g.add_argument("--peak-bandwidth", type=float, default=None,
-                   help="bytes/s for bandwidth utilisation (default: 50e9 on CPU, 3.35e12 "
-                        "on CUDA)")
-    g.add_argument("--peak-flops", type=float, default=None,
-                   help="FLOP/s for compute utilisation (default: 1e12 on CPU, 989e12 on "
-                        "CUDA)")
+    g.add_argument("--peak-bandwidth", type=float, default=d("peak_bandwidth"),
+                   help=f"bytes/s for bandwidth utilisation (default: {cpu_bw:g} on CPU, "
+                        f"{gpu_bw:g} on CUDA)")
+    g.add_argument("--peak-flops", type=float, default=d("peak_flops"),
+                   help=f"FLOP/s for compute utilisation (default: {cpu_flops:g} on CPU, "
+                        f"{gpu_flops:g} on CUDA)")
     # Limits: the defaults are ServerConfig's (one source; docs/server.md lists them).
     g.add_argument("--max-prompts", type=int, default=None,
                    help="prompts in one completion request; more get a 400 naming `prompt`")

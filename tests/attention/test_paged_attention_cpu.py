@@ -202,14 +202,14 @@ def _mixed_batch(block_size: int) -> ForwardBatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
-def test_backend_step_matches_torch_path(kernel, monkeypatch, dtype, num_heads, num_kv_heads):
+def test_backend_step_matches_torch_path(kernel, dtype, num_heads, num_kv_heads):
     config = ModelConfig("llama", 32, 64, 64, 1, num_heads, num_kv_heads, 16, 64)
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     caches, backends = {}, {}
     for path in ("kernel", "torch"):
-        monkeypatch.setenv(paged_attention_cpu.ENV_VAR, path)
         caches[path] = KVCache(config, 40, 4, dtype, torch.device("cpu"))
-        backends[path] = TorchAttentionBackend(caches[path], num_heads, 0.25)
+        backends[path] = TorchAttentionBackend(caches[path], num_heads, 0.25,
+                                               decode_kernel_mode=path)
     assert backends["kernel"].decode_kernel is not None
     assert backends["torch"].decode_kernel is None
     caches["kernel"].k.copy_(torch.randn(caches["kernel"].k.shape, generator=gen))
@@ -237,16 +237,16 @@ def _greedy(engine, prompts, max_tokens):
 
 @pytest.mark.parametrize("arch,kv_heads,block_size", [("llama", 2, 4), ("llama", 1, 16),
                                                       ("qwen3", 1, 4)])
-def test_tiny_model_greedy_tokens_match_torch_path(kernel, monkeypatch, tiny_hf, tiny_engine,
-                                                   arch, kv_heads, block_size):
+def test_tiny_model_greedy_tokens_match_torch_path(kernel, tiny_hf, tiny_engine, arch, kv_heads,
+                                                   block_size):
     hf = tiny_hf(arch, num_key_value_heads=kv_heads)
     shared = [7, 200, 31, 5, 99, 42, 18]  # a cached prefix ending mid-block
     prompts = [shared + [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], shared + [11, 12],
                [250, 1], shared, list(range(40, 80))]
     results = {}
     for path in ("kernel", "torch"):
-        monkeypatch.setenv(paged_attention_cpu.ENV_VAR, path)
-        engine = tiny_engine(hf, max_num_batched_tokens=16, block_size=block_size)
+        engine = tiny_engine(hf, max_num_batched_tokens=16, block_size=block_size,
+                             cpu_kernels=f"attention={path}")
         backend = engine.runner.backend
         assert (backend.decode_kernel is not None) == (path == "kernel")
         _greedy(engine, [shared + [1]], 1)  # warm the prefix cache
@@ -272,14 +272,12 @@ def test_path_choice(fresh_loader):
         return torch.empty(2, 8, 2, head_dim, dtype=dtype, device=device)
 
     choose = paged_attention_cpu.decode_kernel_for
-    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "torch")
-    assert choose(pool()) is None
-    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "auto")
+    assert choose(pool(), "torch") is None
+    assert choose(pool()) is not None  # the process's choice: 'auto' by default
     assert choose(pool(torch.float16)) is None
     assert choose(pool(torch.float8_e4m3fn)) is not None  # with the head scales
     assert choose(pool(device="meta")) is None
     assert choose(pool(head_dim=72)) is None and choose(pool(head_dim=512)) is None
     assert choose(pool(torch.bfloat16, head_dim=96)) is not None
-    fresh_loader.setenv(paged_attention_cpu.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=paged_attention_cpu.ENV_VAR):
-        choose(pool())
+    with pytest.raises(ValueError, match="attention='fast'"):
+        choose(pool(), "fast")

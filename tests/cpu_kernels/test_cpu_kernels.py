@@ -1,5 +1,7 @@
 """The C++ CPU kernels' build contract: built once per machine and reused by later processes;
-a failed build warns once and every user keeps its torch path; mode 'kernel' fails loudly.
+a failed build warns once and every user keeps its torch path; mode 'kernel' fails loudly;
+one engine option (`--cpu-kernels`) chooses each part's path and the start-up log says which
+path each part took.
 """
 
 import logging
@@ -12,7 +14,8 @@ import torch
 from servelm import cpu_kernels
 from servelm.attention import paged_attention_cpu
 from servelm.attention.torch_backend import TorchAttentionBackend
-from servelm.config import ModelConfig
+from servelm.config import EngineArgs, ModelConfig
+from servelm.cpu_kernels import CpuKernelChoice
 from servelm.layers import fused_cpu
 from servelm.layers.norm import RMSNorm
 from servelm.runner.kv_cache import KVCache
@@ -50,9 +53,10 @@ def broken_build(monkeypatch):
     return calls
 
 
-def test_failed_build_warns_once_and_keeps_the_torch_paths(broken_build, monkeypatch, caplog):
-    monkeypatch.setenv(paged_attention_cpu.ENV_VAR, "auto")
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "auto")
+def test_failed_build_warns_once_and_keeps_the_torch_paths(broken_build, cpu_kernel_mode,
+                                                           caplog):
+    cpu_kernel_mode(paged_attention_cpu.PART, "auto")
+    cpu_kernel_mode(fused_cpu.PART, "auto")
     config = ModelConfig("llama", 32, 64, 64, 1, 4, 2, 16, 64)
     x = torch.randn(3, 64)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
@@ -68,22 +72,75 @@ def test_failed_build_warns_once_and_keeps_the_torch_paths(broken_build, monkeyp
     assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
 
 
-def test_failed_build_in_kernel_mode_is_an_error(broken_build, monkeypatch):
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "kernel")
+def test_failed_build_in_kernel_mode_is_an_error(broken_build, cpu_kernel_mode):
+    cpu_kernel_mode(fused_cpu.PART, "kernel")
     with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
         fused_cpu.fused_ops(torch.zeros(2, 16))
-    monkeypatch.setenv(paged_attention_cpu.ENV_VAR, "kernel")
+    cpu_kernel_mode(paged_attention_cpu.PART, "kernel")
     with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
         paged_attention_cpu.decode_kernel_for(torch.empty(1, 4, 2, 16))
 
 
-def test_torch_mode_never_builds(broken_build, monkeypatch):
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "torch")
+def test_torch_mode_never_builds(broken_build, cpu_kernel_mode):
+    cpu_kernel_mode(fused_cpu.PART, "torch")
     assert fused_cpu.fused_ops(torch.zeros(2, 16)) is None
     assert broken_build == []
 
 
-def test_a_bad_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=fused_cpu.ENV_VAR):
-        fused_cpu.fused_ops(torch.zeros(2, 16))
+def test_one_engine_option_chooses_every_part(monkeypatch, caplog):
+    choice = CpuKernelChoice.parse("torch,decode=kernel")
+    assert (choice.attention, choice.decode, choice.layer_ops, choice.quant) == \
+        ("torch", "kernel", "torch", "torch")
+    assert CpuKernelChoice.parse("attention=torch") == CpuKernelChoice(attention="torch")
+    assert str(CpuKernelChoice.parse("auto")) == "auto"
+    for bad, named in (("fast", "'fast'"), ("decode=fast", "decode='fast'"),
+                       ("stack=torch", "'stack'"), ("attention=torch,auto", "'auto'")):
+        with pytest.raises(ValueError, match=named):
+            CpuKernelChoice.parse(bad)
+    with pytest.raises(ValueError, match="cpu_kernels"):  # EngineArgs checks it at once
+        EngineArgs(model="m", cpu_kernels="fast")
+    # The old environment variables choose nothing; setting one is called out.
+    monkeypatch.setenv("SERVELM_CPU_DECODE", "torch")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        cpu_kernels.configure(CpuKernelChoice())
+    assert cpu_kernels.mode("decode") == "auto"
+    assert any("SERVELM_CPU_DECODE=torch" in r.getMessage() and "--cpu-kernels" in
+               r.getMessage() for r in caplog.records)
+
+
+def test_cpu_kernels_flag_is_in_help_and_reaches_engine_args():
+    import argparse
+
+    from servelm.config import add_engine_cli_args, engine_args_from_cli
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_cli_args(parser)
+    assert "--cpu-kernels" in parser.format_help()
+    args = engine_args_from_cli(parser.parse_args(["m", "--cpu-kernels", "quant=torch"]))
+    assert args.cpu_kernel_choice() == CpuKernelChoice(quant="torch")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--cpu-kernels", "fast"])
+
+
+@pytest.mark.parametrize("option,expected", [
+    ("auto", "attention=kernel decode=stack layer_ops=fused quant=panels"),
+    ("torch", "attention=torch decode=eager layer_ops=torch quant=aten"),
+    ("decode=torch,quant=torch", "attention=kernel decode=eager layer_ops=fused quant=aten"),
+])
+def test_start_up_log_says_which_path_each_part_took(tiny_hf, tiny_engine, caplog, option,
+                                                      expected):
+    with caplog.at_level(logging.INFO, logger="servelm.engine_builder"):
+        engine = tiny_engine(tiny_hf("llama"), quantization="int8", cpu_kernels=option)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels")]
+    assert lines == [f"cpu kernels (--cpu-kernels {CpuKernelChoice.parse(option)}): {expected}"]
+    assert (engine.runner.cpu_stack is None) == ("decode=eager" in expected)
+
+
+def test_import_servelm_leaves_the_environment_alone():
+    code = ("import os; before = dict(os.environ); import servelm, servelm.config, "
+            "servelm.cost; print(dict(os.environ) == before)")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env=env)
+    assert out.stdout.strip() == "True"

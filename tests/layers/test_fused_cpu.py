@@ -1,6 +1,6 @@
 """The fused C++ layer ops (servelm/cpu_kernels/layer_ops.cpp) compute what the torch code of
 servelm/layers computes: kernel against a float64 reference, module against module with
-SERVELM_CPU_LAYER_OPS=torch, and a tiny model's greedy tokens on either path.
+`--cpu-kernels layer_ops=torch`, and a tiny model's greedy tokens on either path.
 """
 
 import pytest
@@ -84,55 +84,58 @@ def test_silu_and_mul_matches_reference(ops, shape):
     torch.testing.assert_close(ops.silu_and_mul(x), ref, atol=1e-5, rtol=1e-5)
 
 
-def _both_paths(monkeypatch, fn):
+def _both_paths(cpu_kernel_mode, fn):
     results = {}
     for path in ("kernel", "torch"):
-        monkeypatch.setenv(fused_cpu.ENV_VAR, path)
+        cpu_kernel_mode(fused_cpu.PART, path)
         results[path] = fn()
     return results["kernel"], results["torch"]
 
 
-def test_layers_take_the_fused_path_only_where_it_applies(ops, monkeypatch):
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "auto")
+def test_layers_take_the_fused_path_only_where_it_applies(ops, cpu_kernel_mode):
+    cpu_kernel_mode(fused_cpu.PART, "auto")
     assert fused_cpu.fused_ops(torch.zeros(2, 16)) is ops
     assert fused_cpu.fused_ops(torch.zeros(2, 16, dtype=torch.bfloat16)) is None
     assert fused_cpu.fused_ops(torch.zeros(2, 16, device="meta")) is None
-    monkeypatch.setenv(fused_cpu.ENV_VAR, "torch")
+    cpu_kernel_mode(fused_cpu.PART, "torch")
     assert fused_cpu.fused_ops(torch.zeros(2, 16)) is None
 
 
-def test_modules_agree_on_either_path(ops, monkeypatch):
+def test_modules_agree_on_either_path(ops, cpu_kernel_mode):
     norm = RMSNorm(96, eps=1e-6)
     norm.weight.data = _randn(96, seed=9)
     x, residual = _randn(33, 96, seed=10), _randn(33, 96, seed=11)
-    fused, plain = _both_paths(monkeypatch, lambda: norm(x, residual))
+    fused, plain = _both_paths(cpu_kernel_mode, lambda: norm(x, residual))
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
-    fused, plain = _both_paths(monkeypatch, lambda: norm(x))
+    fused, plain = _both_paths(cpu_kernel_mode, lambda: norm(x))
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
-    fused, plain = _both_paths(monkeypatch, lambda: silu_and_mul(x))
+    fused, plain = _both_paths(cpu_kernel_mode, lambda: silu_and_mul(x))
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     rotary = RotaryEmbedding(32, 512, 500000.0,
                              {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     positions = torch.arange(100, 133)
     q, k = _randn(33, 3, 32, seed=12), _randn(33, 1, 32, seed=13)
-    fused, plain = _both_paths(monkeypatch, lambda: rotary(positions, q.clone(), k.clone()))
+    fused, plain = _both_paths(cpu_kernel_mode, lambda: rotary(positions, q.clone(), k.clone()))
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_model_greedy_tokens_match_torch_layers(ops, monkeypatch, tiny_hf, tiny_engine, arch):
+def test_tiny_model_greedy_tokens_match_torch_layers(ops, tiny_hf, tiny_engine, arch):
     hf = tiny_hf(arch)
     prompts = [[5, 17, 99, 3, 250, 11, 42], list(range(100, 160)), [7]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
 
-    def run():
-        outs = LLM(engine=tiny_engine(hf, max_num_batched_tokens=32)).generate(
-            prompts, params, use_tqdm=False)
+    def run(path):
+        # decode=torch: the decode stack would run its own fused ops whatever layer_ops says
+        engine = tiny_engine(hf, max_num_batched_tokens=32,
+                             cpu_kernels=f"layer_ops={path},decode=torch")
+        assert (fused_cpu.fused_ops(torch.zeros(1, 16)) is not None) == (path == "kernel")
+        outs = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
         return [o.outputs[0] for o in outs]
 
-    fused, plain = _both_paths(monkeypatch, run)
+    fused, plain = run("kernel"), run("torch")
     for ours, ref in zip(fused, plain):
         assert ours.token_ids == ref.token_ids
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in ours.logprobs]),

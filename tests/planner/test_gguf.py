@@ -1,12 +1,12 @@
-"""ModelSpec from GGUF metadata, written with gguf's own writer (no weights needed)."""
+"""ModelConfig from GGUF metadata, written with gguf's own writer (no weights needed)."""
 
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
 
+from servelm.cost import count_params  # noqa: E402
 from servelm.planner.model_catalog import builtin_model, resolve_model  # noqa: E402
-from servelm.planner.models import count_params  # noqa: E402
 
 
 def _write(path, arch, meta, tensors):

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
+from servelm.cost import count_params, expected_experts_touched
 from servelm.planner.errors import PlanInputError
-from servelm.planner.model_catalog import builtin_model, catalog_names, resolve_model
-from servelm.planner.models import (
-    count_params,
-    expected_experts_touched,
+from servelm.planner.model_catalog import (
+    builtin_model,
+    catalog_names,
     from_hf_config,
+    resolve_model,
 )
 
 

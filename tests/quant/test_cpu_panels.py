@@ -142,15 +142,15 @@ def test_int4_layer_cpu_and_aten_kernels_agree(n, k, group):
     assert cpu(x.bfloat16()).dtype == torch.bfloat16  # x's dtype in, x's dtype out
 
 
-def test_layers_pick_the_panels_unless_told_otherwise(monkeypatch):
+def test_layers_pick_the_panels_unless_told_otherwise(cpu_kernel_mode):
     q = torch.randint(0, 16, (32, 64), generator=GEN, dtype=torch.uint8)
     s = torch.rand(32, 2, generator=GEN)
     q8 = torch.randint(-127, 128, (32, 64), generator=GEN, dtype=torch.int8)
-    monkeypatch.setenv(cpu_panels.ENV_VAR, "auto")
+    cpu_kernel_mode(cpu_panels.PART, "auto")
     assert Int4Linear(q, s, s, 32, None).kernel == "cpu"
     assert Int8Linear(q8, s[:, 0], None).kernel == "cpu"
-    monkeypatch.setenv(cpu_panels.ENV_VAR, "torch")
+    cpu_kernel_mode(cpu_panels.PART, "torch")
     assert Int4Linear(q, s, s, 32, None).kernel == "aten"
     assert Int8Linear(q8, s[:, 0], None).kernel is None  # aten on the CPU, by x's device
-    with pytest.raises(ValueError, match=cpu_panels.ENV_VAR):
+    with pytest.raises(ValueError, match="quant=torch"):
         Int4Linear(q, s, s, 32, None, kernel="cpu")

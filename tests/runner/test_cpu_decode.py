@@ -1,6 +1,6 @@
 """The CPU decode stack (runner/cpu_decode.py, cpu_kernels/decode_stack.cpp) runs all-decode
 steps through the same kernels in the same order as the eager model: the same tokens and
-bit-identical logprobs with SERVELM_CPU_DECODE=torch, for float, int8 and int4 layers, float32
+bit-identical logprobs with `--cpu-kernels decode=torch`, for float, int8 and int4 layers, float32
 and fp8 KV caches, GQA, qkv biases (Qwen2) and q/k norms (Qwen3); and it stays out of the steps and setups it does
 not cover."""
 
@@ -26,18 +26,16 @@ def _run(engine, max_tokens=20, logprobs=2):
 @pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("int8", "auto"),
                                              ("int4-g32", "auto"), (None, "fp8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_stack_matches_the_eager_model_bit_for_bit(monkeypatch, tiny_hf, tiny_engine, arch,
-                                                   quantization, kv):
+def test_stack_matches_the_eager_model_bit_for_bit(tiny_hf, tiny_engine, arch, quantization,
+                                                   kv):
     hf = tiny_hf(arch)
     kwargs = dict(max_num_batched_tokens=32, quantization=quantization, kv_cache_dtype=kv)
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "kernel")
-    engine = tiny_engine(hf, **kwargs)
+    engine = tiny_engine(hf, cpu_kernels="decode=kernel", **kwargs)
     stack = engine.runner.cpu_stack
     assert stack is not None
     ours = _run(engine)
     assert stack.steps >= 15  # the decode-only steps after the prompts are in
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "torch")
-    eager_engine = tiny_engine(hf, **kwargs)
+    eager_engine = tiny_engine(hf, cpu_kernels="decode=torch", **kwargs)
     assert eager_engine.runner.cpu_stack is None
     for a, b in zip(ours, _run(eager_engine)):
         assert a.token_ids == b.token_ids
@@ -46,26 +44,26 @@ def test_stack_matches_the_eager_model_bit_for_bit(monkeypatch, tiny_hf, tiny_en
             [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
 
 
-def test_stack_stays_out_where_it_does_not_apply(monkeypatch, tiny_hf, tiny_engine):
+def test_stack_stays_out_where_it_does_not_apply(tiny_hf, tiny_engine):
     hf = tiny_hf("llama")
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
     assert tiny_engine(hf, dtype="bfloat16").runner.cpu_stack is None
     engine = tiny_engine(hf)
     # a prefill step (and a mixed one) runs eagerly
     outs = LLM(engine=engine).generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0),
                                        use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 1 and engine.runner.cpu_stack.steps == 0
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=cpu_decode.ENV_VAR):
-        tiny_engine(hf)
+    with pytest.raises(ValueError, match="cpu_kernels: decode='fast'"):
+        tiny_engine(hf, cpu_kernels="decode=fast")
+    with pytest.raises(ValueError, match="cpu_kernels: decode='fast'"):  # a direct caller's
+        cpu_decode.CpuDecodeStack.for_model(engine.runner.model, None, engine.runner.backend,
+                                            mode="fast")
 
 
-def test_stack_with_speculative_decoding_keeps_the_tokens(monkeypatch, tiny_hf, tiny_engine):
+def test_stack_with_speculative_decoding_keeps_the_tokens(tiny_hf, tiny_engine):
     """n-gram speculation (no logprobs: requests asking for them are not speculated):
     verification steps run eagerly, plain decode steps in the stack; greedy tokens are those
     of the model without speculation."""
     hf = tiny_hf("llama")
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
     plain = _run(tiny_engine(hf), max_tokens=40, logprobs=None)
     engine = tiny_engine(hf, speculative_method="ngram", num_speculative_tokens=3,
                          spec_adaptive=False)
@@ -77,7 +75,7 @@ def test_stack_with_speculative_decoding_keeps_the_tokens(monkeypatch, tiny_hf, 
 
 
 @pytest.mark.parametrize("quantization", [None, "int4-g32"])
-def test_verification_rows_are_causal_attention_over_the_chunk(monkeypatch, tiny_hf, tiny_engine,
+def test_verification_rows_are_causal_attention_over_the_chunk(tiny_hf, tiny_engine,
                                                                quantization):
     """A sequence with context and a few new tokens (as a verification is) through the stack,
     one decode row per token, scores them like the eager path's chunked prefill, within float
@@ -90,8 +88,7 @@ def test_verification_rows_are_causal_attention_over_the_chunk(monkeypatch, tiny
     prompt = list(range(40, 71))
     logits = {}
     for mode in ("kernel", "torch"):
-        monkeypatch.setenv(cpu_decode.ENV_VAR, mode)
-        engine = tiny_engine(hf, quantization=quantization)
+        engine = tiny_engine(hf, quantization=quantization, cpu_kernels=f"decode={mode}")
         seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
         engine.block_manager.allocate(seq, len(prompt))
         score = lambda start, n: engine.runner.score(  # noqa: E731
@@ -111,13 +108,11 @@ def test_verification_rows_are_causal_attention_over_the_chunk(monkeypatch, tiny
 
 
 @pytest.mark.parametrize("draft", ["quantized-copy", "early-exit"])
-def test_draft_models_run_their_steps_in_a_stack(monkeypatch, tmp_path, tiny_hf, tiny_engine,
-                                                 draft):
+def test_draft_models_run_their_steps_in_a_stack(tmp_path, tiny_hf, tiny_engine, draft):
     """A draft model's proposals through its own stack (a separate model, int4-quantized,
     with its own KV cache; or the target's first layer): the same greedy tokens as without
     speculation."""
     hf = tiny_hf("llama")
-    monkeypatch.setenv(cpu_decode.ENV_VAR, "auto")
     plain = _run(tiny_engine(hf), max_tokens=24, logprobs=None)
     if draft == "quantized-copy":
         hf.save_pretrained(tmp_path)

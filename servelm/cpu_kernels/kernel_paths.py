@@ -1,0 +1,37 @@
+"""kernel_paths: which path each CPU part took in a built engine, for the start-up log.
+
+Owns: reading that back from what was built (the attention backend's decode kernel, the
+runner's decode stack, the layer ops for the model's dtype and device, the quantized linears'
+kernels), so the log says what runs, not what was asked for.
+Never: chooses a path (CpuKernelChoice and each part do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_QUANT_KERNELS = {"cpu": "panels", "aten": "aten", "triton": "triton", None: "aten"}
+
+
+def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
+                 device: torch.device) -> dict[str, str]:
+    """{part: path}: attention kernel|torch, decode stack|eager, layer_ops fused|torch,
+    quant panels|aten|triton|... (none: no quantized linears)."""
+    from servelm.layers.fused_cpu import fused_ops
+    from servelm.quant.quantized_linear import QuantizedLinear
+
+    if hasattr(backend, "decode_kernel"):
+        attention = "kernel" if backend.decode_kernel is not None else "torch"
+    else:
+        attention = type(backend).__name__
+    probe = torch.empty(0, dtype=dtype, device=device)
+    quant = sorted({_QUANT_KERNELS.get(getattr(m, "kernel", None), type(m).__name__)
+                    for m in model.modules() if isinstance(m, QuantizedLinear)})
+    return {"attention": attention,
+            "decode": "stack" if cpu_stack is not None else "eager",
+            "layer_ops": "fused" if fused_ops(probe) is not None else "torch",
+            "quant": "+".join(quant) or "none"}
+
+
+def describe(paths: dict[str, str]) -> str:
+    return " ".join(f"{part}={path}" for part, path in paths.items())
