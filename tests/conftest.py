@@ -7,9 +7,9 @@ def default_model_path():
 
     A failed pull is an error, not a skip: tests that need the real model must not pass silently.
     """
-    from servelm.loader.model_cache import pull
+    from servelm.loader.model_cache import DEFAULT_MODEL, pull
 
-    return pull("smollm2-135m-instruct")
+    return pull(DEFAULT_MODEL)
 
 
 @pytest.fixture(autouse=True)
