@@ -11,6 +11,31 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
                    "head_dim": 16, "norm_topk_prob": True}),
+    # Windows of 8 keys and soft-caps low enough to change every test's logits.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0,
+                "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                       "rope_theta": 1000000.0}},
+                "tie_word_embeddings": True}),
+    # LongRoPE: the short factors below the original 256 positions, and the attention factor.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"original_max_position_embeddings": 256,
+              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                                  "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                  "original_max_position_embeddings": 256}}),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                   {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 256,
+                                        "rope_theta": 10000.0}}),
 }
 
 

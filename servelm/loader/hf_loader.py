@@ -1,8 +1,10 @@
 """Loading a Hugging Face model directory: config.json, *.safetensors, tokenizer.json.
 
 Owns: reading an HF checkpoint folder into a ModelConfig, a stream of float32 weights under HF
-Llama names, and a Tokenizer; and the list of weight names a ModelConfig implies
-(`hf_weight_names`), which the GGUF loader maps onto too.
+names, and a Tokenizer; and the list of weight names a Llama-family ModelConfig implies
+(`hf_weight_names`), which the GGUF loader maps onto too. Other families (models/decoder.py)
+get every tensor of the checkpoint: their load_weights places each by its name, refuses one
+it has no place for and names what is missing.
 
 Never: downloads (the folder must be local), imports model code, or reads pickled
 `pytorch_model.bin` files (unsafe to unpickle, and safetensors can be memory-mapped).
@@ -70,6 +72,9 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str,
             f"no *.safetensors in {model_dir}; only safetensors checkpoints are supported "
             "(re-save a pytorch_model.bin checkpoint with transformers' save_pretrained)"
         )
+    if config.architecture not in _LLAMA_NAMED:
+        yield from _iter_all(files)
+        return
     wanted = set(hf_weight_names(config))
     seen: set[str] = set()
     for file in files:
@@ -84,6 +89,21 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str,
         raise ValueError(
             f"{model_dir} lacks {len(missing)} weights the config needs, e.g. {sorted(missing)[:3]}"
         )
+
+
+_LLAMA_NAMED = ("llama", "qwen2", "qwen3")  # the families hf_weight_names describes
+
+
+def _iter_all(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, f.get_tensor(name).to(torch.float32)
 
 
 def load_hf_tokenizer(model_dir: Path) -> Tokenizer:

@@ -11,6 +11,9 @@ _MODELS = {
     "mixtral": "servelm.models.mixtral:MixtralForCausalLM",
     "qwen2_moe": "servelm.models.qwen_moe:Qwen2MoeForCausalLM",
     "qwen3_moe": "servelm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "gemma2": "servelm.models.gemma:Gemma2ForCausalLM",
+    "gemma3_text": "servelm.models.gemma:Gemma3ForCausalLM",
+    "phi3": "servelm.models.phi3:Phi3ForCausalLM",
 }
 
 

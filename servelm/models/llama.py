@@ -1,5 +1,8 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2), the base of Qwen2 and Qwen3.
 
+Mistral's sliding window (ModelConfig.sliding_window) is honoured: a layer that slides asks
+the attention backend for the window once a sequence in the step is longer than it.
+
 Takes `(input_ids[T], positions[T], batch)` over a flat batch of tokens from many sequences:
 no padding, no per-request state. q/k/v and gate/up projections are fused into one matmul each.
 """
@@ -34,6 +37,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        self.window = config.sliding_window if config.is_sliding_layer(layer) else 0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch):
         t = x.shape[0]
@@ -44,7 +48,14 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(self.layer, q, k, v, batch)  # [T, H, D]
+        if self.window and max(batch.seq_lens) > self.window:
+            if not getattr(self.backend, "supports_variants", False):
+                raise ValueError(f"attention backend {getattr(self.backend, 'name', '?')!r} "
+                                 "does not implement sliding_window; use attention_backend "
+                                 "'torch'")
+            out = self.backend.forward(self.layer, q, k, v, batch, window=self.window)
+        else:
+            out = self.backend.forward(self.layer, q, k, v, batch)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -1,0 +1,102 @@
+"""What servelm does not implement is refused at load with an error naming the field, never
+run wrong; and the families the CPU decode stack does not cover run eagerly."""
+
+import pytest
+
+from tiny_families import make_tiny_family_model
+from tiny_models import make_tiny_engine, make_tiny_hf_model
+from servelm.config import ModelConfig
+
+
+def _llama_cfg(**extra):
+    return {"model_type": "llama", "vocab_size": 384, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 1024, **extra}
+
+
+def _build(config: ModelConfig, **kw):
+    from servelm.engine_builder import build_model
+    import torch
+
+    return build_model(config, iter(()), torch.float32, torch.device("cpu"), **kw)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"type": "ntk-by-parts", "factor": 2.0}])
+def test_unknown_rope_type_is_refused_naming_the_field(rope):
+    config = ModelConfig.from_hf_config(_llama_cfg(rope_scaling=rope))
+    with pytest.raises(ValueError, match=r"rope_scaling\.rope_type"):
+        _build(config)
+
+
+def test_gemma3_sliding_layers_with_scaled_rope_are_refused():
+    cfg = _llama_cfg(model_type="gemma3_text", rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match=r"rope_parameters\.sliding_attention\.rope_type"):
+        ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("field, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [1])])
+def test_moe_layouts_not_implemented_are_refused(field, value):
+    cfg = _llama_cfg(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_leading_mlp_only_layers_are_dense_layers():
+    cfg = _llama_cfg(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, mlp_only_layers=[0])
+    assert ModelConfig.from_hf_config(cfg).num_leading_dense_layers == 1
+
+
+def test_unknown_layer_type_is_refused():
+    cfg = _llama_cfg(model_type="gemma2", sliding_window=8,
+                     layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_unknown_activation_is_refused():
+    config = ModelConfig.from_hf_config(_llama_cfg(model_type="mixtral", num_local_experts=4,
+                                                   num_experts_per_tok=2, hidden_act="relu2"))
+    with pytest.raises(ValueError, match="hidden_act"):
+        _build(config)
+
+
+def test_quantizing_a_new_family_is_refused_naming_it():
+    config = ModelConfig.from_hf_config(_llama_cfg(model_type="mixtral", num_local_experts=4,
+                                                   num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="mixtral"):
+        _build(config, quantization="int8")
+
+
+def test_backend_without_variants_is_refused_for_a_window_or_softcap():
+    from servelm.models.decoder import Attention
+
+    config = ModelConfig.from_hf_config(_llama_cfg(model_type="gemma2", sliding_window=8,
+                                                   attn_logit_softcapping=50.0))
+    attn = Attention(config, 0, None, backend=object())
+
+    class Batch:
+        seq_lens = [4]
+
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        attn._variants(Batch())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma2", "phi3", "mistral_window"])
+def test_cpu_decode_stack_leaves_other_families_eager(family):
+    engine = make_tiny_engine(make_tiny_family_model(family))
+    assert engine.runner.cpu_stack is None
+
+
+def test_cpu_decode_stack_still_takes_llama_with_yarn():
+    from servelm.cpu_kernels import ops_for_mode
+
+    engine = make_tiny_engine(make_tiny_family_model("qwen2_yarn"))
+    if ops_for_mode("decode", "auto") is None:
+        pytest.skip("the C++ kernels do not build here")
+    assert engine.runner.cpu_stack is not None
+    assert make_tiny_engine(make_tiny_hf_model("llama")).runner.cpu_stack is not None
