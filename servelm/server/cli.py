@@ -59,18 +59,22 @@ def add_parser(subparsers) -> None:
     g.add_argument("--peak-flops", type=float, default=d("peak_flops"),
                    help=f"FLOP/s for compute utilisation (default: {cpu_flops:g} on CPU, "
                         f"{gpu_flops:g} on CUDA)")
-    # Limits: the defaults are ServerConfig's (one source; docs/server.md lists them).
-    g.add_argument("--max-prompts", type=int, default=None,
-                   help="prompts in one completion request; more get a 400 naming `prompt`")
-    g.add_argument("--max-choices", type=int, default=None,
-                   help="n x prompts in one request; more get a 400 naming `n`")
-    g.add_argument("--header-timeout", type=float, default=None,
+    # Limits (docs/server.md, "Limits").
+    g.add_argument("--max-prompts", type=int, default=d("max_prompts"),
+                   help="prompts in one completion request; more get a 400 naming `prompt` "
+                        "(default %(default)s)")
+    g.add_argument("--max-choices", type=int, default=d("max_choices"),
+                   help="n x prompts in one request; more get a 400 naming `n` "
+                        "(default %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=d("header_timeout"),
                    help="seconds a connection may take to send a request line and headers "
-                        "before it is closed")
-    g.add_argument("--keep-alive-timeout", type=float, default=None,
-                   help="seconds an idle keep-alive connection stays open")
-    g.add_argument("--max-connections", type=int, default=None,
-                   help="open connections; a connection beyond it gets a 503 and is closed")
+                        "before it is closed (default %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d("keep_alive_timeout"),
+                   help="seconds an idle keep-alive connection stays open (default "
+                        "%(default)s)")
+    g.add_argument("--max-connections", type=int, default=d("max_connections"),
+                   help="open connections; a connection beyond it gets a 503 and is closed "
+                        "(default %(default)s)")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
@@ -89,8 +93,7 @@ def server_config_from_cli(args, model_name: str):
         slo_tpot_ms=args.slo_tpot_ms, max_body_bytes=args.max_body_bytes,
         write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
         peak_flops=args.peak_flops,
-        **{name: getattr(args, name) for name in _LIMIT_FLAGS
-           if getattr(args, name, None) is not None})
+        **{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
 
 _LIMIT_FLAGS = ("max_prompts", "max_choices", "header_timeout", "keep_alive_timeout",
