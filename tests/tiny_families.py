@@ -31,6 +31,22 @@ FAMILIES = {
                                   "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                   "long_factor": [2.0 + 0.5 * i for i in range(8)],
                                   "original_max_position_embeddings": 256}}),
+    # MLA; V2: one q_proj, softmax routing limited to 2 of 4 groups; V3: low-rank q, sigmoid
+    # scores with a correction bias, renormalised and scaled. One leading dense layer each.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    {"n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                     "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                     "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "topk_method": "group_limited_greedy", "n_group": 4,
+                     "topk_group": 2, "routed_scaling_factor": 1.5, "norm_topk_prob": False}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                     "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                     "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "n_group": 4, "topk_group": 2,
+                     "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
                    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
@@ -55,6 +71,8 @@ def make_tiny_family_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**kwargs)
     model = getattr(transformers, model_name)(config).eval()
+    # generate() never stops or masks a token: servelm's side runs with ignore_eos.
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:

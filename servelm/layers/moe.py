@@ -112,8 +112,10 @@ class MoE(nn.Module):
         self.routing = routing
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate.requires_grad_(False)
-        self.score_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False)
-                           if has_score_bias else None)
+        # DeepSeek-V3's e_score_correction_bias: a buffer, as transformers keeps it (it is
+        # fitted outside training, and not counted as a parameter).
+        self.register_buffer("score_bias", torch.zeros(num_experts) if has_score_bias
+                             else None)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, act_and_mul)
         self.shared = shared
         self.shared_gate = None

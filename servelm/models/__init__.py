@@ -14,6 +14,8 @@ _MODELS = {
     "gemma2": "servelm.models.gemma:Gemma2ForCausalLM",
     "gemma3_text": "servelm.models.gemma:Gemma3ForCausalLM",
     "phi3": "servelm.models.phi3:Phi3ForCausalLM",
+    "deepseek_v2": "servelm.models.deepseek:DeepseekV2ForCausalLM",
+    "deepseek_v3": "servelm.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 

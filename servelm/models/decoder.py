@@ -96,7 +96,9 @@ class DecoderLM(nn.Module):
         return Placement(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        saved = set(self.state_dict())  # parameters and persistent buffers
+        params = {n: t for n, t in [*self.named_buffers(), *self.named_parameters()]
+                  if n in saved}
         filled = {n: 0 for n in params}
         seen: set[Placement] = set()
         for raw, tensor in weights:
@@ -251,13 +253,14 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); `mlp` is dense or MoE."""
+    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); `mlp` is dense or MoE, `attn`
+    GQA (built here when None) or another kind (MLA)."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
-                 mlp: nn.Module):
+                 mlp: nn.Module, attn: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rotary, backend)
+        self.self_attn = attn if attn is not None else Attention(config, layer, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 

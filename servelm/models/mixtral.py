@@ -18,14 +18,28 @@ class MixtralForCausalLM(DecoderLM):
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         super().__init__(config, quant)
-        rotary = make_rotary(config)
+        rotary = self.make_rotary(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, backend, self.make_mlp(config, i))
+            DecoderLayer(config, i, rotary, backend, self.make_mlp(config, i),
+                         self.make_attention(config, i, rotary, backend))
             for i in range(config.num_layers))
         self.rules = self.weight_rules(config)
 
+    def make_rotary(self, config: ModelConfig):
+        return make_rotary(config)
+
+    def make_attention(self, config: ModelConfig, layer: int, rotary, backend):
+        return None  # DecoderLayer's GQA attention
+
     def routing(self, config: ModelConfig) -> RoutingConfig:
-        return RoutingConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+        groups = config.moe_topk_method != "greedy"
+        return RoutingConfig(
+            config.num_experts_per_tok, renormalize=config.norm_topk_prob,
+            scoring="sigmoid" if config.moe_topk_method == "noaux_tc" else "softmax",
+            num_groups=config.num_expert_groups if groups else 1,
+            topk_groups=config.num_topk_groups if groups else 1,
+            group_score="top2" if config.moe_topk_method == "noaux_tc" else "max",
+            scaling=config.routed_scaling_factor)
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         if layer < config.num_leading_dense_layers:
@@ -36,7 +50,8 @@ class MixtralForCausalLM(DecoderLM):
                               config.hidden_act)
         return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size,
                    self.routing(config), act_and_mul(config.hidden_act), shared,
-                   has_shared_gate=config.has_shared_expert_gate)
+                   has_shared_gate=config.has_shared_expert_gate,
+                   has_score_bias=config.moe_topk_method == "noaux_tc")
 
     def weight_rules(self, config: ModelConfig) -> tuple:
         shared = config.shared_expert_intermediate_size

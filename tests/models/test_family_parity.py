@@ -42,7 +42,7 @@ def _hf_greedy(hf, prompt, n):
         # An explicit mask: generate() would take pad_token_id in a prompt for padding.
         gen = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                                                             dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n,
+                          max_new_tokens=n,
                           do_sample=False, output_logits=True, return_dict_in_generate=True,
                           pad_token_id=0)
     return gen.sequences[0, len(prompt):].tolist(), gen.logits

@@ -100,3 +100,35 @@ def test_cpu_decode_stack_still_takes_llama_with_yarn():
         pytest.skip("the C++ kernels do not build here")
     assert engine.runner.cpu_stack is not None
     assert make_tiny_engine(make_tiny_hf_model("llama")).runner.cpu_stack is not None
+
+
+def test_mla_cache_holds_the_latent_and_rope_key_only():
+    from servelm.cost import kv_elems_per_token_layer
+    from servelm.runner.kv_cache import KVCache
+
+    hf = make_tiny_family_model("deepseek_v2")
+    engine = make_tiny_engine(hf)
+    config = engine.model_config
+    cache = engine.runner.kv_cache
+    assert cache.k.shape[2:] == (1, config.kv_lora_rank + config.qk_rope_head_dim)
+    assert cache.v.numel() == 0
+    assert kv_elems_per_token_layer(config) == config.kv_lora_rank + config.qk_rope_head_dim
+    per_block = KVCache.bytes_per_block(config, cache.block_size, cache.k.dtype)
+    assert per_block * cache.num_blocks == cache.k.numel() * cache.k.element_size()
+    assert engine.runner.cpu_stack is None
+
+
+def test_fp8_kv_cache_is_refused_for_mla():
+    hf = make_tiny_family_model("deepseek_v2")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_tiny_engine(hf, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("field, value", [("topk_method", "sinkhorn"),
+                                          ("scoring_func", "sigmoid")])
+def test_deepseek_routing_not_implemented_is_refused(field, value):
+    cfg = _llama_cfg(model_type="deepseek_v2", n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                     qk_nope_head_dim=16, v_head_dim=16, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(cfg)
