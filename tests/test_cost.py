@@ -88,7 +88,7 @@ def test_engine_step_stats_count_pairs_as_the_cost_module(tiny_hf, tiny_engine):
     assert engine.stats.last_num_context_tokens == 7
 
 
-def test_moe_and_mla_configs_are_read_for_planning_but_not_built():
+def test_moe_and_mla_configs_are_read_for_planning():
     from servelm.models import get_model_class
 
     ds = ModelConfig.from_hf_config({
@@ -102,7 +102,11 @@ def test_moe_and_mla_configs_are_read_for_planning_but_not_built():
     assert ds.num_moe_layers == 58 and ds.attention_kind == "MLA"
     b = cost.count_params(ds)
     assert abs(b.total - 671e9) / 671e9 < 0.005 and abs(b.active - 37e9) / 37e9 < 0.03
-    with pytest.raises(ValueError, match="'deepseek_v3' is not supported by the engine"):
-        get_model_class(ds.architecture)
+    assert get_model_class(ds.architecture).__name__ == "DeepseekV3ForCausalLM"
+    jamba = ModelConfig.from_hf_config({
+        "model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10,
+        "num_attention_heads": 4})
+    with pytest.raises(ValueError, match="'jamba' is not supported by the engine"):
+        get_model_class(jamba.architecture)  # planned, never built
     with pytest.raises(ValueError, match="num_attention_heads"):
         ModelConfig.from_hf_config({"model_type": "llama", "vocab_size": 10})

@@ -62,10 +62,11 @@ class DecoderLM(nn.Module):
             self.lm_head.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+                batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. num_layers: the
+        first N layers, then the final norm (an early-exit draft); None: all."""
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, batch)
         x, _ = self.norm(x, residual)
         return x

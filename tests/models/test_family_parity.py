@@ -102,3 +102,29 @@ def test_param_counts_equal_the_loaded_model(hf):
                  if hasattr(m, "w13"))
     unchosen = routed * (1 - config.num_experts_per_tok / max(config.num_experts, 1))
     assert counts.active == total - unchosen
+
+
+def test_early_exit_forward_runs_the_first_layers(hf):
+    """forward(..., num_layers=N) equals the first N layers then the final norm."""
+    from servelm.runner.forward_batch import ForwardBatch
+
+    from servelm.models.decoder import DecoderLM
+
+    engine = make_tiny_engine(hf)
+    model = engine.runner.model
+    if not isinstance(model, DecoderLM):
+        pytest.skip("a Llama-family model: spec/draft.py runs its first layers itself")
+    backend = engine.runner.backend
+    ids = torch.tensor([5, 17, 99, 3])
+    pos = torch.arange(4)
+    fb = ForwardBatch(ids, pos, torch.arange(4), torch.tensor([[0]]), [0, 4], [0], [4], 0,
+                      engine.block_manager.block_size, torch.tensor([3]))
+    fb.attn_metadata = backend.build_metadata(fb)
+    with torch.no_grad():
+        x, residual = model.embed(ids), None
+        layer = model.layers[0]
+        x, residual = layer(pos, x, residual, fb)
+        ref, _ = model.norm(x, residual)
+        out = model(ids, pos, fb, num_layers=1)
+    torch.testing.assert_close(out, ref)
+    assert not torch.allclose(out, model(ids, pos, fb))

@@ -132,3 +132,21 @@ def test_deepseek_routing_not_implemented_is_refused(field, value):
                      qk_nope_head_dim=16, v_head_dim=16, **{field: value})
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("model_type, extra, expected", [
+    ("gemma2", {}, ["sliding_attention", "full_attention"] * 3),
+    ("gemma3_text", {"sliding_window_pattern": 3}, ["sliding_attention"] * 2
+     + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]),
+])
+def test_configs_without_layer_types_get_the_family_pattern(model_type, extra, expected):
+    """Older config.json files have a window but no layer_types: the family's pattern, as
+    transformers derives it."""
+    import transformers
+
+    cfg = _llama_cfg(model_type=model_type, num_hidden_layers=6, sliding_window=8, **extra)
+    config = ModelConfig.from_hf_config(cfg)
+    assert list(config.layer_types) == expected
+    hf_cls = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[model_type]
+    hf = getattr(transformers, hf_cls)(num_hidden_layers=6, sliding_window=8, **extra)
+    assert list(hf.layer_types) == expected
