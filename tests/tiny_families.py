@@ -24,9 +24,10 @@ FAMILIES = {
                     "full_attention": {"rope_type": "linear", "factor": 4.0,
                                        "rope_theta": 1000000.0}},
                 "tie_word_embeddings": True}),
-    # LongRoPE: the short factors below the original 256 positions, and the attention factor.
+    # LongRoPE: the short factors below the original 256 positions, and the attention factor;
+    # a window of 16 keys.
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             {"original_max_position_embeddings": 256,
+             {"original_max_position_embeddings": 256, "sliding_window": 16,
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                   "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                   "long_factor": [2.0 + 0.5 * i for i in range(8)],

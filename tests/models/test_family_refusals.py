@@ -138,6 +138,8 @@ def test_deepseek_routing_not_implemented_is_refused(field, value):
     ("gemma2", {}, ["sliding_attention", "full_attention"] * 3),
     ("gemma3_text", {"sliding_window_pattern": 3}, ["sliding_attention"] * 2
      + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 4},
+     ["full_attention"] * 4 + ["sliding_attention"] * 2),
 ])
 def test_configs_without_layer_types_get_the_family_pattern(model_type, extra, expected):
     """Older config.json files have a window but no layer_types: the family's pattern, as
@@ -147,6 +149,7 @@ def test_configs_without_layer_types_get_the_family_pattern(model_type, extra, e
     cfg = _llama_cfg(model_type=model_type, num_hidden_layers=6, sliding_window=8, **extra)
     config = ModelConfig.from_hf_config(cfg)
     assert list(config.layer_types) == expected
-    hf_cls = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[model_type]
+    hf_cls = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+              "qwen2": "Qwen2Config"}[model_type]
     hf = getattr(transformers, hf_cls)(num_hidden_layers=6, sliding_window=8, **extra)
     assert list(hf.layer_types) == expected
