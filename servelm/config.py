@@ -28,7 +28,9 @@ _FAMILY_BY_MODEL_TYPE = {
 }
 # GGUF general.architecture -> servelm family (the rest keep their GGUF name, as above).
 _FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+_SANDWICH_NORM_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # one routed expert's MLP width
     shared_expert_intermediate_size: int = 0  # summed over the always-on shared experts
+    has_shared_expert_gate: bool = False  # a sigmoid gate [hidden -> 1] on their output
     num_leading_dense_layers: int = 0
     # MLA
     kv_lora_rank: int = 0
@@ -73,6 +76,25 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    norm_topk_prob: bool = True  # renormalise a token's top-k routing weights to sum to 1
+    # "greedy": top-k of softmax scores; "group_limited_greedy" (DeepSeek-V2): within the
+    # num_topk_groups best of num_expert_groups groups, a group scored by its best expert;
+    # "noaux_tc" (DeepSeek-V3): sigmoid scores plus a correction bias choose, groups scored by
+    # their best two.
+    moe_topk_method: str = "greedy"
+    num_expert_groups: int = 1
+    num_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
+    # Attention variants (0 / empty: off)
+    sliding_window: int = 0  # keys a sliding-window layer attends, its own included
+    # Per layer "sliding_attention" | "full_attention"; () with a window: every layer slides.
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcapping: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float = 0.0  # the same on the output logits
+    query_pre_attn_scalar: float = 0.0  # attention scale 1/sqrt(this); 0: 1/sqrt(head_dim)
+    rope_local_theta: float = 0.0  # rope base of sliding-window layers (Gemma 3); 0: rope_theta
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head that is rotated
+    sandwich_norms: bool = False  # norms after attention and the MLP too: 4 a layer (Gemma)
     # The storage type of a GGUF file's layer weights (its most common one, e.g. "Q4_1"):
     # what `--quantization gguf` keeps. "" for other checkpoints.
     gguf_weight_type: str = ""
@@ -94,6 +116,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
     @property
     def is_moe(self) -> bool:
@@ -161,14 +188,15 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_theta, rope_scaling = _hf_rope(cfg)
+        rope_theta, rope_scaling, rope_local_theta = _hf_rope(cfg)
+        num_layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
         return cls(
             architecture=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(_first(cfg, "intermediate_size", "n_inner",
                                          default=4 * hidden)),
-            num_layers=int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -177,14 +205,18 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias",
+                                        model_type in _QKV_BIAS_MODEL_TYPES)),
             qk_norm=model_type in _QK_NORM_MODEL_TYPES,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name or cfg.get("_name_or_path", "") or model_type or "custom",
             source=source,
             **_hf_moe_mla(cfg),
+            **_hf_attention_variants(cfg, num_layers),
+            rope_local_theta=rope_local_theta,
+            sandwich_norms=model_type in _SANDWICH_NORM_MODEL_TYPES,
         )
 
     @classmethod
@@ -245,10 +277,21 @@ def _scalar(v: Any) -> int:
     return int(max(v)) if isinstance(v, list) else int(v)
 
 
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, rope_local_theta): the global layers' rope, and the base of
+    sliding-window layers where it differs (Gemma 3; 0.0 otherwise)."""
     rope_scaling = cfg.get("rope_scaling")
     rope_theta = cfg.get("rope_theta")
     rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta in here
+    local_theta = float(cfg.get("rope_local_base_freq") or 0.0)
+    if isinstance(rope_params, dict) and isinstance(rope_params.get("full_attention"), dict):
+        # One rope per layer type (Gemma 3): sliding layers keep plain rope at their base.
+        local = rope_params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.sliding_attention.rope_type "
+                             f"{local['rope_type']!r} is not supported (only 'default')")
+        local_theta = float(local.get("rope_theta") or local_theta)
+        rope_params = rope_params["full_attention"]
     if isinstance(rope_params, dict):
         rope_theta = rope_params.get("rope_theta", rope_theta)
         if rope_params.get("rope_type", "default") != "default":
@@ -256,9 +299,61 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if isinstance(rope_scaling, dict):
         rope_scaling = dict(rope_scaling)
         rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+        if rope_scaling["rope_type"] == "su":  # Phi-3's first name for LongRoPE
+            rope_scaling["rope_type"] = "longrope"
         if rope_scaling["rope_type"] == "default":
             rope_scaling = None
-    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
+        elif cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it at the top level
+            rope_scaling.setdefault("original_max_position_embeddings",
+                                    cfg["original_max_position_embeddings"])
+    return (float(rope_theta if rope_theta is not None else 10000.0), rope_scaling,
+            local_theta)
+
+
+def _default_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Gemma 2 slides on even layers; Gemma 3 on all but every sliding_window_pattern-th;
+    Qwen from layer max_window_layers on; other families (Mistral) on every layer: ()."""
+    model_type = cfg.get("model_type")
+    if cfg.get("max_window_layers") is not None and str(model_type).startswith("qwen"):
+        slides = [i >= int(cfg["max_window_layers"]) for i in range(num_layers)]
+    elif model_type == "gemma2":
+        slides = [i % 2 == 0 for i in range(num_layers)]
+    elif model_type == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                      or 6)
+        slides = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        return ()
+    return tuple("sliding_attention" if s else "full_attention" for s in slides)
+
+
+def _hf_attention_variants(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Sliding windows, soft-capping, the attention scale and partial rotary."""
+    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"),
+                                                           dict) else {}
+    window = int(cfg.get("sliding_window") or 0)
+    if cfg.get("use_sliding_window") is False:  # Qwen2 configs carry a window they never use
+        window = 0
+    types = tuple(cfg.get("layer_types") or ()) if window else ()
+    if window and not types:  # config.json files written before transformers had layer_types
+        types = _default_layer_types(cfg, num_layers)
+    if types and len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported "
+                         "(only sliding_attention, full_attention)")
+    if types and "sliding_attention" not in types:
+        window, types = 0, ()
+    return {
+        "sliding_window": window,
+        "layer_types": types,
+        "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 0.0),
+        "partial_rotary_factor": float(cfg.get("partial_rotary_factor")
+                                       or rope_params.get("partial_rotary_factor") or 1.0),
+    }
 
 
 def _hf_moe_mla(cfg: dict[str, Any]) -> dict[str, int]:
@@ -276,13 +371,50 @@ def _hf_moe_mla(cfg: dict[str, Any]) -> dict[str, int]:
         if num_experts else 0,
         "moe_intermediate_size": moe_inter,
         "shared_expert_intermediate_size": shared,
-        "num_leading_dense_layers": int(_first(cfg, "first_k_dense_replace", default=0))
-        if num_experts else 0,
+        # Qwen-MoE names its shared expert this way and gates it; DeepSeek's are ungated.
+        "has_shared_expert_gate": bool(num_experts and shared
+                                       and cfg.get("shared_expert_intermediate_size")),
+        "num_leading_dense_layers": _leading_dense_layers(cfg) if num_experts else 0,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        **(_hf_routing(cfg) if num_experts else {}),
     }
     for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"):
         out[key] = int(_first(cfg, key, default=0))
     return out
+
+
+_TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
+
+
+def _hf_routing(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's routing fields; refused by name where servelm does not implement them."""
+    method = cfg.get("topk_method") or ("noaux_tc" if cfg.get("model_type") == "deepseek_v3"
+                                        else "greedy")
+    if method not in _TOPK_METHODS:
+        raise ValueError(f"topk_method {method!r} is not supported "
+                         f"(supported: {sorted(_TOPK_METHODS)})")
+    scoring = cfg.get("scoring_func") or _TOPK_METHODS[method]
+    if scoring != _TOPK_METHODS[method]:
+        raise ValueError(f"scoring_func {scoring!r} with topk_method {method!r} is not "
+                         f"supported (only {_TOPK_METHODS[method]!r})")
+    groups = int(cfg.get("n_group") or 1) if method != "greedy" else 1
+    return {"moe_topk_method": method, "num_expert_groups": groups,
+            "num_topk_groups": int(cfg.get("topk_group") or groups) if groups > 1 else 1,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0)}
+
+
+def _leading_dense_layers(cfg: dict[str, Any]) -> int:
+    """Dense layers before the MoE ones (DeepSeek's first_k_dense_replace, Qwen-MoE's
+    mlp_only_layers when they lead); other layouts are refused, naming the field."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step != 1:
+        raise ValueError(f"decoder_sparse_step {step} is not supported (only 1: every layer "
+                         "after the leading dense ones is MoE)")
+    only = sorted(int(i) for i in cfg.get("mlp_only_layers") or ())
+    if only != list(range(len(only))):
+        raise ValueError(f"mlp_only_layers {only} is not supported (only leading layers)")
+    return int(cfg.get("first_k_dense_replace") or len(only))
 
 
 def _gguf_moe_mla(meta: Callable[[str, Any], int], key_len: int) -> dict[str, int]:

@@ -84,11 +84,11 @@ def count_params(m: ModelConfig) -> ParamBreakdown:
     embedding = m.vocab_size * m.hidden_size
     lm_head = 0 if m.tie_word_embeddings else embedding
     attn = attention_params(m)
-    norms = 2 * m.hidden_size
+    norms = (4 if m.sandwich_norms else 2) * m.hidden_size
     dense_mlp = 3 * m.hidden_size * m.intermediate_size
     expert = 3 * m.hidden_size * m.moe_intermediate_size if m.is_moe else 0
     shared = 3 * m.hidden_size * m.shared_expert_intermediate_size if m.is_moe else 0
-    router = m.hidden_size * m.num_experts
+    router = m.hidden_size * (m.num_experts + (1 if m.has_shared_expert_gate else 0))
     dense_layer = attn + norms + dense_mlp
     moe_common = attn + norms + shared + router
     total_layers = (m.num_dense_layers * dense_layer

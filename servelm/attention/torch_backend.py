@@ -10,11 +10,16 @@ codes as they are and folds the scales into q (K's) and into the output (V's): a
 head commutes with both products, so no dequantized copy of the context is made. A fresh
 prompt attends the codes it just stored, not its float K/V, so its output does not depend on
 whether its keys came from this step or from the cache (prefix hits, chunking, preemption).
+
+Two attention variants are taken per call (`supports_variants`): a sliding window (`window`
+keys, a query's own included: key positions (q - window, q]) and tanh soft-capping of the
+scores (Gemma 2). A step that uses either runs its decodes on the gathered path, not the C++
+kernel, which knows neither.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +38,13 @@ class TorchAttentionMetadata:
     # With the C++ decode kernel (paged_attention_cpu.py) instead of decode_slots/_mask:
     decode_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int64
+    # Sliding-window masks, built on first use per window size: window -> (decode, prefills)
+    window_masks: dict = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_variants = True  # forward takes window= and softcap=
 
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float,
                  decode_kernel_mode: str | None = None):
@@ -78,8 +86,13 @@ class TorchAttentionBackend:
                                       decode_tables, decode_seq_lens)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
+                batch: ForwardBatch, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache.
+
+        window: attend only the last `window` positions (0: all); softcap: scores ->
+        softcap * tanh(scores / softcap) before the softmax (0: off)."""
+        if window or softcap:
+            return self._forward_variant(layer, q, k, v, batch, window, softcap)
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
         k, v = self.kv_cache.store(layer, batch.slot_mapping, k, v)  # as stored (fp8: codes)
         scales = self.kv_cache.layer_scales(layer)  # fp8: (k_scale[K], v_scale[K])
@@ -133,6 +146,139 @@ class TorchAttentionBackend:
             group = q.shape[1] // k.shape[1]
             out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
         return out.transpose(0, 1)
+
+
+    # -- multi-head latent attention (MLA) --------------------------------------------------
+
+    def forward_mla(self, layer: int, entry: torch.Tensor, batch: ForwardBatch,
+                    q_decode: torch.Tensor, q_prefill: torch.Tensor, expand, scale: float,
+                    latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA over a cache of [latent | rope key] entries (KVCache.is_mla).
+
+        entry: [T, L+R], written at batch.slot_mapping. Decodes attend in latent space, as one
+        KV head: q_decode [Td, H, L+R] (the key up-projection absorbed into q) against the
+        entries, values the entries' latent part -> [Td, H, L] (the caller applies the value
+        up-projection). Prefill chunks attend explicitly: expand(entries [C, L+R]) ->
+        (k [C, H, Dk], v [C, H, Dv]) from the chunk's context and itself; q_prefill
+        [Tp, H, Dk] -> [Tp, H, Dv]."""
+        cache = self.kv_cache.k[layer]  # [num_slots, 1, L+R]
+        cache.index_copy_(0, batch.slot_mapping, entry.unsqueeze(1).to(cache.dtype))
+        entry = entry.to(cache.dtype)
+        meta: TorchAttentionMetadata = batch.attn_metadata
+        nd = batch.num_decodes
+        decode_out = q_decode.new_empty(0, q_decode.shape[1], latent_dim)
+        if nd:
+            (slots, mask), _ = self._variant_masks(batch, meta, 0)
+            keys = _gather(cache, slots).transpose(1, 2).to(q_decode.dtype)  # [Bd, 1, C, L+R]
+            out = F.scaled_dot_product_attention(q_decode.unsqueeze(1), keys,
+                                                 keys[..., :latent_dim], attn_mask=mask,
+                                                 scale=scale)  # [Bd, 1, H, L]
+            decode_out = out[:, 0]
+        outs = []
+        qsl = batch.query_start_loc
+        for j, i in enumerate(range(nd, batch.num_seqs)):
+            s, e = qsl[i] - qsl[nd], qsl[i + 1] - qsl[nd]
+            ctx_slots = meta.prefill_slots[j]
+            if ctx_slots is None:
+                entries, mask = entry[qsl[i]:qsl[i + 1]], None
+            else:
+                entries, mask = _gather(cache, ctx_slots)[:, 0], meta.prefill_masks[j]
+            k, v = expand(entries.to(q_prefill.dtype))
+            out = F.scaled_dot_product_attention(
+                q_prefill[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale)
+            outs.append(out[0].transpose(0, 1))
+        prefill_out = (torch.cat(outs) if outs else
+                       q_prefill.new_empty(0, q_prefill.shape[1], 0))
+        return decode_out, prefill_out
+
+    # -- sliding window and soft-capping --------------------------------------------------
+
+    def _forward_variant(self, layer, q, k, v, batch: ForwardBatch, window: int,
+                         softcap: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        k, v = self.kv_cache.store(layer, batch.slot_mapping, k, v)
+        k_scale, v_scale = self.kv_cache.layer_scales(layer)
+        meta: TorchAttentionMetadata = batch.attn_metadata
+        decode_masks, prefill_masks = self._variant_masks(batch, meta, window)
+        nd = batch.num_decodes
+        outs = []
+        if nd:
+            slots, mask = decode_masks
+            bd, h, d = q[:nd].shape
+            kh = k_cache.shape[1]
+            keys = _gather(k_cache, slots).transpose(1, 2).to(q.dtype)  # [Bd, K, C, D]
+            values = _gather(v_cache, slots).transpose(1, 2).to(q.dtype)
+            qd = q[:nd].view(bd, kh, h // kh, d)
+            if k_scale is not None:
+                qd = qd * k_scale.view(kh, 1, 1).to(q.dtype)
+            out = _attend(qd, keys, values, mask, self.scale, softcap)
+            if v_scale is not None:
+                out = out * v_scale.view(kh, 1, 1).to(out.dtype)
+            outs.append(out.reshape(bd, h, d))
+        qsl = batch.query_start_loc
+        for j, i in enumerate(range(nd, batch.num_seqs)):
+            s, e = qsl[i], qsl[i + 1]
+            ctx_slots = meta.prefill_slots[j]
+            if ctx_slots is None:
+                kk, vv = k[s:e], v[s:e]
+            else:
+                kk, vv = _gather(k_cache, ctx_slots), _gather(v_cache, ctx_slots)
+            outs.append(self._prefill_variant(q[s:e], kk, vv, prefill_masks[j], softcap,
+                                              k_scale, v_scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _prefill_variant(self, q, k, v, mask, softcap, k_scale, v_scale) -> torch.Tensor:
+        # q: [Q, H, D]; k, v: [C, K, D]; mask: [Q, C]
+        group = q.shape[1] // k.shape[1]
+        qt = q.transpose(0, 1)
+        kt = k.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)  # [H, C, D]
+        vt = v.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        if k_scale is not None:
+            qt = qt * k_scale.repeat_interleave(group).view(-1, 1, 1).to(q.dtype)
+        out = _attend(qt, kt, vt, mask, self.scale, softcap)
+        if v_scale is not None:
+            out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
+        return out.transpose(0, 1)
+
+    def _variant_masks(self, batch: ForwardBatch, meta: TorchAttentionMetadata, window: int):
+        """((decode slots [Bd, C], decode mask [Bd, 1, 1, C]) or None, per-prefill [Q, C]
+        masks): causal, and within `window` of the query when it is nonzero."""
+        if window in meta.window_masks:
+            return meta.window_masks[window]
+        bs, device, nd = batch.block_size, batch.slot_mapping.device, batch.num_decodes
+        decode = None
+        if nd:
+            max_len = max(batch.seq_lens[:nd])
+            pos = torch.arange(max_len, device=device)
+            tables = batch.block_tables[:nd, : -(-max_len // bs)]
+            slots = tables[:, pos // bs] * bs + pos % bs  # [Bd, C]
+            lens = torch.tensor(batch.seq_lens[:nd], device=device)
+            mask = pos[None, :] < lens[:, None]
+            if window:
+                mask &= pos[None, :] > lens[:, None] - 1 - window
+            decode = (slots.masked_fill(~mask, 0), mask[:, None, None, :])
+        prefills = []
+        for i in range(nd, batch.num_seqs):
+            ctx, total = batch.context_lens[i], batch.seq_lens[i]
+            k_pos = torch.arange(total, device=device)  # a fresh chunk's keys are its own
+            q_pos = torch.arange(ctx, total, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            prefills.append(mask)
+        meta.window_masks[window] = (decode, prefills)
+        return decode, prefills
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q: [..., Q, D], k, v: [..., C, D] (same heads), mask: broadcastable [..., Q, C] bool."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

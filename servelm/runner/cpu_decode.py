@@ -97,6 +97,8 @@ def _applies(model, kv_cache, backend) -> bool:
     from servelm.models.llama import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, TorchAttentionBackend):
+        return False  # other families (models/decoder.py DecoderLM) run eagerly
+    if model.config.sliding_window:  # the stack's attention reads the whole context
         return False
     embed = model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.float32:

@@ -2,6 +2,12 @@
 
     k[layer]: [num_blocks * block_size, K, D]    slot = block * block_size + offset
 
+MLA (DeepSeek-V2/V3, ModelConfig.is_mla): a token's entry is its compressed latent and its
+rotated rope key, shared by every head; that is all the cache holds:
+
+    k[layer]: [num_slots, 1, kv_lora_rank + qk_rope_head_dim]   = [latent | rope key]
+    v[layer]: [num_slots, 1, 0]                                  (empty)
+
 fp8 (`--kv-cache-dtype fp8`): k and v hold float8_e4m3fn codes, one byte per element, and
 each layer has a scale per KV head for K and one for V:
 
@@ -40,8 +46,16 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         """dtype: the storage dtype (the model's, or float8_e4m3fn for an fp8 cache)."""
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.is_mla = config.is_mla
+        if self.is_mla:
+            if dtype == FP8_DTYPE:
+                raise ValueError("kv_cache_dtype 'fp8' is not supported for MLA models")
+            entry = config.kv_lora_rank + config.qk_rope_head_dim
+            self.k = torch.zeros(shape[:2] + (1, entry), dtype=dtype, device=device)
+            self.v = torch.zeros(shape[:2] + (1, 0), dtype=dtype, device=device)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.is_fp8 = dtype == FP8_DTYPE
