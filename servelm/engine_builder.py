@@ -163,6 +163,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                     config.vocab_size, eos, model_name=name or config.name,
                     speculator=speculator)
     engine.model_config = config
+    engine.engine_args = args
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
                 num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,

@@ -52,13 +52,14 @@ def make_tiny_engine(hf_model, **engine_kwargs):
 
 def prefill_logits(engine, prompt):
     """Logits at every position of `prompt` scored alone in `engine` (blocks freed after)."""
-    from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from servelm.core.runner_state import score_item
     from servelm.engine.sequence import Sequence
     from servelm.protocol import RequestTimings, SamplingParams
 
     seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
     engine.block_manager.allocate(seq, len(prompt))
     try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]))
+        return engine.runner.score([score_item(seq.token_ids, seq.block_table, 0,
+                                               len(prompt))])
     finally:
         engine.block_manager.free(seq)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Decode speed per quantization method (docs/quantization.md, issue 9): one stream (128-token
+# Decode speed per quantization method (docs/quantization.md): one stream (128-token
 # prompt, 128 new tokens) and 64 prompts x 128 new tokens, default model, 2 threads; plus the
-# issue's bar, servelm --quantization gguf vs llama.cpp on the same GGUF in one run.
+# single-stream target, servelm --quantization gguf vs llama.cpp on the same GGUF in one run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=${PEERS:-/work/peers}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speculative-decoding record in docs/benchmarks.md (issue 8): every proposer, fixed k and
+# The speculative-decoding record in docs/benchmarks.md: every proposer, fixed k and
 # adaptive, copy-heavy and open-chat prompts, batch 1/4/16/64, default model, 2 threads.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

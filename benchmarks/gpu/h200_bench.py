@@ -171,11 +171,19 @@ class StepRecorder:
 
     def __init__(self, runner):
         self.steps: list[tuple[list[tuple[int, int, bool]], float]] = []
+        self._runner = runner
         self._execute = runner.execute
         runner.execute = self
 
     def __call__(self, batch):
-        spans = [(s.start, s.num_new_tokens, s.is_sampling) for s in batch.seqs]
+        known = self._runner.state.seqs  # the runner's sequences before this step's deltas
+
+        def num_tokens(s) -> int:
+            seq = known.get(s.seq_id)
+            return (len(seq.token_ids) if seq is not None else 0) + len(s.new_token_ids)
+
+        spans = [(s.start, s.num_new_tokens,
+                  s.start + s.num_new_tokens - s.num_spec == num_tokens(s)) for s in batch.seqs]
         t0 = time.perf_counter()
         result = self._execute(batch)
         self.steps.append((spans, time.perf_counter() - t0))

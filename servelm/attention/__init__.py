@@ -7,6 +7,24 @@ it needs; models call `backend.forward(layer, q, k, v, batch)` and know nothing 
 from __future__ import annotations
 
 import importlib
+from typing import Any, Protocol
+
+
+class AttentionBackend(Protocol):
+    """What every backend implements (TorchAttentionBackend, TritonAttentionBackend). Built
+    with (kv_cache, num_heads, scale); `build_metadata` runs once a step, before the model."""
+
+    kv_cache: Any
+
+    def build_metadata(self, batch) -> Any:
+        """Per-step metadata from the ForwardBatch (stored as batch.attn_metadata)."""
+        ...
+
+    def forward(self, layer: int, q, k, v, batch):
+        """Write this step's k/v [T, K, D] into layer's cache at batch.slot_mapping, attend
+        q [T, H, D] over each sequence's context; returns [T, H, D]."""
+        ...
+
 
 _BACKENDS = {
     "torch": "servelm.attention.torch_backend:TorchAttentionBackend",

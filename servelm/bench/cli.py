@@ -348,6 +348,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_compare_parser(bench_sub)
     from servelm.bench.spec import add_parser as add_spec_parser  # `bench spec`
     add_spec_parser(bench_sub)
+    from servelm.bench.calibrate import add_parser as add_calibrate_parser  # `bench calibrate`
+    add_calibrate_parser(bench_sub)
     return bench
 
 

@@ -1,11 +1,13 @@
 """AsyncEngine: an Engine driven by its own thread, consumed from an asyncio event loop.
 
-Owns: the engine thread (the only thread that ever calls Engine.add_request / abort / step),
-the command queue into it, and per-request `RequestStream`s on the event loop that the thread
-feeds with loop.call_soon_threadsafe. Never: waits on a client (delivery is fire-and-forget
+Owns: `StreamRouter`, the event-loop side every engine client shares (per-request
+`RequestStream`s, dispatch of deltas, failing everything when the engine dies; the engine
+core client in servelm/core/client.py is the other one), and `AsyncEngine`, which runs an
+`EngineLoop` (servelm/engine/engine_loop.py) on a thread of this process and feeds the
+streams with loop.call_soon_threadsafe. Never: waits on a client (delivery is fire-and-forget
 into the loop), or runs engine code on the event loop.
 
-    event loop                         engine thread
+    event loop                         engine thread (EngineLoop.run)
     ----------                         -------------
     submit(req) --cmd queue+cond-->    engine.add_request(req)   (error -> stream.fail)
     abort(rid)  --cmd queue+cond-->    engine.abort(rid)
@@ -22,9 +24,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
-from servelm.protocol import EngineRequest, FinishReason, InvalidParameterError, TokenDelta
+from servelm.core.contract import StepReport
+from servelm.core.kv_event_log import KVEventLog
+from servelm.engine.engine_loop import EngineLoop
+from servelm.protocol import EngineRequest, FinishReason, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -113,104 +117,62 @@ class RequestStream:
         return sum(len(d.token_ids) for d in self._pending.values())
 
 
-@dataclass
-class _Command:
-    kind: str  # "add" | "abort"
-    request: EngineRequest | None = None
-    request_id: str = ""
-    stream: RequestStream | None = None
-    loop: asyncio.AbstractEventLoop | None = None
+class StreamRouter:
+    """The event-loop side of an engine client: request streams and their dispatch.
+    Subclasses send commands (`_send_add`, `_send_abort`) and say whether the engine lives."""
 
+    # What a front end needs to know of the engine, set by each client.
+    tokenizer = None
+    vocab_size: int = 0
+    max_model_len: int = 0
+    model_name: str = ""
+    block_size: int = 0  # KV block size (a router hashes prompts in these blocks)
 
-@dataclass
-class EngineSnapshot:
-    """What the event loop may read about the engine, published by the engine thread."""
-
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_used_blocks: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_steps: int = 0
-    updated: float = field(default_factory=time.monotonic)
-
-
-class AsyncEngine:
-    """Runs `engine` on a dedicated thread. `observer(engine, deltas, step_s)` is called on
-    the engine thread after each step (metrics; step_s is None when no model step ran, e.g.
-    only abort deltas came out); it must be cheap and must not block."""
-
-    def __init__(self, engine, observer: Callable | None = None):
-        self.engine = engine
-        self.observer = observer
-        self._cond = threading.Condition()
-        self._commands: list[_Command] = []
-        self._num_queued_adds = 0
+    def __init__(self):
+        self.kv_events = KVEventLog()  # the engine's prefix-cache events (GET /v1/kv_events)
         self._streams: dict[str, RequestStream] = {}  # loop side
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._dead_error: BaseException | None = None
-        self._live_ids: set[str] = set()  # engine thread only: admitted, not finished
-        self.snapshot = EngineSnapshot(num_total_blocks=engine.block_manager.num_blocks,
-                                       num_free_blocks=engine.block_manager.num_free_blocks)
+        self.snapshot = StepReport()  # the engine's last report (metrics, /health)
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if self._thread is not None:
-            raise RuntimeError("AsyncEngine already started")
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Abort everything in flight and join the engine thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+    # -- subclass hooks --------------------------------------------------------------------
 
     @property
     def is_alive(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and not self._stopping
-                and self._dead_error is None)
+        raise NotImplementedError
 
     @property
     def num_queued_adds(self) -> int:
-        return self._num_queued_adds
+        raise NotImplementedError
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests admitted but not yet scheduled (incl. those still crossing to the thread)."""
-        return self._num_queued_adds + self.snapshot.num_waiting_requests
+    def _send_add(self, requests: list[EngineRequest], stream: RequestStream) -> None:
+        raise NotImplementedError
+
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     # -- event-loop API --------------------------------------------------------------------
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted but not yet scheduled (incl. those still crossing to the engine)."""
+        return self.num_queued_adds + self.snapshot.num_waiting_requests
+
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
-        """Queue requests for the engine thread; their deltas go to one RequestStream.
+        """Queue requests for the engine; their deltas go to one RequestStream.
         `await stream.admitted` raises InvalidParameterError if the engine rejects one."""
         stream = RequestStream([r.request_id for r in requests])
         if not self.is_alive:
             stream.fail(EngineDeadError("the engine is not running"))
             return stream
-        loop = asyncio.get_running_loop()
         for r in requests:
             self._streams[r.request_id] = stream
-        with self._cond:
-            for r in requests:
-                self._commands.append(_Command("add", request=r, stream=stream, loop=loop))
-                self._num_queued_adds += 1
-            self._cond.notify()
+        self._send_add(requests, stream)
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe. The request's last delta (finish_reason abort) comes with the next
-        step; its blocks are freed as soon as the engine thread takes the command."""
-        with self._cond:
-            self._commands.append(_Command("abort", request_id=request_id))
-            self._cond.notify()
+        """The request's last delta (finish_reason abort) comes with the engine's next step;
+        its blocks are freed as soon as the engine takes the command."""
+        self._send_abort(request_id)
 
     def abort_all(self) -> int:
         """Abort every request a consumer still waits on (event loop only). Returns how many."""
@@ -245,6 +207,16 @@ class AsyncEngine:
 
     # -- dispatch (runs on the loop) -------------------------------------------------------
 
+    def _post(self, fn, *args) -> None:
+        """From another thread: run fn(*args) on the loop (dropped once the loop is closed)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
             stream = self._streams.get(d.request_id)
@@ -254,112 +226,108 @@ class AsyncEngine:
             if d.timings is not None:
                 self._streams.pop(d.request_id, None)
 
-    def _admitted(self, stream: RequestStream, request_id: str) -> None:
-        stream._on_admitted(request_id)
+    def _admitted(self, stream: RequestStream | None, request_id: str) -> None:
+        stream = stream or self._streams.get(request_id)
+        if stream is not None:
+            stream._on_admitted(request_id)
 
-    def _rejected(self, stream: RequestStream, request_id: str, exc: BaseException) -> None:
-        self._streams.pop(request_id, None)
-        stream.fail(exc)
+    def _rejected(self, stream: RequestStream | None, request_id: str,
+                  exc: BaseException) -> None:
+        stream = stream or self._streams.get(request_id)
+        if self._streams.get(request_id) is stream:
+            self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.fail(exc)
         self._streams.clear()
 
-    def _post(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
 
-    # -- the engine thread -----------------------------------------------------------------
+class _PostingSink:
+    """EngineLoop outputs -> the event loop (AsyncEngine). Runs on the engine thread."""
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while (not self._commands and not self._stopping
-                           and not self.engine.has_unfinished):
-                        self._cond.wait()
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
-                self._apply(commands)
-                if stopping:
-                    self._abort_all()
-                    return
-                if self.engine.has_unfinished:
-                    self._step()
-                self._publish()
-        except Exception as exc:  # fail loudly (logged), then every in-flight request
-            logger.exception("engine loop crashed; failing every in-flight request")
-            self._dead_error = exc
-            self._post(self._fail_all, EngineDeadError(f"engine loop crashed: {exc!r}"))
-            with self._cond:
-                self._num_queued_adds = 0
-            # Not re-raised: the traceback is logged, /health turns 503, requests fail.
+    def __init__(self, owner: AsyncEngine):
+        self.owner = owner
 
-    def _apply(self, commands: list[_Command]) -> None:
-        for cmd in commands:
-            if cmd.kind == "add":
-                with self._cond:
-                    self._num_queued_adds -= 1
-                try:
-                    self.engine.add_request(cmd.request)
-                except InvalidParameterError as exc:
-                    self._post(self._rejected, cmd.stream, cmd.request.request_id, exc)
-                    continue
-                self._live_ids.add(cmd.request.request_id)
-                self._post(self._admitted, cmd.stream, cmd.request.request_id)
-            else:
-                self.engine.abort(cmd.request_id)
+    def admitted(self, request_id, stream, num_waiting_requests) -> None:
+        self.owner.snapshot.num_waiting_requests = num_waiting_requests
+        self.owner._post(self.owner._admitted, stream, request_id)
 
-    def _step(self) -> None:
-        num_steps = self.engine.stats.num_steps
-        start = time.monotonic()
-        deltas = self.engine.step()
-        step_s = time.monotonic() - start
-        self._deliver(deltas)
-        stepped = self.engine.stats.num_steps != num_steps
-        if self.observer is not None and (stepped or deltas):
+    def rejected(self, request_id, stream, exc) -> None:
+        self.owner._post(self.owner._rejected, stream, request_id, exc)
+
+    def outputs(self, deltas, report, kv_events) -> None:
+        owner = self.owner
+        owner.snapshot = report
+        if kv_events:
+            owner.kv_events.extend(kv_events)
+        if owner.observer is not None:
             try:
-                self.observer(self.engine, deltas, step_s if stepped else None)
+                owner.observer(report, deltas)
             except Exception:  # a metrics bug must not take the engine down
                 logger.exception("step observer failed")
-        if not deltas and self.engine.stats.num_steps == num_steps:
-            # Nothing could be scheduled (should not happen: admission checks the pool);
-            # wait for a command instead of spinning.
-            with self._cond:
-                if not self._commands and not self._stopping:
-                    self._cond.wait(0.05)
-
-    def _deliver(self, deltas: list[TokenDelta]) -> None:
-        for d in deltas:
-            if d.timings is not None:
-                self._live_ids.discard(d.request_id)
         if deltas:
-            self._post(self._dispatch, deltas)
+            owner._post(owner._dispatch, deltas)
 
-    def _abort_all(self) -> None:
-        for rid in list(self._live_ids):
-            self.engine.abort(rid)
-        while self.engine.has_unfinished:
-            self._deliver(self.engine.step())
-        self._post(self._fail_all, EngineDeadError("the engine was stopped"))
-        self._publish()
+    def dead(self, exc) -> None:
+        self.owner._post(self.owner._fail_all, EngineDeadError(f"engine loop crashed: {exc!r}"))
 
-    def _publish(self) -> None:
-        sched = self.engine.scheduler
-        bm = self.engine.block_manager
-        running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
-        self.snapshot = EngineSnapshot(
-            num_running_requests=len(running), num_waiting_requests=len(waiting),
-            num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks, num_steps=self.engine.stats.num_steps)
+    def stopped(self) -> None:
+        self.owner.snapshot = self.owner._body.report
+        self.owner._post(self.owner._fail_all, EngineDeadError("the engine was stopped"))
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "RequestStream", "merge_delta",
+class AsyncEngine(StreamRouter):
+    """Runs `engine` on a dedicated thread of this process. `observer(report, deltas)` is
+    called on the engine thread after each step (metrics; report.step_s is None when no model
+    step ran, e.g. only abort deltas came out); it must be cheap and must not block."""
+
+    def __init__(self, engine, observer: Callable | None = None):
+        super().__init__()
+        self.engine = engine
+        self.observer = observer
+        self._body = EngineLoop(engine, _PostingSink(self))
+        self._thread: threading.Thread | None = None
+        self.snapshot = self._body.report
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.model_name
+        self.block_size = engine.block_manager.block_size
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._body.run, name="servelm-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Abort everything in flight and join the engine thread."""
+        self._body.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive()
+                and not self._body.is_stopping and self._body.dead_error is None)
+
+    @property
+    def num_queued_adds(self) -> int:
+        return self._body.num_queued_adds
+
+    def _send_add(self, requests: list[EngineRequest], stream: RequestStream) -> None:
+        self._body.add(requests, stream)
+
+    def _send_abort(self, request_id: str) -> None:
+        self._body.abort(request_id)
+
+
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "StreamRouter", "merge_delta",
            "FinishReason"]

@@ -1,18 +1,23 @@
 """Engine: requests in, token deltas out, one scheduling step at a time.
 
-Owns: admission (reject at once what can never fit), the request -> sequences map, the update
-step (append sampled tokens, detokenize, decide every finish: EOS, stop token, stop string,
-length, abort) and freeing finished sequences. Never: tensors; the runner it is given does the
-math, so the simulator can drive this same code with a modelled runner.
+Owns: admission (reject at once what can never fit), the request -> sequences map, turning
+each scheduled batch into a StepDescription (deltas against what the runner already knows,
+servelm/core/contract.py), the update step (append sampled tokens, detokenize, decide every
+finish: EOS, stop token, stop string, length, abort) and freeing finished sequences.
+Never: tensors, or handing the runner a pointer into its state; the runner it is given (any
+`Runner`) does the math, so the simulator can drive this same code with a modelled runner.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.config import SchedulerConfig
 from servelm.cost import attention_pairs
+from servelm.core.contract import (KVEvent, NewSequence, Runner, ScheduledSequence,
+                                   StepDescription, StepReport, StepResult)
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
@@ -36,6 +41,14 @@ class _RequestState:
 
 
 @dataclass
+class _RunnerView:
+    """What the runner has been told about one sequence."""
+
+    num_tokens: int = 0
+    num_blocks: int = 0  # length of the block table it holds
+
+
+@dataclass
 class EngineStats:
     num_steps: int = 0
     last_step_s: float = 0.0
@@ -48,6 +61,9 @@ class EngineStats:
     # For bandwidth/FLOP estimates of the last step (server metrics):
     last_num_context_tokens: int = 0  # KV positions the step attended over (sum of seq lens)
     last_num_attention_pairs: int = 0  # causal (query, key) pairs: servelm.cost.attention_pairs
+    last_num_decode_tokens: int = 0  # of last_num_tokens: plain one-token decodes
+    last_num_verify_tokens: int = 0  # speculative verifications (1 + drafts each)
+    last_num_prefill_tokens: int = 0  # prompt (or recompute) chunks
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     # Speculative decoding (zero when off):
     spec_num_verifications: int = 0  # sequence-steps that verified drafts (or asked for them)
@@ -72,10 +88,12 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner, tokenizer, block_manager: BlockManager,
+    def __init__(self, runner: Runner, tokenizer, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], model_name: str = "", speculator=None):
+                 eos_token_ids: tuple[int, ...], model_name: str = "", speculator=None,
+                 clock: Callable[[], float] = time.monotonic):
         self.runner = runner
+        self.clock = clock  # every timestamp the engine takes (a simulator's virtual clock)
         self.tokenizer = tokenizer
         self.block_manager = block_manager
         if not scheduler_config.enable_chunked_prefill:
@@ -92,6 +110,11 @@ class Engine:
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
         self._pending: list[TokenDelta] = []  # deltas produced between steps (aborts)
+        # The runner's knowledge, for the next StepDescription's deltas:
+        self._views: dict[int, _RunnerView] = {}
+        self._finished_ids: list[int] = []  # sequences the runner saw that have finished
+        self._preempted_ids: list[int] = []
+        self._step_id = 0
 
     # -- admission -------------------------------------------------------------------------
 
@@ -102,7 +125,7 @@ class Engine:
                                         param="request_id")
         max_tokens = self._check_request(request)
         params = request.sampling_params
-        timings = RequestTimings(arrival_time=request.arrival_time or time.monotonic())
+        timings = RequestTimings(arrival_time=request.arrival_time or self.clock())
         extra_key = params.cache_salt
         seqs = [Sequence(request.request_id, i, request.prompt_token_ids, params, timings,
                          max_tokens, extra_key) for i in range(params.n)]
@@ -162,7 +185,7 @@ class Engine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "",
-                                                  [], None, time.monotonic()))
+                                                  [], None, self.clock()))
         return True
 
     # -- the step --------------------------------------------------------------------------
@@ -175,26 +198,31 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting and none running."""
+        running = {s.request_id for s in self.scheduler.running}
+        return len({s.request_id for s in self.scheduler.waiting} - running)
+
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        self._note_preempted(batch.preempted)
         if batch.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission guarantees every request fits an empty pool: this is a bug.
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]}, "
                                    f"{self.block_manager.num_free_blocks} free blocks")
             return deltas
-        start = time.monotonic()
+        start = self.clock()
         for s in batch.seqs:
             if s.seq.timings.first_scheduled_time is None:
                 s.seq.timings.first_scheduled_time = start
-        result = self.runner.execute(batch)
-        now = time.monotonic()
-        spec = getattr(result, "spec", None) or {}
-        draft_s = getattr(result, "draft_s", 0.0)
-        shape = self._account(batch, now - start, spec, draft_s)
+        result: StepResult = self.runner.execute(self.describe(batch))
+        now = self.clock()
+        shape = self._account(batch, now - start, result.spec, result.draft_s)
         if self.speculator is not None:  # the target's part of the step, and its tokens
-            self.speculator.observe_step(now - start - draft_s, *shape)
+            self.speculator.observe_step(now - start - result.draft_s, *shape)
         # A speculating sequence gets several tokens; once one finishes it, the rest go.
         for sampled in result.sampled:
             seq = self._seqs.get(sampled.seq_id)
@@ -202,6 +230,38 @@ class Engine:
                 continue
             deltas.append(self._on_token(seq, sampled.token_id, sampled.logprob, now))
         return deltas
+
+    def describe(self, batch: ScheduledBatch) -> StepDescription:
+        """The batch as plain data: per sequence the tokens and blocks the runner has not
+        seen yet (all of them, and the sampling parameters, on first sight), plus the
+        sequences finished or preempted since the last step."""
+        views = self._views
+        seqs = []
+        for s in batch.seqs:
+            seq = s.seq
+            view = views.get(seq.seq_id)
+            new = None
+            if view is None:
+                view = views[seq.seq_id] = _RunnerView()
+                new = NewSequence(seq.params, seq.num_prompt_tokens, seq.seed)
+            table = seq.block_table
+            kept = min(view.num_blocks, len(table))
+            seqs.append(ScheduledSequence(
+                seq.seq_id, s.start, s.num_new_tokens, seq.token_ids[view.num_tokens:], kept,
+                table[kept:], s.num_spec, new))
+            view.num_tokens = len(seq.token_ids)
+            view.num_blocks = len(table)
+        self._step_id += 1
+        step = StepDescription(self._step_id, seqs, self._finished_ids, self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
+        return step
+
+    def _note_preempted(self, victims: list[Sequence]) -> None:
+        for seq in victims:
+            view = self._views.get(seq.seq_id)
+            if view is not None:  # its blocks are gone; the runner keeps tokens and params
+                view.num_blocks = 0
+                self._preempted_ids.append(seq.seq_id)
 
     def _account(self, batch: ScheduledBatch, step_s: float, spec: dict,
                  draft_s: float) -> tuple[int, int, int]:
@@ -222,6 +282,8 @@ class Engine:
                 # KV is valid for the fed token and the accepted drafts; the rest is rolled
                 # back (their slots are overwritten later or their blocks given back).
                 self.scheduler.rollback(seq, s.start + 1 + accepted)
+                view = self._views[seq.seq_id]
+                view.num_blocks = min(view.num_blocks, len(seq.block_table))
                 ran.append((s.start, 1 + proposed))
                 if proposed:
                     verify += 1 + proposed
@@ -244,6 +306,8 @@ class Engine:
         st.last_num_tokens = num_tokens
         st.last_num_context_tokens = sum(start + n for start, n in ran)
         st.last_num_attention_pairs = sum(attention_pairs(start, n) for start, n in ran)
+        st.last_num_decode_tokens, st.last_num_verify_tokens = decode, verify
+        st.last_num_prefill_tokens = prefill
         st.num_computed_tokens += num_tokens
         st.num_computed_prompt_tokens += sum(
             max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
@@ -296,7 +360,8 @@ class Engine:
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
         self.scheduler.finish(seq, status)
-        self.runner.release(seq.seq_id)
+        if self._views.pop(seq.seq_id, None) is not None:
+            self._finished_ids.append(seq.seq_id)
         del self._seqs[seq.seq_id]
         state = self._requests[seq.request_id]
         state.num_unfinished -= 1
@@ -310,6 +375,39 @@ class Engine:
         return TokenDelta(seq.request_id, seq.index, text, token_ids, logprobs, reason,
                           num_prompt_tokens=seq.num_prompt_tokens,
                           num_output_tokens=seq.num_output_tokens, timings=timings)
+
+    def enable_kv_events(self) -> None:
+        """Record blocks entering and leaving the prefix cache (for a router's view); a
+        server's engine loop drains them after every step."""
+        if self.block_manager.prefix_cache is not None:
+            self.block_manager.prefix_cache.enable_events()
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        cache = self.block_manager.prefix_cache
+        if cache is None or not cache.record_events:
+            return []
+        return [KVEvent(*e) for e in cache.drain_events()]
+
+    def report(self, step_s: float | None = None) -> StepReport:
+        """The last step's shape and the running counters, as plain data (metrics)."""
+        st, sched, bm = self.stats, self.scheduler, self.block_manager
+        cache = bm.prefix_cache.usage() if bm.prefix_cache is not None else None
+        running = {s.request_id for s in sched.running}
+        waiting = {s.request_id for s in sched.waiting} - running
+        return StepReport(
+            step_s=step_s, last_num_seqs=st.last_num_seqs, last_num_tokens=st.last_num_tokens,
+            last_num_context_tokens=st.last_num_context_tokens,
+            last_num_attention_pairs=st.last_num_attention_pairs, num_steps=st.num_steps,
+            num_preemptions=sched.num_preemptions, spec_num_proposed=st.spec_num_proposed,
+            spec_num_accepted=st.spec_num_accepted,
+            spec_mean_accepted_length=st.spec_mean_accepted_length,
+            spec_draft_time_share=st.spec_draft_time_share,
+            spec_k=self.speculator.last_k if self.speculator is not None else None,
+            num_running_requests=len(running), num_waiting_requests=len(waiting),
+            num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            prefix_cache_namespaces=cache.num_namespaces if cache else 0,
+            prefix_cache_bytes=cache.num_bytes if cache else 0)
 
     def check_invariants(self) -> None:
         """free + held == total; no finished sequence holds a block."""

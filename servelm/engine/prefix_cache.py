@@ -17,12 +17,20 @@ Each edge is one full block of tokens; a node is the block holding them:
 
 A sequence holding a node's block also holds every ancestor's, so an unreferenced node has
 only unreferenced descendants: eviction takes unreferenced leaves, oldest access first.
+
+KV events (for a router's view of what this replica caches): once `record_events` is on,
+every block that enters the tree and every block that leaves it is logged as
+(STORED | REMOVED, chain hash, parent's chain hash). A chain hash names a block by its
+content and everything before it, in its namespace (`block_hashes`), so another process can
+compute the hashes of a prompt and look them up without the block ids.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,6 +49,33 @@ class PrefixCacheUsage(NamedTuple):
     num_bytes: int  # estimate: nodes, their token keys, namespace keys, LRU entries
 
 
+STORED, REMOVED = 0, 1  # KV event kinds
+
+
+def namespace_hash(extra_key) -> int:
+    """The chain hash of a namespace's root (no cache salt: 0)."""
+    if extra_key is None:
+        return 0
+    digest = hashlib.blake2b(str(extra_key).encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def block_hash(parent_hash: int, key: tuple[int, ...]) -> int:
+    """A block's chain hash: its tokens and its parent's chain hash (63 bits, stable across
+    processes and machines)."""
+    data = struct.pack(f"<q{len(key)}q", parent_hash, *key)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def block_hashes(token_ids: list[int], block_size: int, extra_key=None) -> list[int]:
+    """Chain hashes of the full blocks of `token_ids` (what a router looks up)."""
+    out, h = [], namespace_hash(extra_key)
+    for i in range(len(token_ids) // block_size):
+        h = block_hash(h, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(h)
+    return out
+
+
 @dataclass(eq=False)
 class _Node:
     block: int
@@ -50,6 +85,7 @@ class _Node:
     last_access: int = 0
     is_evictable: bool = False  # no sequence holds the block
     namespace: object = None  # roots only: the extra_key they are filed under
+    hash: int = 0  # chain hash (set while events are recorded; roots: the namespace's)
 
 
 # Rough CPython sizes (64-bit) behind PrefixCacheUsage.num_bytes: a node (object, its dict of
@@ -84,6 +120,28 @@ class PrefixCache:
         self.num_evictable_blocks = 0
         self._num_namespace_bytes = 0  # sizes of the extra_keys of live namespaces
         self.stats = PrefixCacheStats()
+        self.record_events = False
+        self._events: list[tuple[int, int, int]] = []  # (kind, hash, parent hash)
+
+    def enable_events(self) -> None:
+        """Log blocks stored and removed from now on (drain_events); blocks already cached
+        are logged as stored first, so a listener's view starts complete."""
+        if self.record_events:
+            return
+        self.record_events = True
+        stack = list(self._roots.values())
+        for root in stack:
+            root.hash = namespace_hash(root.namespace)
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                child.hash = block_hash(node.hash, child.key)
+                self._events.append((STORED, child.hash, node.hash))
+                stack.append(child)
+
+    def drain_events(self) -> list[tuple[int, int, int]]:
+        events, self._events = self._events, []
+        return events
 
     @property
     def num_cached_blocks(self) -> int:
@@ -106,6 +164,8 @@ class PrefixCache:
     def _add_root(self, extra_key) -> _Node:
         """A namespace is filed only once it gets its first block (see _remove)."""
         root = self._roots[extra_key] = _Node(-1, (), None, namespace=extra_key)
+        if self.record_events:
+            root.hash = namespace_hash(extra_key)
         self._num_namespace_bytes += _key_bytes(extra_key)
         return root
 
@@ -115,7 +175,8 @@ class PrefixCache:
 
     def match(self, tokens: list[int], extra_key=None, max_tokens: int | None = None,
               record: bool = True) -> PrefixMatch:
-        """Longest cached prefix of `tokens` in whole blocks, at most `max_tokens` long."""
+        """Longest cached prefix of `tokens` in whole blocks, at most `max_tokens` long.
+        record=False: a look only (no hit statistics, no LRU touch)."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         node, blocks = self._roots.get(extra_key), []
         now = next(self._clock)
@@ -124,7 +185,8 @@ class PrefixCache:
                 node = node.children.get(key)
                 if node is None:
                     break
-                node.last_access = now
+                if record:
+                    node.last_access = now
                 blocks.append(node.block)
         if record:
             self.stats.num_queries += 1
@@ -157,6 +219,9 @@ class PrefixCache:
                 node = _Node(blocks[i], key, parent, last_access=now)
                 parent.children[key] = node
                 self._nodes[blocks[i]] = node
+                if self.record_events:
+                    node.hash = block_hash(parent.hash, key)
+                    self._events.append((STORED, node.hash, parent.hash))
             elif node.block != blocks[i]:
                 return i
             parent = node
@@ -203,6 +268,8 @@ class PrefixCache:
         return freed
 
     def _remove(self, node: _Node) -> None:
+        if self.record_events:
+            self._events.append((REMOVED, node.hash, node.parent.hash))
         del self._nodes[node.block]
         self.num_evictable_blocks -= 1
         parent = node.parent

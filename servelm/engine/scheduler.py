@@ -14,10 +14,32 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.sequence import Sequence, SequenceStatus
+
+
+class Speculator(Protocol):
+    """What the scheduler and engine ask of a speculative-decoding controller
+    (servelm/spec/controller.py: SpecController)."""
+
+    last_k: int  # draft tokens per sequence chosen for the last step (0: off)
+
+    def eligible(self, seq: Sequence) -> bool: ...
+
+    def draft_len(self, num_decodes: int) -> int:
+        """k for a step in which num_decodes sequences could speculate."""
+        ...
+
+    def observe_step(self, target_s: float, decode: int = 0, verify: int = 0,
+                     prefill: int = 0) -> None: ...
+
+    def observe_verify(self, proposed: int, accepted: int) -> None: ...
+
+    def observe_draft(self, num_asked: int, draft_s: float, step_s: float,
+                      num_proposed_seqs: int | None = None) -> None: ...
 
 
 @dataclass
@@ -35,7 +57,8 @@ class ScheduledSeq:
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes. Tensor-free; the runner turns it into a ForwardBatch."""
+    """What one step schedules, over the engine's own Sequences; Engine.describe turns it
+    into the plain StepDescription a runner gets (servelm/core/contract.py)."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -51,7 +74,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 speculator=None, max_model_len: int | None = None):
+                 speculator: Speculator | None = None, max_model_len: int | None = None):
         self.config = config
         self.block_manager = block_manager
         # Speculative decoding (servelm/spec/controller.py): how many draft slots a decode

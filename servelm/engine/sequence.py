@@ -43,7 +43,28 @@ _FINISH_REASON = {
 _seq_ids = itertools.count()
 
 
-class Sequence:
+class SequenceTokens:
+    """Token counts of a sequence from its `token_ids` and `num_prompt_tokens` (the engine's
+    Sequence and the runner's RunnerSequence both hold them)."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class Sequence(SequenceTokens):
     """One generated continuation of a request (a request with n > 1 has n of them).
 
     Token layout (P prompt tokens, O output tokens, C computed = KV written):
@@ -80,18 +101,6 @@ class Sequence:
         self.extra_key = extra_key  # prefix-cache namespace (cache_salt, adapter id)
         # Seed for this sequence's private sampling stream (n > 1 gets distinct streams).
         self.seed = None if params.seed is None else params.seed + index * 1_000_003
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -21,7 +21,7 @@ class PerplexityResult(NamedTuple):
 def score_tokens(engine, token_ids: list[int]):
     """Logits [len, vocab] (float32) of the engine's model at every position of one sequence.
     Uses and frees KV blocks like a request would; the engine must be idle."""
-    from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from servelm.core.runner_state import score_item
     from servelm.engine.sequence import Sequence
     from servelm.protocol import RequestTimings, SamplingParams
 
@@ -31,7 +31,8 @@ def score_tokens(engine, token_ids: list[int]):
         raise ValueError(f"not enough free KV blocks to score {len(token_ids)} tokens")
     engine.block_manager.allocate(seq, len(token_ids))
     try:
-        return engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(token_ids))]))
+        return engine.runner.score([score_item(seq.token_ids, seq.block_table, 0,
+                                               len(token_ids))])
     finally:
         engine.block_manager.free(seq)
 

@@ -1,1 +1,1 @@
-"""Runner: turns a tensor-free ScheduledBatch into tensors, runs the model, samples."""
+"""Runner: turns a tensor-free StepDescription into tensors, runs the model, samples."""

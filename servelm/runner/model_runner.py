@@ -1,48 +1,28 @@
-"""ModelRunner: ScheduledBatch -> ForwardBatch -> model -> sample -> StepResult.
+"""ModelRunner: StepDescription -> ForwardBatch -> model -> sample -> StepResult.
 
-Owns: the model, the KV cache tensors, the attention backend, per-sequence sampling
-generators. Never: scheduling decisions (which sequences run, preemption, finishing).
+Owns: the model, the KV cache tensors, the attention backend, and its own state per sequence
+(`RunnerSequence`: token ids, block table, sampling parameters and generator), built only
+from the deltas of each StepDescription (servelm/core/contract.py).
+Never: scheduling decisions (which sequences run, preemption, finishing), or reading the
+engine's Sequence objects.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from servelm.config import CacheConfig, ModelConfig
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+from servelm.core.contract import SampledToken, SpecOutcome, StepDescription, StepResult
+from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
 from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled
-
-
-@dataclass
-class SampledToken:
-    seq_id: int
-    token_id: int
-    logprob: Logprob | None = None
-
-
-@dataclass
-class SpecOutcome:
-    num_proposed: int  # drafts scored this step
-    num_accepted: int  # of which the target accepted (one more token is always emitted)
-
-
-@dataclass
-class StepResult:
-    """sampled: the step's new tokens in order; a speculating sequence has several, the
-    first num_accepted of its drafts and the target's next token."""
-
-    sampled: list[SampledToken]
-    forward_s: float = 0.0  # wall time of propose + model + sampling
-    draft_s: float = 0.0  # of which the proposer took
-    spec: dict[int, SpecOutcome] = field(default_factory=dict)  # seq_id -> outcome
 
 
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
@@ -93,26 +73,30 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self._generators: dict[int, torch.Generator] = {}
+        self.state = RunnerState(on_forget=self._forget)
         # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
         # cpu_decode: its mode, the engine option's `decode` part (auto | kernel | torch).
         self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend, mode=cpu_decode)
                           if graphs is None else None)
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 
-    def release(self, seq_id: int) -> None:
+    def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         if self.proposer is not None:
             self.proposer.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, step: StepDescription) -> StepResult:
         start = time.perf_counter()
-        proposals, draft_s = self._propose(batch)
-        works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in batch.seqs])
+        scheduled = self.state.apply(step)
+        if not scheduled:
+            return StepResult([])
+        proposals, draft_s = self._propose(scheduled)
+        works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
         hidden = self._forward(fb)
         if not fb.logits_indices.numel():
-            return StepResult([], time.perf_counter() - start, draft_s=draft_s)
+            return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
         rows = 0
         plain, spec = [], []
@@ -129,15 +113,15 @@ class ModelRunner:
             plain_logits = logits if len(idx) == rows else logits[idx]
             sched = [w.scheduled for w, _ in plain]
             out = sample(plain_logits, self._sampling_tensors(sched))
-            sampled = self._to_step_result(sched, out).sampled
-        result = StepResult(sampled, draft_s=draft_s)
+            sampled = self._sampled_tokens(sched, out)
+        result = StepResult(sampled, {}, draft_s=draft_s)
         if spec:
             self._verify(spec, logits, proposals, result)
         result.forward_s = time.perf_counter() - start
         return result
 
-    def _propose(self, batch: ScheduledBatch) -> tuple[dict, float]:
-        asks = [s for s in batch.seqs if s.num_spec]
+    def _propose(self, scheduled: list[RunnerScheduled]) -> tuple[dict, float]:
+        asks = [s for s in scheduled if s.num_spec]
         if not asks or self.proposer is None:
             return {}, 0.0
         t0 = time.perf_counter()
@@ -176,10 +160,11 @@ class ModelRunner:
             result.sampled += [SampledToken(w.seq.seq_id, t) for t in tokens]
 
     @torch.inference_mode()
-    def score(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits at every computed position, decodes first as in execute: [T, V] (parity
-        tests, perplexity). Writes the batch's K/V into the cache like a normal step."""
-        fb = self._build_forward_batch(batch.seqs)
+    def score(self, items: list[RunnerScheduled]) -> torch.Tensor:
+        """Logits at every computed position of `items` (see score_item), decodes first as in
+        execute: [T, V] (parity tests, perplexity). Writes their K/V into the cache like a
+        step; outside the step path, so it touches no sequence the runner tracks."""
+        fb = self._build_forward_batch(items)
         return self.model.compute_logits(self._forward(fb)).float()
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -193,7 +178,7 @@ class ModelRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)
         return hidden
 
-    def _build_forward_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
+    def _build_forward_batch(self, seqs: list[RunnerScheduled]) -> ForwardBatch:
         works = _decodes_first([_Work.of(s) for s in seqs])
         return build_forward_batch(works, self.block_size, self.device)
 
@@ -207,7 +192,7 @@ class ModelRunner:
             self._generators[seq.seq_id] = gen
         return gen
 
-    def _sampling_tensors(self, sampling: list[ScheduledSeq]) -> SamplingTensors:
+    def _sampling_tensors(self, sampling: list[RunnerScheduled]) -> SamplingTensors:
         seqs = [s.seq for s in sampling]
         params = [seq.params for seq in seqs]
         dev, vocab = self.device, self.config.vocab_size
@@ -238,7 +223,7 @@ class ModelRunner:
         st.num_logprobs = max(wanted) if wanted else None
         return st
 
-    def _to_step_result(self, sampling: list[ScheduledSeq], out) -> StepResult:
+    def _sampled_tokens(self, sampling: list[RunnerScheduled], out) -> list[SampledToken]:
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
@@ -251,7 +236,7 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:k], top_lps[row][:k])) if top_ids else []
                 lp = Logprob(token_ids[row], logprobs[row], top)
             sampled.append(SampledToken(s.seq.seq_id, token_ids[row], lp))
-        return StepResult(sampled)
+        return sampled
 
 
 @dataclass
@@ -259,12 +244,12 @@ class _Work:
     """What one sequence computes this step: its input tokens from `start` (the scheduled
     ones, plus the drafts to verify), and which positions need logits."""
 
-    scheduled: ScheduledSeq
+    scheduled: RunnerScheduled
     tokens: list[int]
     drafts: list[int] | None = None  # speculating: every position is scored
 
     @classmethod
-    def of(cls, s: ScheduledSeq, proposal=None) -> _Work:
+    def of(cls, s: RunnerScheduled, proposal=None) -> _Work:
         n = s.num_new_tokens - s.num_spec
         tokens = s.seq.token_ids[s.start:s.start + n]
         if proposal is not None and proposal.token_ids:

@@ -1,8 +1,11 @@
-"""The FastAPI app: routes, auth, error shapes, lifespan of the engine thread.
+"""The FastAPI app: routes, auth, error shapes, lifespan of the engine client.
 
-Owns: ServerState (what the routes share: the AsyncEngine,
+Owns: ServerState (what the routes share: the engine client,
 metrics, idempotency store, drain flag, in-flight count), `build_app(engine, config)`, and
 the pure-ASGI middleware that checks the API key before any routing happens.
+The engine client is a CoreClient (the engine core in its own process: `servelm serve`'s
+default) or an AsyncEngine (an Engine on a thread of this process: tests, --engine-core
+thread); both have the same event-loop API.
 ServerConfig (the server flags) lives in server_config.py, importable without FastAPI.
 Never: runs model code on the event loop, or answers bad input with a 5xx.
 """
@@ -22,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import servelm
-from servelm.engine.async_engine import AsyncEngine
+from servelm.engine.async_engine import AsyncEngine, StreamRouter
 from servelm.server.errors import APIError, error_response
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
@@ -37,7 +40,7 @@ PUBLIC_PATHS = frozenset({"/health"})  # exact, decoded paths that need no API k
 @dataclass
 class ServerState:
     config: ServerConfig
-    async_engine: AsyncEngine
+    async_engine: StreamRouter  # AsyncEngine or servelm.core.client.CoreClient
     metrics: ServerMetrics
     idempotency: IdempotencyStore
     draining: bool = False
@@ -100,13 +103,32 @@ class AuthMiddleware:
         return wrapped
 
 
+def _cost_model(client: StreamRouter, config: ServerConfig) -> CostModel | None:
+    """Bytes and FLOPs per step for the utilisation metrics; None for a model-free engine
+    (tests' fake runner)."""
+    info = getattr(client, "info", None)
+    if info is None:
+        engine = client.engine
+        if getattr(engine, "model_config", None) is None:
+            return None
+        return CostModel.from_engine(engine, config.peak_bandwidth, config.peak_flops)
+    return CostModel.from_config(info.model_config, dtype=info.dtype,
+                                 quantization=info.quantization,
+                                 kv_cache_dtype=info.kv_cache_dtype,
+                                 device_type=info.device_type,
+                                 peak_bandwidth=config.peak_bandwidth,
+                                 peak_flops=config.peak_flops)
+
+
 def build_app(engine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
-    cost = CostModel.from_engine(engine, config.peak_bandwidth, config.peak_flops)
+    """An app serving `engine`: an Engine (run on a thread of this process) or an engine
+    client (a CoreClient); the client starts and stops with the app's lifespan."""
+    async_engine = engine if isinstance(engine, StreamRouter) else AsyncEngine(engine)
+    cost = _cost_model(async_engine, config)
     metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,
                             config.slo_tpot_ms / 1000, cost)
-    metrics.start_from(engine)
-    async_engine = AsyncEngine(engine, observer=metrics.observe_step)
+    metrics.start_from(async_engine.snapshot)
+    async_engine.observer = metrics.observe_step
     state = ServerState(config, async_engine, metrics,
                         IdempotencyStore(config.idempotency_ttl_s, config.idempotency_max_entries))
     serving = OpenAIServing(state)
@@ -155,27 +177,41 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(config, engine, state)]})
+        return JSONResponse({"object": "list",
+                             "data": [_model_card(config, async_engine, state)]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         if model_id != config.served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist", param="model",
                            code="model_not_found")
-        return JSONResponse(_model_card(config, engine, state))
+        return JSONResponse(_model_card(config, async_engine, state))
 
     @app.get("/health")
     async def health() -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not async_engine.is_alive:
-            return JSONResponse({"status": "engine_dead"}, status_code=503)
+            body = {"status": "engine_dead"}
+            cause = getattr(async_engine, "dead_cause", None)
+            if cause:
+                body["cause"] = cause
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
         metrics.refresh(async_engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/kv_events")
+    async def kv_events(after: int = 0, limit: int = 20000) -> JSONResponse:
+        """The prefix cache's blocks stored (kind 0) and removed (kind 1), by chain hash,
+        numbered from `after` (servelm router builds its view of this replica from them)."""
+        events, nxt, reset = async_engine.kv_events.since(after, max(1, min(limit, 100000)))
+        return JSONResponse({"block_size": async_engine.block_size, "next": nxt,
+                             "reset": reset,
+                             "events": [[e.kind, e.hash, e.parent] for e in events]})
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -185,8 +221,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _model_card(config: ServerConfig, engine, state: ServerState) -> dict:
+def _model_card(config: ServerConfig, engine: StreamRouter, state: ServerState) -> dict:
     return {"id": config.served_model_name, "object": "model", "created": int(
         time.time() - (time.monotonic() - state.started)), "owned_by": "servelm",
-        "root": getattr(engine, "model_name", config.served_model_name),
+        "root": engine.model_name or config.served_model_name,
         "max_model_len": engine.max_model_len}

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 
+
 def add_parser(subparsers) -> None:
     """The serve flags; their defaults are ServerConfig's (servelm/server/server_config.py)
     and the engine's EngineArgs' (add_engine_cli_args)."""
@@ -75,6 +76,16 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-connections", type=int, default=d("max_connections"),
                    help="open connections; a connection beyond it gets a 503 and is closed "
                         "(default %(default)s)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N replicas of the model (each its own front end and engine core, the "
+                        "cores split between them) behind a router on this port")
+    g.add_argument("--router-policy", default="prefix_affinity",
+                   choices=("round_robin", "least_loaded", "session", "prefix_affinity"),
+                   help="with --data-parallel-size: the routing policy (docs/router.md)")
+    g.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="run the engine core (scheduler + model) in its own process "
+                        "(default; a slow client or a busy event loop never delays a step) or "
+                        "on a thread of the HTTP process")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
@@ -111,6 +122,11 @@ def _setup_request_log(enabled: bool) -> None:
 
 
 def handler(args) -> int:
+    if args.data_parallel_size > 1:
+        from servelm.router.data_parallel import serve_data_parallel
+
+        _setup_request_log(args.log_requests)
+        return serve_data_parallel(args, _serve_argv())
     import uvicorn
 
     from servelm.config import engine_args_from_cli
@@ -122,7 +138,13 @@ def handler(args) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))  # fail before the slow model load if the port is taken
-    engine = build_engine(engine_args_from_cli(args))
+    engine_args = engine_args_from_cli(args)
+    if args.engine_core == "process":
+        engine = _start_core(engine_args)
+        if engine is None:
+            return 1
+    else:
+        engine = build_engine(engine_args)
     config = server_config_from_cli(args, engine.model_name or args.model)
     app = build_app(engine, config)
     host, port = sock.getsockname()[:2]
@@ -133,5 +155,31 @@ def handler(args) -> int:
                             state=app.state.servelm, drain_timeout=config.drain_timeout,
                             ready_message=f"[servelm] serving {config.served_model_name} at "
                                           f"http://{shown}:{port}/v1")
+    if args.engine_core == "process":
+        def core_died(cause: str) -> None:
+            # In-flight requests have failed with the cause; exit non-zero so that a
+            # supervisor restarts the pair.
+            print(f"[servelm] {cause}: exiting", file=sys.stderr, flush=True)
+            server.should_exit = True
+
+        engine.on_dead = core_died
     server.run(sockets=[sock])
-    return 0
+    return 1 if getattr(engine, "crashed", False) else 0
+
+
+def _serve_argv() -> list[str]:
+    """This command's arguments after `serve` (what each data-parallel replica re-runs)."""
+    argv = sys.argv[1:]
+    return argv[argv.index("serve") + 1:] if "serve" in argv else argv
+
+def _start_core(engine_args):
+    """The engine core in its own process, or None (the reason printed) if it fails."""
+    from servelm.core.client import CoreClient, CoreStartError
+    from servelm.loader import load_tokenizer, resolve_model
+
+    try:
+        tokenizer = load_tokenizer(resolve_model(engine_args.model))
+        return CoreClient.spawn(engine_args, tokenizer)
+    except (CoreStartError, ValueError, OSError) as exc:
+        print(f"[servelm] the engine core failed to start: {exc}", file=sys.stderr, flush=True)
+        return None

@@ -19,11 +19,16 @@ from typing import Any
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
+from servelm import cost
+from servelm.config import EngineArgs, ModelConfig
+from servelm.cost import WeightBytes
+from servelm.planner.hardware import default_peaks
 from servelm.protocol import RequestTimings, TokenDelta
 
-# Defaults when --peak-bandwidth / --peak-flops are not given (documented in docs/server.md):
-# a CPU socket's DRAM bandwidth and fp32 FLOPs, and an H100-SXM's HBM3 and dense bf16 FLOPs.
-DEFAULT_PEAKS = {"cpu": (50e9, 1e12), "cuda": (3.35e12, 989e12)}
+# Defaults when --peak-bandwidth / --peak-flops are not given (documented in docs/server.md),
+# from the planner's hardware table: a CPU socket's DRAM bandwidth and fp32 FLOPs, and an
+# H100-SXM's HBM3 and dense bf16 FLOPs.
+DEFAULT_PEAKS = {device: default_peaks(device) for device in ("cpu", "cuda")}
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -72,43 +77,50 @@ def timing_breakdown(timings: RequestTimings | None, num_prompt_tokens: int,
 
 @dataclass(frozen=True)
 class CostModel:
-    """Bytes and FLOPs one step must move / do, from the model's shape."""
+    """Bytes and FLOPs one step must move / do, from the model's shape and the engine's
+    options (servelm.cost: the planner and the benchmarks count the same way). Weights count
+    as the layers hold them (quantized codes and scales, packed linears), not as
+    `model.parameters()` lists them."""
 
-    num_params: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    attention_flops_per_pair: int  # QK^T and PV over all layers, per (query, key) pair
+    model_config: ModelConfig
+    weight_bytes_per_param: WeightBytes
+    kv_bytes_per_token: float
     peak_bandwidth: float
     peak_flops: float
 
     @classmethod
+    def from_config(cls, model_config: ModelConfig, *, dtype: str, quantization: str | None,
+                    kv_cache_dtype: str, device_type: str, peak_bandwidth: float | None,
+                    peak_flops: float | None) -> CostModel:
+        bw, flops = DEFAULT_PEAKS.get(device_type, DEFAULT_PEAKS["cpu"])
+        return cls(model_config, cost.weight_bytes_per_param(model_config, quantization, dtype),
+                   cost.kv_bytes_per_token(model_config, cost.kv_dtype_bytes(kv_cache_dtype,
+                                                                             dtype)),
+                   peak_bandwidth or bw, peak_flops or flops)
+
+    @classmethod
     def from_engine(cls, engine, peak_bandwidth: float | None,
-                    peak_flops: float | None) -> "CostModel":
-        num_params, weight_bytes, dtype_bytes = 0, 0, 4
-        device = "cpu"
-        model = getattr(getattr(engine, "runner", None), "model", None)
-        if model is not None:
-            for p in model.parameters():
-                num_params += p.numel()
-                weight_bytes += p.numel() * p.element_size()
-                dtype_bytes = p.element_size()
-                device = p.device.type
-        cfg = getattr(engine, "model_config", None)
-        kv_per_token = cfg.kv_bytes_per_token(dtype_bytes) if cfg is not None else 0
-        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim if cfg is not None else 0
-        bw, flops = DEFAULT_PEAKS.get(device, DEFAULT_PEAKS["cpu"])
-        return cls(num_params, weight_bytes, kv_per_token, attn, peak_bandwidth or bw,
-                   peak_flops or flops)
+                    peak_flops: float | None) -> CostModel:
+        """An in-process Engine: its ModelConfig and the EngineArgs it was built with."""
+        args = getattr(engine, "engine_args", None) or EngineArgs(model="")
+        return cls.from_config(engine.model_config, dtype=args.dtype,
+                               quantization=args.quantization,
+                               kv_cache_dtype=args.kv_cache_dtype,
+                               device_type=args.device.split(":")[0],
+                               peak_bandwidth=peak_bandwidth, peak_flops=peak_flops)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Weight bytes one decode step reads."""
+        return cost.weight_bytes_read_per_step(self.model_config, 1,
+                                               self.weight_bytes_per_param)
 
     def step_cost(self, stats) -> tuple[float, float]:
         """(bytes, flops) of the engine's last step."""
-        num_tokens = stats.last_num_tokens
-        context = getattr(stats, "last_num_context_tokens", num_tokens)
-        pairs = getattr(stats, "last_num_attention_pairs", 0)
-        # weights once per step + KV read over the context + KV written for new tokens
-        nbytes = self.weight_bytes + self.kv_bytes_per_token * (context + num_tokens)
-        flops = 2 * self.num_params * num_tokens + self.attention_flops_per_pair * pairs
-        return float(nbytes), float(flops)
+        c = cost.step_cost(self.model_config, self.weight_bytes_per_param,
+                           self.kv_bytes_per_token, stats.last_num_tokens,
+                           stats.last_num_context_tokens, stats.last_num_attention_pairs)
+        return c.bytes, c.flops
 
 
 class ServerMetrics:
@@ -240,40 +252,39 @@ class ServerMetrics:
         self.connections = Gauge("servelm_http_connections",
                                  "Open HTTP connections", registry=r)
 
-    def start_from(self, engine) -> None:
+    def start_from(self, report) -> None:
         """Count from the engine's current totals (an engine may outlive one app)."""
-        self._num_preemptions_seen = engine.scheduler.num_preemptions
-        self._spec_seen = (engine.stats.spec_num_proposed, engine.stats.spec_num_accepted)
+        self._num_preemptions_seen = report.num_preemptions
+        self._spec_seen = (report.spec_num_proposed, report.spec_num_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # -- engine thread ---------------------------------------------------------------------
+    # -- engine thread (in-process) or the core client's reader (engine core process) -----
 
-    def observe_step(self, engine, deltas: list[TokenDelta], step_s: float | None) -> None:
+    def observe_step(self, report, deltas: list[TokenDelta]) -> None:
+        """One step's StepReport (servelm/core/contract.py) and the deltas it produced."""
         now = time.monotonic()
-        if step_s is not None:
-            self._observe_step_shape(engine.stats, step_s)
-        num_preemptions = engine.scheduler.num_preemptions
-        if num_preemptions > self._num_preemptions_seen:
-            self.preemptions.inc(num_preemptions - self._num_preemptions_seen)
-            self._num_preemptions_seen = num_preemptions
-        if getattr(engine, "speculator", None) is not None:
-            self._observe_spec(engine)
+        if report.step_s is not None:
+            self._observe_step_shape(report, report.step_s)
+        if report.num_preemptions > self._num_preemptions_seen:
+            self.preemptions.inc(report.num_preemptions - self._num_preemptions_seen)
+            self._num_preemptions_seen = report.num_preemptions
+        if report.spec_k is not None:
+            self._observe_spec(report)
         for d in deltas:
             self._observe_delta(d, now)
 
-    def _observe_spec(self, engine) -> None:
-        st = engine.stats
+    def _observe_spec(self, report) -> None:
         proposed, accepted = self._spec_seen
-        if st.spec_num_proposed > proposed:
-            self.spec_proposed.inc(st.spec_num_proposed - proposed)
-        if st.spec_num_accepted > accepted:
-            self.spec_accepted.inc(st.spec_num_accepted - accepted)
-        self._spec_seen = (st.spec_num_proposed, st.spec_num_accepted)
-        self.spec_mean_len.set(st.spec_mean_accepted_length)
-        self.spec_draft_share.set(st.spec_draft_time_share)
-        self.spec_k.set(engine.speculator.last_k)
+        if report.spec_num_proposed > proposed:
+            self.spec_proposed.inc(report.spec_num_proposed - proposed)
+        if report.spec_num_accepted > accepted:
+            self.spec_accepted.inc(report.spec_num_accepted - accepted)
+        self._spec_seen = (report.spec_num_proposed, report.spec_num_accepted)
+        self.spec_mean_len.set(report.spec_mean_accepted_length)
+        self.spec_draft_share.set(report.spec_draft_time_share)
+        self.spec_k.set(report.spec_k)
 
     def _observe_step_shape(self, stats, step_s: float) -> None:
         self.step_time.observe(step_s)
@@ -352,15 +363,6 @@ class ServerMetrics:
             self.kv_usage.set(snap.num_used_blocks / snap.num_total_blocks)
         self.running.set(snap.num_running_requests)
         self.waiting.set(async_engine.num_waiting)
-        # An in-process engine's cache is read across threads without a lock (usage() only
-        # takes lengths and an int); an engine core in another process has to send it with
-        # its step report, which does not carry it yet.
-        engine = getattr(async_engine, "engine", None)
-        if engine is not None:
-            cache = engine.block_manager.prefix_cache
-            self.set_prefix_cache_usage(cache.usage() if cache is not None else None)
-
-    def set_prefix_cache_usage(self, usage) -> None:
-        """From PrefixCache.usage() (None: prefix caching is off)."""
-        self.prefix_cache_namespaces.set(usage.num_namespaces if usage else 0)
-        self.prefix_cache_bookkeeping_bytes.set(usage.num_bytes if usage else 0)
+        # From the engine's last StepReport (PrefixCache.usage()), in either process.
+        self.prefix_cache_namespaces.set(snap.prefix_cache_namespaces)
+        self.prefix_cache_bookkeeping_bytes.set(snap.prefix_cache_bytes)

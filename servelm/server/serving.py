@@ -146,9 +146,13 @@ class Generation:
             raise RuntimeError(d.error)
         return i, reason
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage, with the prompt tokens the prefix cache held
+        (`prompt_tokens_details.cached_tokens`, as OpenAI reports its prompt caching)."""
         p, c = self.num_prompt_tokens, self.num_completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(t.num_cached_tokens for t in self.timings.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": min(cached, p)}}
 
     def timing(self) -> Any:
         """One breakdown per prompt (a dict when there is one prompt)."""
@@ -201,7 +205,7 @@ class OpenAIServing:
 
     @property
     def tokenizer(self):
-        return self.state.async_engine.engine.tokenizer
+        return self.state.async_engine.tokenizer
 
     # -- entry point -----------------------------------------------------------------------
 
@@ -326,7 +330,7 @@ class OpenAIServing:
 
     @property
     def vocab_size(self) -> int:
-        return self.state.async_engine.engine.vocab_size
+        return self.state.async_engine.vocab_size
 
     def _decode_prompt(self, ids: list[int]) -> str | None:
         vocab = self.vocab_size

@@ -1,7 +1,7 @@
 """Proposer: the interface every draft source implements, and the registry of names.
 
 A proposer is asked, once per step, for up to `num_spec` draft tokens for each speculating
-sequence (ScheduledSeq.num_spec: the slots the scheduler budgeted). It may return fewer
+sequence (RunnerScheduled.num_spec: the slots the scheduler budgeted). It may return fewer
 (n-gram: no match) or none. The KV slots for positions start .. start + num_spec already
 exist in the sequence's block table when it is called.
 """
@@ -25,7 +25,7 @@ class Proposer:
     name = "base"
 
     def propose(self, scheduled: list) -> dict[int, Proposal]:
-        """scheduled: ScheduledSeqs with num_spec > 0 -> seq_id -> Proposal."""
+        """scheduled: RunnerScheduled items with num_spec > 0 -> seq_id -> Proposal."""
         raise NotImplementedError
 
     def release(self, seq_id: int) -> None:

@@ -9,7 +9,7 @@ triton backend under the interpreter. Only the capture itself needs a GPU.
 import pytest
 import torch
 
-from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+from servelm.core.runner_state import score_item
 from servelm.engine.sequence import Sequence
 from servelm.protocol import RequestTimings, SamplingParams
 from servelm.runner.cuda_graph import (
@@ -94,10 +94,10 @@ def _decode_step(engine, prompts):
     for i, p in enumerate(prompts):
         seq = Sequence(f"r{i}", i, list(p), SamplingParams(max_tokens=4), RequestTimings(), 4)
         engine.block_manager.allocate(seq, len(p) + 1)
-        engine.runner.score(ScheduledBatch([ScheduledSeq(seq, 0, len(p))]))
+        engine.runner.score([score_item(seq.token_ids, seq.block_table, 0, len(p))])
         seq.token_ids.append(11 + i)  # the token this decode step feeds in
         seqs.append(seq)
-    return ScheduledBatch([ScheduledSeq(s, len(s.token_ids) - 1, 1) for s in seqs])
+    return [score_item(s.token_ids, s.block_table, len(s.token_ids) - 1, 1) for s in seqs]
 
 
 def test_padded_replay_matches_eager_decode(tiny_hf, tiny_engine):
@@ -106,7 +106,7 @@ def test_padded_replay_matches_eager_decode(tiny_hf, tiny_engine):
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4]
     step = _decode_step(engine, [[1, 2, 3, 4, 5], [9, 8], [5, 5, 5, 5, 5, 5, 5, 5, 5]])
-    fb = runner._build_forward_batch(step.seqs)
+    fb = runner._build_forward_batch(step)
     kv_before = runner.kv_cache.k.clone()
     graphed = graphs.maybe_run(fb)  # 3 sequences -> the size-4 graph, one padding row
     assert graphed.shape[0] == 3

@@ -8,7 +8,7 @@ from servelm.planner.prefill import plan_prefill, prefill_time, tokens_within
 
 
 def test_20k_prompt_freezes_decodes_for_most_of_a_second(deploy):
-    # The claim: Llama-3.1-8B on one H100 at 50% MFU: 20k tokens x 15 GFLOP/token
+    # The claim checked: Llama-3.1-8B on one H100 at 50% MFU: 20k tokens x 15 GFLOP/token
     # = 300 TFLOP + 105 TFLOP of attention -> ~0.82 s.
     p = plan_prefill(deploy(tp=1), 20_000, batch=64, context=2048)
     assert 0.5 < p.decode_stall_s < 1.0

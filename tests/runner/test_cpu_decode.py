@@ -80,7 +80,7 @@ def test_verification_rows_are_causal_attention_over_the_chunk(tiny_hf, tiny_eng
     """A sequence with context and a few new tokens (as a verification is) through the stack,
     one decode row per token, scores them like the eager path's chunked prefill, within float
     rounding; a fresh prompt of a few tokens stays eager."""
-    from servelm.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from servelm.core.runner_state import score_item
     from servelm.engine.sequence import Sequence
     from servelm.protocol import RequestTimings
 
@@ -92,7 +92,7 @@ def test_verification_rows_are_causal_attention_over_the_chunk(tiny_hf, tiny_eng
         seq = Sequence("p", 0, prompt, SamplingParams(max_tokens=1), RequestTimings(), 1)
         engine.block_manager.allocate(seq, len(prompt))
         score = lambda start, n: engine.runner.score(  # noqa: E731
-            ScheduledBatch([ScheduledSeq(seq, start, n)]))
+            [score_item(seq.token_ids, seq.block_table, start, n)])
         score(0, 27)  # a prefill chunk: eager either way
         logits[mode] = score(27, 4)
         stack = engine.runner.cpu_stack
@@ -101,7 +101,7 @@ def test_verification_rows_are_causal_attention_over_the_chunk(tiny_hf, tiny_eng
             fresh = Sequence("q", 1, prompt[:3], SamplingParams(max_tokens=1),
                              RequestTimings(), 1)
             engine.block_manager.allocate(fresh, 3)
-            engine.runner.score(ScheduledBatch([ScheduledSeq(fresh, 0, 3)]))
+            engine.runner.score([score_item(fresh.token_ids, fresh.block_table, 0, 3)])
             assert stack.steps == 1  # a fresh prompt is a prefill
     assert logits["kernel"].shape == (4, 384)
     torch.testing.assert_close(logits["kernel"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -230,9 +230,9 @@ def test_server_metrics_report_speculation(hf, prompts):
 
     engine = _spec_engine(hf, **PROPOSERS["early-exit"])
     metrics = ServerMetrics("tiny", 1.0, 0.1)
-    metrics.start_from(engine)
+    metrics.start_from(engine.report())
     _run(engine, prompts[:4])
-    metrics.observe_step(engine, [], None)
+    metrics.observe_step(engine.report(), [])
     text = metrics.render().decode()
     st = engine.stats
 

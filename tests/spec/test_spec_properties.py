@@ -16,7 +16,7 @@ from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams
-from servelm.runner.model_runner import SampledToken, SpecOutcome, StepResult
+from servelm.core.contract import SampledToken, SpecOutcome, StepResult
 from servelm.spec import SpecController
 
 VOCAB = 1000
@@ -28,17 +28,15 @@ def _next(tokens):
 
 class FakeSpecRunner(FakeRunner):
     def __init__(self, seed, hit_rate):
-        super().__init__(VOCAB)
+        super().__init__(VOCAB, block_size=4)
         self.rng = random.Random(seed)
         self.hit_rate = hit_rate
 
-    def execute(self, batch):
+    def execute(self, step):
         out = StepResult([])
-        for s in batch.seqs:
+        for s in self.state.apply(step):
             seq = s.seq
-            assert seq.num_computed_tokens == s.start
-            # The draft slots exist in the block table.
-            assert len(seq.block_table) * 4 >= s.start + s.num_new_tokens
+            self.check_slots(s)  # the draft slots exist in the block table
             if s.num_spec:
                 m = self.rng.randint(0, s.num_spec)
                 truth, ctx = [], list(seq.token_ids)

@@ -1,0 +1,165 @@
+"""The one wire format for everything that crosses a process or network boundary.
+
+Owns: the messages between a front end and an engine core, the typed msgpack encoders and
+decoders for them (msgspec: the schema is the type annotations, so a malformed frame is an
+error, not an object of the wrong shape), length-prefixed framing, and the version check.
+Never: pickle, or any decoding into types not named here.
+
+    frame = 4-byte big-endian length | msgpack body
+    first frame each way: Hello(version); a mismatch ends the connection with a clear error.
+
+    front end -> core:  Hello, Start(EngineArgs), AddRequest, Abort, Shutdown
+    core -> front end:  Hello, Ready(CoreInfo), Admitted, Rejected, Outputs(deltas, report), Fatal
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+from servelm.config import EngineArgs, ModelConfig
+from servelm.core.contract import (CONTRACT_VERSION, KVEvent, StepDescription, StepReport,
+                                   StepResult)
+from servelm.protocol import EngineRequest, TokenDelta
+
+MAX_FRAME_BYTES = 256 * 2**20  # a frame larger than this is refused, not allocated
+_HEADER = struct.Struct(">I")
+
+
+class CodecError(RuntimeError):
+    """A frame that is malformed, too large, or from a process of another contract version."""
+
+
+class Hello(msgspec.Struct, tag=True):
+    version: int
+    role: str  # "frontend" | "core"
+    pid: int = 0
+
+
+class CoreInfo(msgspec.Struct):
+    """What the front end needs to know about the core it talks to."""
+
+    model_name: str
+    model_config: ModelConfig
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    quantization: str | None
+    kv_cache_dtype: str
+    device_type: str
+    speculative: bool
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: CoreInfo
+
+
+class Start(msgspec.Struct, tag=True):
+    """Build this engine (the front end's second frame)."""
+
+    engine_args: EngineArgs
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request: EngineRequest
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Admitted(msgspec.Struct, tag=True):
+    request_id: str
+    num_waiting_requests: int = 0  # the engine's queue with it (front end queue limits)
+
+
+class Rejected(msgspec.Struct, tag=True):
+    request_id: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Outputs(msgspec.Struct, tag=True):
+    deltas: list[TokenDelta]
+    report: StepReport | None = None
+    kv_events: list[KVEvent] = []
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """The core is going down; in-flight requests fail with this message."""
+
+    message: str
+
+
+FrontendMessage = Union[Hello, Start, AddRequest, Abort, Shutdown]
+CoreMessage = Union[Hello, Ready, Admitted, Rejected, Outputs, Fatal]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def frame(msg) -> bytes:
+    """The bytes to write for one message: length prefix + body."""
+    body = _encoder.encode(msg)
+    return _HEADER.pack(len(body)) + body
+
+
+class Decoder:
+    """Typed decoding of one side's messages (frontend or core)."""
+
+    def __init__(self, message_type):
+        self._dec = msgspec.msgpack.Decoder(message_type)
+
+    def decode(self, body: bytes):
+        try:
+            return self._dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise CodecError(f"malformed frame: {exc}") from exc
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = _HEADER.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise CodecError(f"frame of {n} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return n
+
+
+HEADER_BYTES = _HEADER.size
+
+
+def check_hello(msg, expected_role: str) -> Hello:
+    """The peer's first frame: a Hello of our version from the role we expect."""
+    if not isinstance(msg, Hello):
+        raise CodecError(f"expected a Hello frame first, got {type(msg).__name__}")
+    if msg.version != CONTRACT_VERSION:
+        raise CodecError(f"contract version mismatch: this process speaks version "
+                         f"{CONTRACT_VERSION}, the {msg.role} (pid {msg.pid}) speaks "
+                         f"{msg.version}; run the same servelm on both sides")
+    if msg.role != expected_role:
+        raise CodecError(f"expected a {expected_role}, the peer says it is a {msg.role}")
+    return msg
+
+
+# Step descriptions and results travel the same way when a runner lives in another process
+# (model-parallel workers); their decoders are here so that there is one codec.
+step_decoder = Decoder(StepDescription)
+result_decoder = Decoder(StepResult)
+frontend_decoder = Decoder(FrontendMessage)
+core_decoder = Decoder(CoreMessage)
+
+__all__ = ["Abort", "AddRequest", "Admitted", "CodecError", "CoreInfo", "Decoder", "Fatal",
+           "HEADER_BYTES", "Hello", "MAX_FRAME_BYTES", "Outputs", "Ready", "Rejected",
+           "Shutdown", "Start", "check_hello", "core_decoder", "encode", "frame", "frame_length",
+           "frontend_decoder", "result_decoder", "step_decoder"]

@@ -1,0 +1,132 @@
+"""The step contract between the scheduler and a runner: plain data in, plain data out.
+
+Owns: `StepDescription` (what one step computes, as deltas against what the runner already
+knows), `StepResult` (what it produced), `StepReport` (a step's shape and counters, for
+metrics on the other side of a process boundary) and the `Runner` protocol that
+`ModelRunner`, the test fake and the simulator's runner implement.
+Never: imports torch, or holds a pointer into engine state. Every type here is a msgspec
+Struct that `servelm.core.codec` carries across processes.
+
+What a runner knows about a sequence is built only from these deltas:
+
+    step 1   seq 7 first seen:  new=NewSequence(params, seed, num_prompt_tokens=5)
+             new_token_ids=[p0 p1 p2 p3 p4]  num_kept_blocks=0  new_block_ids=[12 3]
+    step 2   decode:            new_token_ids=[o0]                num_kept_blocks=2  new_block_ids=[]
+    step 3   (rollback of drafts gave a block back, then one was taken again)
+                                new_token_ids=[o1 o2]             num_kept_blocks=2  new_block_ids=[9]
+    step 9   preempted_seq_ids=[7]: the runner drops the block table (tokens and params stay)
+    step 12  resumed:           new_token_ids=[]  num_kept_blocks=0  new_block_ids=[4 5 6]
+    step 20  finished_seq_ids=[7]: the runner forgets the sequence
+
+so a step costs O(new tokens + new blocks), never O(context), on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from servelm.protocol import Logprob, SamplingParams
+
+CONTRACT_VERSION = 1
+
+
+class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Sent once, the first time a runner sees a sequence."""
+
+    params: SamplingParams
+    num_prompt_tokens: int
+    seed: int | None = None  # the sequence's own sampling stream (n > 1: distinct seeds)
+
+
+class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence in one step. Positions start .. start + num_new_tokens - 1 get KV; the
+    last num_spec of them are draft slots a proposer may fill."""
+
+    seq_id: int
+    start: int  # first position computed (tokens below it have KV already)
+    num_new_tokens: int  # KV slots this step, draft slots included
+    new_token_ids: list[int]  # tokens appended to the sequence since the runner last saw it
+    num_kept_blocks: int  # the runner's block table is cut to this length ...
+    new_block_ids: list[int]  # ... then these are appended
+    num_spec: int = 0
+    new: NewSequence | None = None
+
+
+class StepDescription(msgspec.Struct, omit_defaults=True):
+    step_id: int
+    seqs: list[ScheduledSequence]
+    finished_seq_ids: list[int] = []  # the runner forgets these (sent once, with any step)
+    preempted_seq_ids: list[int] = []  # the runner drops their blocks (and draft KV)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
+    seq_id: int
+    token_id: int
+    logprob: Logprob | None = None
+
+
+class SpecOutcome(msgspec.Struct, array_like=True):
+    num_proposed: int  # drafts scored this step
+    num_accepted: int  # of which the target accepted (one more token is always emitted)
+
+
+class StepResult(msgspec.Struct, omit_defaults=True):
+    """sampled: the step's new tokens in order; a speculating sequence has several, the
+    first num_accepted of its drafts and the target's next token."""
+
+    sampled: list[SampledToken]
+    spec: dict[int, SpecOutcome] = {}  # seq_id -> outcome, for sequences that had drafts
+    forward_s: float = 0.0  # wall time of propose + model + sampling
+    draft_s: float = 0.0  # of which the proposer took
+
+
+class StepReport(msgspec.Struct, omit_defaults=True):
+    """A step's shape and the engine's running counters, for whoever keeps metrics (the
+    server's front end, in another process). step_s None: no model step ran (only abort
+    deltas came out)."""
+
+    step_s: float | None = None
+    last_num_seqs: int = 0
+    last_num_tokens: int = 0
+    last_num_context_tokens: int = 0
+    last_num_attention_pairs: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
+    spec_mean_accepted_length: float = 0.0
+    spec_draft_time_share: float = 0.0
+    spec_k: int | None = None  # None: speculation is off
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_namespaces: int = 0  # cache_salt namespaces holding a block
+    prefix_cache_bytes: int = 0  # estimated bytes of the prefix cache's bookkeeping
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """A block entered (kind 0) or left (kind 1) the prefix cache, by chain hash
+    (servelm/engine/prefix_cache.py block_hashes): what a router learns a replica caches."""
+
+    kind: int
+    hash: int
+    parent: int
+
+
+class Runner(Protocol):
+    """Computes steps. Keeps its own per-sequence state (block tables, sampling streams,
+    draft state), built from the deltas of each StepDescription; never reads engine state."""
+
+    def execute(self, step: StepDescription) -> StepResult: ...
+
+
+__all__ = ["CONTRACT_VERSION", "KVEvent", "NewSequence", "Runner", "SampledToken", "ScheduledSequence",
+           "SpecOutcome", "StepDescription", "StepReport", "StepResult"]

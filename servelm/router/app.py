@@ -1,0 +1,316 @@
+"""The router: an OpenAI-compatible pass-through in front of several replicas.
+
+Owns: picking a replica per request (a policy by name over ReplicaSet.loads(); requests
+with the same Idempotency-Key always go to the same replica, so its store answers a retry),
+forwarding (status, headers and body unchanged; streams relayed as they come), one retry on
+another replica for a request that failed before its first byte reached the client
+(connection refused or reset, timeout, a 5xx), an SSE error event for a stream that breaks
+mid-way (never a silent truncation), and the router's own Prometheus metrics.
+Never: parses or rewrites a response body, or retries a request twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from servelm.engine.prefix_cache import block_hashes
+from servelm.router.policies import RouteRequest, RoutingPolicy
+from servelm.router.prompts import prompt_token_ids
+from servelm.router.replicas import Replica, ReplicaSet
+
+logger = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy recomputes.
+_DROP_REQUEST = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                 "proxy-connection", "content-length"}
+_DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                  "content-length", "content-encoding"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "round_robin"
+    request_timeout: float = 600.0
+    max_body_bytes: int = 8 * 2**20
+
+
+class RouterMetrics:
+    def __init__(self, replicas: ReplicaSet):
+        self.registry = r = CollectorRegistry()
+        self.routed = Counter("servelm_router_requests_total", "Requests sent to each replica",
+                              ["replica"], registry=r)
+        self.retries = Counter("servelm_router_retries_total",
+                               "Requests retried on another replica (before their first byte)",
+                               registry=r)
+        self.broken = Counter("servelm_router_broken_streams_total",
+                              "Streams that broke mid-way (ended with an error event)",
+                              registry=r)
+        self.ejections = Counter("servelm_router_ejections_total",
+                                 "Times each replica was taken out", ["replica"], registry=r)
+        self.healthy = Gauge("servelm_router_replica_healthy", "1 while a replica is in",
+                             ["replica"], registry=r)
+        self.load = Gauge("servelm_router_replica_tokens_in_flight",
+                          "Tokens (prompt + max_tokens) the router has in flight per replica",
+                          ["replica"], registry=r)
+        self.imbalance = Gauge("servelm_router_imbalance_ratio",
+                               "max / mean tokens in flight over healthy replicas",
+                               registry=r)
+        self.estimated_hits = Counter(
+            "servelm_router_estimated_hit_tokens_total",
+            "Prompt tokens the router expected each replica to find in its prefix cache "
+            "(from the replica's KV events), for the requests it sent there",
+            ["replica"], registry=r)
+        self.reported_hits = Gauge(
+            "servelm_router_replica_reported_hit_tokens",
+            "The replica's own servelm_prefix_cache_hit_tokens_total, as last probed",
+            ["replica"], registry=r)
+        self.view_blocks = Gauge("servelm_router_replica_cache_view_blocks",
+                                 "Blocks in the router's view of each replica's prefix cache",
+                                 ["replica"], registry=r)
+        self.replicas = replicas
+        for rep in replicas.replicas:
+            self.routed.labels(rep.url)
+            self.ejections.labels(rep.url)
+            self.estimated_hits.labels(rep.url)
+
+    def render(self) -> bytes:
+        loads = []
+        for rep in self.replicas.replicas:
+            self.healthy.labels(rep.url).set(1 if rep.is_healthy else 0)
+            self.load.labels(rep.url).set(rep.tokens_in_flight)
+            self.reported_hits.labels(rep.url).set(rep.reported_cached_tokens)
+            self.view_blocks.labels(rep.url).set(len(rep.cache_view))
+            if rep.is_healthy:
+                loads.append(rep.tokens_in_flight)
+        mean = sum(loads) / len(loads) if loads else 0
+        self.imbalance.set(max(loads) / mean if mean else 1.0)
+        return generate_latest(self.registry)
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": code}}, status_code=status)
+
+
+def _estimate_tokens(body: dict) -> int:
+    """Prompt + max_tokens of a request, for the router's load count (4 characters a token
+    for text; token-id prompts counted exactly)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        prompt = body.get("messages", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        n = len(prompt)
+    else:
+        n = len(json.dumps(prompt)) // 4
+    out = body.get("max_tokens") or body.get("max_completion_tokens") or 256
+    return n + (out if isinstance(out, int) else 256)
+
+
+def _sticky(replicas: list[Replica], key: str) -> Replica:
+    """Rendezvous hashing: the same key maps to the same healthy replica while it lives."""
+    return max(replicas, key=lambda r: hashlib.sha256(f"{key}|{r.url}".encode()).digest())
+
+
+class Router:
+    def __init__(self, replicas: ReplicaSet, policy: RoutingPolicy, config: RouterConfig,
+                 tokenizer=None):
+        self.replicas = replicas
+        self.policy = policy
+        self.tokenizer = tokenizer  # for text prompts' cache estimates (None: ids only)
+        self.config = config
+        self.metrics = RouterMetrics(replicas)
+        replicas.on_change = lambda rep, ok: (None if ok else
+                                             self.metrics.ejections.labels(rep.url).inc())
+        self.client: httpx.AsyncClient | None = None
+
+    def pick(self, route: RouteRequest, prompt: list[int] | None, salt, headers,
+             exclude: Replica | None = None) -> tuple[Replica | None, int]:
+        """(replica, the prompt tokens expected in its cache)."""
+        healthy = [r for r in self.replicas.healthy if r is not exclude]
+        if not healthy:
+            return None, 0
+        key = headers.get("idempotency-key")
+        cached = self._cached_tokens(prompt, salt)
+        if key:
+            rep = _sticky(healthy, "idem:" + key)
+            return rep, cached[self.replicas.replicas.index(rep)]
+        loads = [r.load(c) if r is not exclude else r.load(c)._replace(is_healthy=False)
+                 for r, c in zip(self.replicas.replicas, cached)]
+        try:
+            i = self.policy.pick(loads, route)
+        except RuntimeError:
+            return None, 0
+        return self.replicas.replicas[i], cached[i]
+
+    def _cached_tokens(self, prompt: list[int] | None, salt) -> list[int]:
+        if not prompt:
+            return [0] * len(self.replicas.replicas)
+        by_size: dict[int, list[int]] = {}
+        out = []
+        for r in self.replicas.replicas:
+            if not r.block_size:
+                out.append(0)
+                continue
+            if r.block_size not in by_size:  # at least one token left to compute
+                by_size[r.block_size] = block_hashes(prompt[:-1], r.block_size, salt)
+            out.append(r.cached_tokens(by_size[r.block_size]))
+        return out
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            return JSONResponse({"error": {"message": "request body too large",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "body_too_large"}}, status_code=413)
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        tokens = _estimate_tokens(body)
+        is_stream = bool(body.get("stream"))
+        prompt = None
+        if request.method == "POST" and path.endswith("completions"):
+            if len(raw) > 16384 and self.tokenizer is not None:
+                prompt = await asyncio.to_thread(prompt_token_ids, body, path, self.tokenizer)
+            else:
+                prompt = prompt_token_ids(body, path, self.tokenizer)
+        user = body.get("user") or request.headers.get("x-session-id")
+        route = RouteRequest(tokens, user if isinstance(user, str) else None)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        first, cached = self.pick(route, prompt, salt, request.headers)
+        if first is None:
+            return _error(503, "no healthy replica", "no_replica")
+        replica, upstream, failure = await self._send(first, request.method, path, raw,
+                                                      headers, request.url.query, tokens)
+        if upstream is None:
+            retry, cached = self.pick(route, prompt, salt, request.headers, exclude=first)
+            if retry is None:
+                return _error(502, f"replica {first.url} failed ({failure}) and no other "
+                              "replica is healthy", "replica_failed")
+            self.metrics.retries.inc()
+            replica, upstream, failure = await self._send(retry, request.method, path, raw,
+                                                          headers, request.url.query, tokens)
+            if upstream is None:
+                return _error(502, f"two replicas failed: {failure}", "replica_failed")
+        self.metrics.routed.labels(replica.url).inc()
+        self.metrics.estimated_hits.labels(replica.url).inc(cached)
+        replica.num_routed += 1
+        out_headers = {k: v for k, v in upstream.headers.items()
+                       if k.lower() not in _DROP_RESPONSE}
+        out_headers["x-servelm-replica"] = replica.url
+        if is_stream:
+            return StreamingResponse(self._relay(replica, upstream, tokens),
+                                     status_code=upstream.status_code, headers=out_headers)
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:  # broke before the client saw a byte
+            self.replicas.record_failure(replica, repr(exc))
+            return _error(502, f"replica {replica.url} broke off its answer: {exc!r}",
+                          "replica_failed")
+        finally:
+            self._done(replica, tokens)
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, headers=out_headers)
+
+    @staticmethod
+    def _done(replica: Replica, tokens: int) -> None:
+        replica.tokens_in_flight -= tokens
+        replica.num_in_flight -= 1
+
+    async def _send(self, replica: Replica, method: str, path: str, raw: bytes, headers,
+                    query: str, tokens: int):
+        """(replica, streaming response or None, failure text). A 5xx counts as a failure
+        (retried elsewhere); a 4xx is the client's and is passed through. The request counts
+        in the replica's load from here until `_done`."""
+        url = replica.url + path + (f"?{query}" if query else "")
+        req = self.client.build_request(method, url, content=raw, headers=headers,
+                                        timeout=self.config.request_timeout)
+        replica.tokens_in_flight += tokens
+        replica.num_in_flight += 1
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            self._done(replica, tokens)
+            self.replicas.record_failure(replica, repr(exc))
+            return replica, None, f"{type(exc).__name__}"
+        if resp.status_code >= 500:
+            self._done(replica, tokens)
+            await resp.aclose()
+            self.replicas.record_failure(replica, f"HTTP {resp.status_code}")
+            return replica, None, f"HTTP {resp.status_code}"
+        return replica, resp, ""
+
+    async def _relay(self, replica: Replica, upstream: httpx.Response, tokens: int):
+        done = False
+        try:
+            async for chunk in upstream.aiter_raw():
+                if b"data: [DONE]" in chunk:
+                    done = True
+                yield chunk
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            if not done:
+                self.metrics.broken.inc()
+                self.replicas.record_failure(replica, f"stream broke: {exc!r}")
+                err = {"error": {"message": f"the replica's stream broke mid-way: {exc!r}",
+                                 "type": "server_error", "param": None,
+                                 "code": "replica_failed"}}
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            self._done(replica, tokens)
+            await upstream.aclose()
+
+
+def build_router_app(replicas: ReplicaSet, policy: RoutingPolicy,
+                     config: RouterConfig | None = None, tokenizer=None) -> FastAPI:
+    router = Router(replicas, policy, config or RouterConfig(), tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                               max_keepalive_connections=64))
+        async with httpx.AsyncClient() as probe_client:
+            await replicas.probe_all(probe_client)  # know who is up before the first request
+        replicas.start()
+        try:
+            yield
+        finally:
+            await replicas.stop()
+            await router.client.aclose()
+
+    app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = len(replicas.healthy)
+        status = 200 if n else 503
+        return JSONResponse({"status": "ok" if n else "no_replica", "healthy_replicas": n,
+                             "replicas": len(replicas.replicas)}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(path: str, request: Request) -> Response:
+        return await router.forward(request, "/" + path)
+
+    return app
+
+
+__all__ = ["Router", "RouterConfig", "build_router_app"]

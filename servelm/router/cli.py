@@ -1,0 +1,74 @@
+"""`servelm router --replica URL [--replica URL ...] --policy NAME`: one endpoint in front of
+several `servelm serve` replicas (docs/router.md).
+
+Owns: the router's flags and its uvicorn server. Never: imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+
+import uvicorn
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn, exiting with status 0 on SIGTERM/SIGINT (uvicorn re-raises the signal after
+    its shutdown, so the process would end "killed by SIGTERM"); a second SIGINT forces."""
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def add_parser(subparsers) -> None:
+    from servelm.router.policies import policy_names
+
+    p = subparsers.add_parser("router", help="OpenAI-compatible router over replicas",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a replica's base URL (repeat for each)")
+    p.add_argument("--policy", default="least_loaded", choices=policy_names())
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--probe-interval", type=float, default=1.0,
+                   help="seconds between health/metrics probes of each replica")
+    p.add_argument("--eject-after", type=int, default=2,
+                   help="consecutive failed probes or requests that take a replica out")
+    p.add_argument("--replica-api-key", default=None,
+                   help="bearer token for probing the replicas' /metrics (clients' own keys "
+                        "are passed through unchanged)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--model", default=None,
+                   help="the replicas' model (name, .gguf or HF directory): its tokenizer turns "
+                        "text prompts into the token ids prefix_affinity looks up (without "
+                        "it only token-id prompts get a cache estimate)")
+    p.set_defaults(func=handler)
+
+
+def handler(args) -> int:
+    from servelm.router.app import RouterConfig, build_router_app
+    from servelm.router.policies import make_policy
+    from servelm.router.replicas import ReplicaSet
+
+    replicas = ReplicaSet(args.replica, args.probe_interval, args.eject_after,
+                          api_key=args.replica_api_key)
+    tokenizer = None
+    if args.model:
+        from servelm.loader import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(args.model))
+    app = build_router_app(replicas, make_policy(args.policy),
+                           RouterConfig(args.policy, args.request_timeout), tokenizer)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    server = RouterServer(uvicorn.Config(app, log_level="warning", access_log=False))
+    host, port = sock.getsockname()[:2]
+    print(f"[servelm] router ({args.policy}) over {len(args.replica)} replicas at "
+          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return 0

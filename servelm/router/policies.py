@@ -1,0 +1,139 @@
+"""Routing policies: pick a replica for a request from what is known of each replica's load.
+
+Owns: `ReplicaLoad` and the registry of policies by name. A policy is an object with
+`pick(loads, request) -> index`; it may keep state (round robin's cursor) but never looks at
+a replica other than through its ReplicaLoad.
+Never: imports torch, or talks to a replica (the caller learns the loads: a router from the
+replicas' metrics, the simulator from the simulated engines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Protocol, Sequence
+
+
+class ReplicaLoad(NamedTuple):
+    num_waiting: int  # requests queued, not yet scheduled
+    num_running: int  # requests with a running sequence
+    num_tokens_in_flight: int  # tokens still to compute: waiting prompts + running remainder
+    kv_usage: float  # share of KV blocks held, 0..1
+    is_healthy: bool = True
+    cached_tokens: int = 0  # of this request's prompt, expected in the replica's prefix cache
+
+
+class RouteRequest(NamedTuple):
+    """What a policy knows of the request being placed."""
+
+    num_tokens: int = 0  # prompt + max_tokens: what it adds to a replica's load
+    user: str | None = None  # the session key (OpenAI `user`, or a session header)
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def pick(self, loads: Sequence[ReplicaLoad], request: RouteRequest) -> int: ...
+
+
+class RoundRobin:
+    """Each healthy replica in turn, whatever its load."""
+
+    name = "round_robin"
+
+    def __init__(self):
+        self._next = 0
+
+    def pick(self, loads: Sequence[ReplicaLoad], request) -> int:
+        n = len(loads)
+        for k in range(n):
+            i = (self._next + k) % n
+            if loads[i].is_healthy:
+                self._next = i + 1
+                return i
+        raise RuntimeError("no healthy replica")
+
+
+class LeastLoaded:
+    """The healthy replica with the fewest tokens in flight (ties: lower KV usage, then the
+    lowest index), so a long prompt counts for what it will cost, not as one request."""
+
+    name = "least_loaded"
+
+    def pick(self, loads: Sequence[ReplicaLoad], request) -> int:
+        healthy = [i for i, load in enumerate(loads) if load.is_healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica")
+        return min(healthy, key=lambda i: (loads[i].num_tokens_in_flight, loads[i].kv_usage, i))
+
+
+class Session:
+    """Sticky: requests with the same `user` (or session id) go to the same healthy replica
+    (rendezvous hashing: when a replica leaves, only its sessions move); requests without
+    one are placed least-loaded."""
+
+    name = "session"
+
+    def __init__(self):
+        self._fallback = LeastLoaded()
+
+    def pick(self, loads: Sequence[ReplicaLoad], request: RouteRequest) -> int:
+        key = request.user
+        healthy = [i for i, load in enumerate(loads) if load.is_healthy]
+        if not key or not healthy:
+            return self._fallback.pick(loads, request)
+        return max(healthy, key=lambda i: hashlib.sha256(f"{key}|{i}".encode()).digest())
+
+
+class PrefixAffinity:
+    """Cache affinity against load, with a bound on imbalance:
+
+        score(r) = cached_tokens(r) - load_weight * tokens_in_flight(r)
+
+    over the healthy replicas under the capacity C = (1 + epsilon) x the mean load once this
+    request is placed: tokens_in_flight(r) < C = (1 + epsilon) * (sum of loads + request) / n
+    (consistent hashing with bounded loads, in tokens rather than requests: a replica below
+    capacity may take the request, so no replica ends above C by more than one request).
+    The best score wins, ties to the least loaded.
+
+    Defaults: epsilon 0.25 is the imbalance a fleet may show (max / mean <= 1.25); a cached
+    prompt token saves a prefill token, while a token already in flight delays this request
+    by less than one (decode tokens batch), so load_weight 0.5. Both are starting points,
+    not yet tuned by a measured sweep."""
+
+    name = "prefix_affinity"
+
+    def __init__(self, load_weight: float = 0.5, epsilon: float = 0.25):
+        self.load_weight = load_weight
+        self.epsilon = epsilon
+
+    def pick(self, loads: Sequence[ReplicaLoad], request: RouteRequest) -> int:
+        healthy = [i for i, load in enumerate(loads) if load.is_healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica")
+        total = sum(loads[i].num_tokens_in_flight for i in healthy) + request.num_tokens
+        cap = (1 + self.epsilon) * total / len(healthy)
+        fits = [i for i in healthy if loads[i].num_tokens_in_flight < cap]
+        if not fits:
+            return min(healthy, key=lambda i: (loads[i].num_tokens_in_flight, i))
+        return max(fits, key=lambda i: (loads[i].cached_tokens - self.load_weight
+                                        * loads[i].num_tokens_in_flight,
+                                        -loads[i].num_tokens_in_flight, -i))
+
+
+_POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, Session, PrefixAffinity)}
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"routing policy {name!r} is unknown; choose from "
+                         f"{policy_names()}") from None
+
+
+__all__ = ["LeastLoaded", "PrefixAffinity", "ReplicaLoad", "RoundRobin", "RouteRequest",
+           "RoutingPolicy", "Session", "make_policy", "policy_names"]

@@ -1,0 +1,11 @@
+"""The fleet simulator: servelm's own scheduler, block manager and prefix cache, driven in
+virtual time by a runner whose step time comes from a fitted cost model.
+
+    cost_model.py  StepCostModel: step seconds from a step's shape; fit from measurements
+    runner.py      SimRunner: the Runner protocol without a model (synthetic tokens)
+    fleet.py       the discrete-event simulation of N replicas behind a routing policy
+    cli.py         `servelm sim`
+
+Never: re-implements a policy: the Engine, Scheduler, BlockManager and PrefixCache here are
+the ones `servelm serve` runs.
+"""

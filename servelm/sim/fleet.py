@@ -1,0 +1,163 @@
+"""The discrete-event simulation of a fleet: N replicas, each the real Engine, Scheduler,
+BlockManager and PrefixCache on a SimRunner, behind a routing policy.
+
+Owns: the event queue (arrivals and step completions in virtual time), per-request records
+in the shape `servelm bench serve` measures (so the result is its JSON schema), and each
+replica's KV usage and queue length over time.
+Never: models a policy of its own: scheduling, admission, preemption and prefix hits are the
+engine's; routing is servelm/router's.
+
+Time: each replica has a VirtualClock. A replica with work runs one step at a time; a step
+starting at t ends at t + cost(step), when its tokens are stamped (first token, chunks,
+finish). A request that arrives during a step waits for the next one, as on a server.
+Arrivals at the same instant as a step's start are admitted before it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from servelm.bench.metrics import RequestRecord
+from servelm.config import SchedulerConfig
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.engine import Engine
+from servelm.protocol import EngineRequest, SamplingParams
+from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
+from servelm.sim.cost_model import StepCostModel
+from servelm.sim.runner import SimRunner, VirtualClock
+
+_ARRIVE, _STEP = 0, 1  # same instant: arrivals first
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What each simulated replica is: its KV pool and scheduler limits."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int = 8192
+    vocab_size: int = 49152
+    eos_token_ids: tuple[int, ...] = (0,)
+
+
+@dataclass
+class SimRequest:
+    arrival_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Replica:
+    index: int
+    engine: Engine
+    clock: VirtualClock
+    runner: SimRunner
+    is_stepping: bool = False
+    timeline: list[tuple[float, float, int, int]] = field(default_factory=list)
+    # (time, kv usage, waiting, running) after each step
+
+    def load(self, prompt: list[int] | None = None) -> ReplicaLoad:
+        """This replica's load, and how much of `prompt` its prefix cache holds (exact: the
+        simulator reads the cache a router would estimate from KV events)."""
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        in_flight = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        in_flight += sum(s.max_tokens - s.num_output_tokens for s in sched.running)
+        cached = 0
+        if prompt is not None and bm.prefix_cache is not None:
+            cached = bm.prefix_cache.match(prompt, None, len(prompt) - 1, record=False).num_tokens
+        return ReplicaLoad(len(sched.waiting), len(sched.running), in_flight,
+                           bm.num_used_blocks / bm.num_blocks, True, cached)
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    replicas: list[Replica]
+    elapsed_s: float  # virtual: first arrival -> last finish
+    wall_s: float
+    num_steps: int
+
+    @property
+    def requests_per_wall_s(self) -> float:
+        return len(self.records) / self.wall_s if self.wall_s > 0 else float("inf")
+
+
+def _make_replica(index: int, spec: ReplicaSpec, cost: StepCostModel) -> Replica:
+    clock = VirtualClock()
+    runner = SimRunner(cost, clock, spec.vocab_size, spec.eos_token_ids)
+    engine = Engine(runner, None,
+                    BlockManager(spec.num_blocks, spec.block_size, spec.enable_prefix_caching),
+                    SchedulerConfig(spec.max_num_batched_tokens, spec.max_num_seqs,
+                                    spec.enable_chunked_prefill),
+                    spec.max_model_len, spec.vocab_size, spec.eos_token_ids, clock=clock)
+    return Replica(index, engine, clock, runner)
+
+
+def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
+             cost: StepCostModel, policy: RoutingPolicy) -> SimResult:
+    """Run every request to completion; returns what a client would have measured."""
+    started = time.perf_counter()
+    replicas = [_make_replica(i, spec, cost) for i in range(num_replicas)]
+    records: dict[str, RequestRecord] = {}
+    events: list = []
+    order = itertools.count()
+    for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
+        heapq.heappush(events, (r.arrival_s, _ARRIVE, next(order), (f"r{i}", r)))
+    num_steps = 0
+    last_end = 0.0
+    while events:
+        t, kind, _, payload = heapq.heappop(events)
+        if kind == _ARRIVE:
+            rid, req = payload
+            route = RouteRequest(len(req.prompt_token_ids) + req.max_tokens)
+            rep = replicas[policy.pick([x.load(req.prompt_token_ids) for x in replicas], route)]
+            records[rid] = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
+                                         scheduled_time=t, sent_time=t, written_time=t)
+            rep.engine.add_request(EngineRequest(
+                rid, req.prompt_token_ids,
+                SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
+                arrival_time=t))
+            if not rep.is_stepping:
+                rep.clock.now = max(rep.clock.now, t)
+                rep.is_stepping = True
+                heapq.heappush(events, (rep.clock.now, _STEP, next(order), rep))
+            continue
+        rep = payload
+        rep.clock.now = t
+        deltas = rep.engine.step()  # advances rep.clock by the step's cost
+        num_steps += 1
+        now = rep.clock.now
+        for d in deltas:
+            rec = records[d.request_id]
+            if d.token_ids:
+                if rec.first_token_time is None:
+                    rec.first_token_time = now
+                rec.chunk_times.append(now)
+                rec.num_output_tokens += len(d.token_ids)
+            if d.timings is not None:
+                rec.end_time = now
+                rec.has_usage = True
+                rec.usage_prompt_tokens = d.num_prompt_tokens
+                last_end = max(last_end, now)
+        bm, sched = rep.engine.block_manager, rep.engine.scheduler
+        rep.timeline.append((now, bm.num_used_blocks / bm.num_blocks, len(sched.waiting),
+                             len(sched.running)))
+        if rep.engine.has_unfinished:
+            heapq.heappush(events, (now, _STEP, next(order), rep))
+        else:
+            rep.is_stepping = False
+    first = min((r.arrival_s for r in requests), default=0.0)
+    return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
+                     time.perf_counter() - started, num_steps)
+
+
+__all__ = ["Replica", "ReplicaSpec", "SimRequest", "SimResult", "simulate"]

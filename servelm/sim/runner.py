@@ -1,0 +1,57 @@
+"""SimRunner: the Runner protocol without a model.
+
+Owns: a RunnerState built from each StepDescription's deltas (the same one every runner
+keeps), synthetic sampled tokens, and the step's time from a StepCostModel, spent by
+advancing the replica's virtual clock.
+Never: imports torch, or decides anything the scheduler decides.
+
+Tokens: a hash of the sequence so far, kept clear of the EOS ids, so a request ends exactly
+at its max_tokens (the workload's output length), as `ignore_eos` requests do on a server.
+"""
+
+from __future__ import annotations
+
+from servelm.core.contract import SampledToken, StepDescription, StepResult
+from servelm.core.runner_state import RunnerState
+from servelm.sim.cost_model import StepCostModel, step_shape
+
+
+class VirtualClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimRunner:
+    def __init__(self, cost: StepCostModel, clock: VirtualClock, vocab_size: int = 49152,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.cost = cost
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.eos = frozenset(eos_token_ids)
+        self.state = RunnerState()
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def execute(self, step: StepDescription) -> StepResult:
+        scheduled = self.state.apply(step)
+        step_s = self.cost.predict(step_shape(step))
+        self.clock.now += step_s
+        self.num_steps += 1
+        self.busy_s += step_s
+        out = []
+        for s in scheduled:
+            if s.is_sampling:
+                out.append(SampledToken(s.seq.seq_id, self._token(s.seq.token_ids)))
+        return StepResult(out, forward_s=step_s)
+
+    def _token(self, token_ids: list[int]) -> int:
+        t = hash((len(token_ids), token_ids[-1])) % (self.vocab_size - 200) + 100
+        while t in self.eos:
+            t += 1
+        return t
+
+
+__all__ = ["SimRunner", "VirtualClock"]
