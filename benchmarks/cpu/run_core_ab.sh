@@ -11,13 +11,16 @@
 #     1 / TPOT, through the HTTP front end and (B) the engine core process
 #   served batch (--concurrency 32, 64 requests): output tok/s
 #   BEFORE=3ee921c bash benchmarks/cpu/run_core_ab.sh
+#   PARTS=serve ROUNDS=3 OUT_DIR=<an earlier run's folder> ...  adds rounds of one part
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BEFORE=${BEFORE:?set BEFORE to the commit to compare against}
 ROUNDS=${ROUNDS:-2}
 PY=${PY:-$PWD/.venv/bin/python}
 TS=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$PWD/benchmarks/results/core-ab-$TS
+OUT=${OUT_DIR:-$PWD/benchmarks/results/core-ab-$TS}
+PARTS=${PARTS:-offline,serve}
+FIRST_ROUND=${FIRST_ROUND:-1}
 mkdir -p "$OUT"
 TREE=$(mktemp -d /tmp/servelm-before-XXXX)
 git archive "$BEFORE" | tar -x -C "$TREE"
@@ -29,12 +32,15 @@ run_system() {  # $1 = A|B, $2 = round
   local sys=$1 r=$2 pp=() here=$PWD
   if [ "$sys" = A ]; then cd "$TREE"; fi
   "$PY" -c 'import servelm, sys; print("servelm from", servelm.__file__, file=sys.stderr)'
+  if [[ $PARTS == *offline* ]]; then
   "$PY" -m servelm.cli bench offline $MODEL --num-prompts 1 --input-len 128 \
       --output-len 128 --threads 2 --seed 0 --max-num-seqs 64 --no-progress \
       --out "$OUT/offline-single-$sys-$r.json" >/dev/null
   "$PY" -m servelm.cli bench offline $MODEL --num-prompts 64 --input-len 32:256 \
       --output-len 128 --threads 2 --seed 0 --max-num-seqs 64 --no-progress \
       --out "$OUT/offline-batch64-$sys-$r.json" >/dev/null
+  fi
+  [[ $PARTS == *serve* ]] || { cd "$here"; return; }
   local port=$((18000 + RANDOM % 1000))
   "$PY" -m servelm.cli serve $MODEL --port $port --threads 2 --max-num-seqs 64 \
       --no-log-requests 2>"$OUT/serve-$sys-$r.log" &
@@ -52,7 +58,7 @@ run_system() {  # $1 = A|B, $2 = round
   cd "$here"
 }
 
-for r in $(seq "$ROUNDS"); do
+for r in $(seq "$FIRST_ROUND" $((FIRST_ROUND + ROUNDS - 1))); do
   run_system A "$r"
   run_system B "$r"
 done
