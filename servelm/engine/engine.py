@@ -198,11 +198,14 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def _request_counts(self) -> tuple[int, int]:
+        """(requests with a running sequence, requests waiting with none running)."""
+        running = {s.request_id for s in self.scheduler.running}
+        return len(running), len({s.request_id for s in self.scheduler.waiting} - running)
+
     @property
     def num_waiting_requests(self) -> int:
-        """Requests with a sequence waiting and none running."""
-        running = {s.request_id for s in self.scheduler.running}
-        return len({s.request_id for s in self.scheduler.waiting} - running)
+        return self._request_counts()[1]
 
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
@@ -392,8 +395,7 @@ class Engine:
         """The last step's shape and the running counters, as plain data (metrics)."""
         st, sched, bm = self.stats, self.scheduler, self.block_manager
         cache = bm.prefix_cache.usage() if bm.prefix_cache is not None else None
-        running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
+        num_running, num_waiting = self._request_counts()
         return StepReport(
             step_s=step_s, last_num_seqs=st.last_num_seqs, last_num_tokens=st.last_num_tokens,
             last_num_context_tokens=st.last_num_context_tokens,
@@ -403,7 +405,7 @@ class Engine:
             spec_mean_accepted_length=st.spec_mean_accepted_length,
             spec_draft_time_share=st.spec_draft_time_share,
             spec_k=self.speculator.last_k if self.speculator is not None else None,
-            num_running_requests=len(running), num_waiting_requests=len(waiting),
+            num_running_requests=num_running, num_waiting_requests=num_waiting,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             prefix_cache_namespaces=cache.num_namespaces if cache else 0,
