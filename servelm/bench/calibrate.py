@@ -1,9 +1,13 @@
-"""`servelm bench calibrate MODEL`: measure engine steps of known shape, fit a StepCostModel.
+"""`servelm bench calibrate MODEL`: measure engine steps of known shape, fit a StepCostModel;
+`servelm bench calibrate --host`: measure this machine's host bandwidths for the planner.
 
 Owns: the calibration workloads (decode batches at several sizes and contexts, prefill
 chunks of several lengths, and the mixed steps between them), timing each whole engine step
-(schedule + runner + update: what a simulated step stands for), and the fit's report.
-Never: guesses a coefficient: every figure comes from a step measured on this machine.
+(schedule + runner + update: what a simulated step stands for), and the fit's report; and
+the host measurements (a DRAM copy, a disk read that bypasses the page cache, a pinned
+host-to-GPU copy when there is a GPU) written as `servelm plan --calibration` keys.
+Never: guesses a coefficient: every figure comes from a step or a copy measured on this
+machine; a bandwidth it cannot measure (no GPU) is left out, not filled in.
 
 The model file feeds `servelm sim --cost-model FILE`; its `fit.engine` block records the
 engine the steps ran on (KV blocks, limits), which the simulator takes as its replica.
@@ -13,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from servelm.sim.cost_model import StepCostModel, StepShape, fit_cost_model, step_shape
 
@@ -110,6 +118,176 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- host bandwidths
+
+
+class Transfer(NamedTuple):
+    num_bytes: int
+    seconds: float  # the fastest of the repeats
+    method: str
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return self.num_bytes / self.seconds
+
+
+def _fastest(run: Callable[[], int], repeats: int,
+             clock: Callable[[], float]) -> tuple[int, float]:
+    """Bytes moved by one call of `run` and its fastest time over `repeats` calls (the
+    achievable rate; slower repeats are other processes on a shared machine)."""
+    best, moved = float("inf"), 0
+    for _ in range(repeats):
+        start = clock()
+        moved = run()
+        best = min(best, clock() - start)
+    if best <= 0:
+        raise RuntimeError("the clock did not advance; use a larger --sample-mb")
+    return moved, best
+
+
+def measure_memory_copy(num_bytes: int, repeats: int = 5,
+                        clock: Callable[[], float] = time.perf_counter) -> Transfer:
+    """One thread copying a buffer to another: bytes copied per second (each byte is read
+    once and written once). Both buffers are touched first so no page fault is timed."""
+    import numpy as np
+
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.zeros(num_bytes, dtype=np.uint8)
+
+    def run() -> int:
+        np.copyto(dst, src)
+        return num_bytes
+
+    moved, best = _fastest(run, repeats, clock)
+    return Transfer(moved, best, "numpy copyto, one thread")
+
+
+def _write_sample(path: Path, num_bytes: int) -> None:
+    chunk = os.urandom(min(num_bytes, 1 << 24))
+    with open(path, "wb") as f:
+        left = num_bytes
+        while left > 0:
+            left -= f.write(chunk[:left])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_all(path: Path, flags: int, buf: mmap.mmap) -> int:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        total = 0
+        while n := os.readv(fd, [buf]):
+            total += n
+        return total
+    finally:
+        os.close(fd)
+
+
+def measure_disk_read(directory: str | Path, num_bytes: int, repeats: int = 2,
+                      clock: Callable[[], float] = time.perf_counter) -> Transfer:
+    """Sequential read of a file written for the purpose in `directory` (put it on the disk
+    the weights load from). O_DIRECT bypasses the page cache; where the file system refuses
+    it, the file's cached pages are dropped (posix_fadvise DONTNEED) before each read."""
+    path = Path(directory) / f".servelm-calibrate-{os.getpid()}.bin"
+    num_bytes = max(num_bytes - num_bytes % 4096, 4096)  # whole blocks, as O_DIRECT reads
+    buf = mmap.mmap(-1, 1 << 24)  # page-aligned, as O_DIRECT needs
+    try:
+        _write_sample(path, num_bytes)
+        try:
+            moved, best = _fastest(lambda: _read_all(path, os.O_DIRECT, buf), repeats, clock)
+            return Transfer(moved, best, f"O_DIRECT read of {path}")
+        except (OSError, AttributeError):  # no O_DIRECT here (tmpfs, macOS)
+            def run() -> int:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+                return _read_all(path, 0, buf)
+            moved, best = _fastest(run, repeats, clock)
+            return Transfer(moved, best, f"read of {path} after dropping its cached pages")
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
+
+
+def measure_host_to_gpu(num_bytes: int, repeats: int = 5) -> Transfer | None:
+    """Pinned host memory -> GPU 0 over its host link; None without a CUDA GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)  # warm-up: the first copy sets up the DMA path
+    torch.cuda.synchronize()
+
+    def run() -> int:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return num_bytes
+
+    moved, best = _fastest(run, repeats, time.perf_counter)
+    return Transfer(moved, best, f"pinned copy to {torch.cuda.get_device_name(0)}")
+
+
+def host_calibration(disk_dir: str | Path, num_bytes: int, progress: bool = True
+                     ) -> dict[str, float]:
+    """The planner's calibration keys this machine can measure, in bytes/s."""
+    measured = {"host_memory_bandwidth_Bps": measure_memory_copy(num_bytes),
+                "disk_bandwidth_Bps": measure_disk_read(disk_dir, num_bytes),
+                "host_link_bandwidth_Bps": measure_host_to_gpu(num_bytes)}
+    out = {}
+    for key, t in measured.items():
+        if t is None:
+            if progress:
+                print(f"[calibrate] {key}: not measured (no CUDA GPU)", file=sys.stderr)
+            continue
+        out[key] = t.bandwidth_Bps
+        if progress:
+            print(f"[calibrate] {key}: {t.bandwidth_Bps / 1e9:.2f} GB/s "
+                  f"({t.num_bytes / 1e6:.0f} MB in {t.seconds * 1e3:.1f} ms, {t.method})",
+                  file=sys.stderr)
+    return out
+
+
+def merge_calibration(path: Path, measured: dict[str, float], source: str) -> dict:
+    """The planner calibration file at `path` (if any) with `measured` keys replaced, so one
+    file can hold MFUs from a step benchmark and the host's bandwidths."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} is not a JSON object")
+    data.update(measured)
+    data["source"] = source
+    return data
+
+
+def cmd_calibrate_host(args: argparse.Namespace) -> int:
+    from servelm.bench.results import machine_info
+
+    if args.sample_mb <= 0:
+        raise SystemExit("--sample-mb: must be positive")
+    if not Path(args.disk_dir).is_dir():
+        raise SystemExit(f"--disk-dir: no such directory: {args.disk_dir}")
+    measured = host_calibration(args.disk_dir, int(args.sample_mb * 1e6),
+                                progress=not args.no_progress)
+    out = Path(args.out) if args.out else Path("benchmarks/results/planner-calibration.json")
+    cpu = machine_info().get("cpu", "this machine")
+    source = (f"servelm bench calibrate --host, {cpu}, "
+              f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+    data = merge_calibration(out, measured, source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(json.dumps(data, indent=2))
+    print(f"[calibrate] wrote {out}; use it with `servelm plan ... --calibration {out}`",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    return cmd_calibrate_host(args) if args.host else cmd_calibrate(args)
+
+
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     from servelm.config import add_engine_cli_args
     from servelm.loader.model_cache import DEFAULT_MODEL
@@ -122,6 +300,16 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/cost-model-NAME.json)")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("host bandwidths for `servelm plan --calibration` (--host)")
+    g.add_argument("--host", action="store_true",
+                   help="measure host DRAM copy, disk read and (with a GPU) pinned host-to-GPU "
+                        "bandwidth instead of fitting a step-cost model; merged into --out "
+                        "(default benchmarks/results/planner-calibration.json)")
+    g.add_argument("--disk-dir", default=".",
+                   help="where the disk sample is written and read (default: the current "
+                        "directory; put it on the disk the weights load from)")
+    g.add_argument("--sample-mb", type=float, default=256.0,
+                   help="bytes per measurement, decimal MB (default 256)")
     add_engine_cli_args(p)
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=_cmd)
     return p

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from servelm.planner.calibration import load_calibration
+from servelm.planner.calibration import BANDWIDTH_FLAGS, Calibration, load_calibration
 from servelm.planner.capacity import plan_capacity
 from servelm.planner.chain import PlanResult
 from servelm.planner.coldstart import plan_coldstart
@@ -89,6 +89,25 @@ def _hw_flags(p: argparse.ArgumentParser, tp_default: str = _AUTO_TP) -> None:
                         "step_overhead_s, ...), e.g. from `servelm bench`")
 
 
+_BANDWIDTH_HELP = {
+    "--dram-bw": "host DRAM (the dram tier), GB/s (default: the catalog's ddr5)",
+    "--disk-bw": "local disk (the nvme tier), GB/s (default: the catalog's nvme)",
+    "--network-bw": "remote store (the network tier), GB/s (default: nic-400g)",
+    "--pcie-bw": "each GPU's host link, GB/s (default: the GPU's PCIe)",
+    "--link-bw": "the --link's bandwidth per GPU, one way, GB/s (default: the catalog's)",
+}
+
+
+def _bandwidth_flags(p: argparse.ArgumentParser, *flags: str) -> None:
+    """Bandwidths in decimal GB/s; each overrides --calibration's key of the same meaning."""
+    for flag in flags:
+        p.add_argument(flag, type=pos_float, default=None, metavar="GBPS",
+                       help=_BANDWIDTH_HELP[flag] + "; overrides --calibration")
+
+
+_TIER_BANDWIDTH_FLAGS = ("--dram-bw", "--disk-bw", "--network-bw", "--pcie-bw")
+
+
 def _slo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", type=pos_float, default=1.0, help="TTFT budget/SLO, s")
     p.add_argument("--tpot", type=pos_float, default=0.05, help="TPOT SLO, s per token")
@@ -97,6 +116,15 @@ def _slo_flags(p: argparse.ArgumentParser) -> None:
 def _mfu_flag(p: argparse.ArgumentParser, default_doc: str) -> None:
     p.add_argument("--mfu", type=fraction, default=None,
                    help=f"model FLOPs utilisation (default: calibration, else {default_doc})")
+
+
+def _phase_mfu_flags(p: argparse.ArgumentParser) -> None:
+    """For commands that run both phases: one flag per phase, never one for both."""
+    p.add_argument("--prefill-mfu", type=fraction, default=None,
+                   help="MFU of prefill GEMMs (default: calibration.prefill_mfu, else 0.5)")
+    p.add_argument("--decode-mfu", type=fraction, default=None,
+                   help="MFU of decode steps (default: calibration.decode_mfu, else 1.0: "
+                        "a lower bound)")
 
 
 def _register(sub, name: str, helptext: str, fn: Callable) -> argparse.ArgumentParser:
@@ -108,6 +136,17 @@ def _register(sub, name: str, helptext: str, fn: Callable) -> argparse.ArgumentP
 # ---------------------------------------------------------------- flags -> plan_* calls
 
 
+def _calibration(args: argparse.Namespace) -> Calibration:
+    """--calibration FILE, then the bandwidth flags (GB/s) over the file's keys."""
+    cal = load_calibration(args.calibration)
+    changes = {}
+    for key, flag in BANDWIDTH_FLAGS.items():
+        gbps = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if gbps is not None:
+            changes[key] = gbps * 1e9
+    return dataclasses.replace(cal, **changes) if changes else cal
+
+
 def _deployment(args: argparse.Namespace, default_tp: int | None = None) -> Deployment:
     model = resolve_model(args.model)
     gpu = get_accelerator(args.gpu)
@@ -115,8 +154,7 @@ def _deployment(args: argparse.Namespace, default_tp: int | None = None) -> Depl
                                           args.reserve_gb)
     return Deployment(model, gpu, tp=tp, weight_dtype=args.weight_dtype,
                       kv_dtype=args.kv_dtype, mem_util=args.mem_util,
-                      reserve_gb=args.reserve_gb,
-                      calibration=load_calibration(args.calibration))
+                      reserve_gb=args.reserve_gb, calibration=_calibration(args))
 
 
 def _run_kv(a):
@@ -131,13 +169,19 @@ def _run_capacity(a):
     return plan_capacity(_deployment(a, default_tp=a.num_gpus), a.num_gpus, a.context)
 
 
-def _decode_deployment(a) -> Deployment:
-    """decode and spec: --mfu overrides the calibration's decode MFU."""
-    d = _deployment(a)
-    if a.mfu is None:
+def _with_mfu(d: Deployment, *, prefill_mfu: float | None = None,
+              decode_mfu: float | None = None) -> Deployment:
+    """An MFU flag overrides the calibration's figure for that phase only."""
+    changes = {k: v for k, v in (("prefill_mfu", prefill_mfu), ("decode_mfu", decode_mfu))
+               if v is not None}
+    if not changes:
         return d
-    return dataclasses.replace(d, calibration=dataclasses.replace(d.calibration,
-                                                                  decode_mfu=a.mfu))
+    return dataclasses.replace(d, calibration=dataclasses.replace(d.calibration, **changes))
+
+
+def _decode_deployment(a) -> Deployment:
+    """decode and spec: --mfu is the decode MFU."""
+    return _with_mfu(_deployment(a), decode_mfu=a.mfu)
 
 
 def _run_decode(a):
@@ -168,7 +212,8 @@ def _run_coldstart(a):
 
 def _run_fleet(a):
     w = Workload(a.rps, a.input_len, a.output_len, a.ttft, a.tpot, a.max_load)
-    return plan_fleet(_deployment(a), w, tp_fixed=a.tp is not None, mfu=a.mfu)
+    d = _with_mfu(_deployment(a), prefill_mfu=a.prefill_mfu, decode_mfu=a.decode_mfu)
+    return plan_fleet(d, w, tp_fixed=a.tp is not None)
 
 
 def _print_catalog(as_json: bool) -> None:
@@ -221,7 +266,7 @@ def _add_sizing_subcommands(sub) -> None:
     _hw_flags(p)
     p.add_argument("--batch", type=pos_int, default=32)
     p.add_argument("--context", type=pos_int, default=2048)
-    _mfu_flag(p, "1.0 (peak: a lower bound)")
+    _mfu_flag(p, "1.0 (decode MFU, peak: a lower bound)")
 
     p = _register(sub, "prefill", "prefill time, TTFT budget, decode stall, chunk size",
                   _run_prefill)
@@ -230,7 +275,7 @@ def _add_sizing_subcommands(sub) -> None:
     p.add_argument("--batch", type=pos_int, default=32, help="active decode streams")
     p.add_argument("--context", type=pos_int, default=2048, help="their context length")
     _slo_flags(p)
-    _mfu_flag(p, "0.5")
+    _mfu_flag(p, "0.5 (prefill MFU)")
 
 
 def _add_what_if_subcommands(sub) -> None:
@@ -244,26 +289,29 @@ def _add_what_if_subcommands(sub) -> None:
                    help="one draft step / one target step (default 0.05; 0 for n-gram)")
     p.add_argument("--batch", type=pos_int, default=1)
     p.add_argument("--context", type=pos_int, default=2048)
-    _mfu_flag(p, "1.0 (decode MFU, peak)")
+    _mfu_flag(p, "1.0 (decode MFU, peak: a lower bound)")
 
     p = _register(sub, "disagg", "KV shipped per request, transfer time, break-even link",
                   _run_disagg)
     _hw_flags(p)
     p.add_argument("--input-len", type=pos_int, default=8192)
     p.add_argument("--link", default="nic-400g", help=f"one of {', '.join(LINKS)}")
-    _mfu_flag(p, "0.5")
+    _bandwidth_flags(p, "--link-bw")
+    _mfu_flag(p, "0.5 (prefill MFU)")
 
     p = _register(sub, "offload", "reload a cached prefix from DRAM/NVMe vs recompute it",
                   _run_offload)
     _hw_flags(p)
     p.add_argument("--tokens", type=pos_int, default=8192, help="cached prefix tokens")
     p.add_argument("--tier", default="dram", help=f"one of {', '.join(TIERS)}")
-    _mfu_flag(p, "0.5")
+    _bandwidth_flags(p, *_TIER_BANDWIDTH_FLAGS)
+    _mfu_flag(p, "0.5 (prefill MFU)")
 
     p = _register(sub, "coldstart", "where a new replica's start-up seconds go",
                   _run_coldstart)
     _hw_flags(p)
     p.add_argument("--tier", default="nvme", help=f"weights source: {', '.join(TIERS)}")
+    _bandwidth_flags(p, *_TIER_BANDWIDTH_FLAGS)
 
     p = _register(sub, "fleet", "GPUs and replicas for a request rate and SLOs", _run_fleet)
     _hw_flags(p)
@@ -273,7 +321,7 @@ def _add_what_if_subcommands(sub) -> None:
     _slo_flags(p)
     p.add_argument("--max-load", type=fraction, default=0.8,
                    help="target utilisation of each replica, headroom for queueing")
-    _mfu_flag(p, "0.5")
+    _phase_mfu_flags(p)
 
     p = sub.add_parser("catalog", help="list built-in models, GPUs, links, tiers and sources")
     p.add_argument("--json", action="store_true")

@@ -31,8 +31,8 @@ class ColdStartPlan(PlanResult):
 
 
 def _stage_times(d: Deployment, tier: Tier) -> tuple[float, float, float]:
-    storage = LINKS[tier.storage].bandwidth_Bps
-    host = LINKS[d.gpu.host_link].bandwidth_Bps * d.tp  # each GPU copies its own shard
+    storage = d.storage_bandwidth(tier).Bps
+    host = d.host_link.Bps * d.tp  # each GPU copies its own shard
     cal = d.calibration
     fixed = cal.runtime_init_s + cal.warmup_s + cal.graph_capture_s_per_size * cal.num_graph_sizes
     return d.weight_bytes / storage, d.weight_bytes / host, fixed
@@ -48,18 +48,22 @@ def _tier_rows(d: Deployment) -> tuple[dict, ...]:
     return tuple(rows)
 
 
+def _source(label: str) -> str:
+    if label in LINKS:
+        return f"{label}: {LINKS[label].source}."
+    return f"{label}: from --calibration or its flag."
+
+
 def plan_coldstart(d: Deployment, tier: Tier) -> ColdStartPlan:
-    c, cal, g = Chain(), d.calibration, d.gpu
-    storage = LINKS[tier.storage]
-    host = LINKS[g.host_link]
+    c, cal = Chain(), d.calibration
+    storage, host = d.storage_bandwidth(tier), d.host_link
     w = c.add("weight_bytes", "total_params x bytes_per_param",
               f"{f(d.weight_bytes / d.bytes_per_param)} x {f(d.bytes_per_param)}",
               d.weight_bytes, "B")
-    read = c.add("storage_read_s", f"weight_bytes / {storage.name} bandwidth",
-                 f"{f(w)} / {f(storage.bandwidth_Bps)}", w / storage.bandwidth_Bps, "s")
-    copy = c.add("host_to_gpu_s", f"weight_bytes / (tp x {host.name} bandwidth)",
-                 f"{f(w)} / ({d.tp} x {f(host.bandwidth_Bps)})",
-                 w / (d.tp * host.bandwidth_Bps), "s")
+    read = c.add("storage_read_s", f"weight_bytes / {storage.label} bandwidth",
+                 f"{f(w)} / {f(storage.Bps)}", w / storage.Bps, "s")
+    copy = c.add("host_to_gpu_s", f"weight_bytes / (tp x {host.label} bandwidth)",
+                 f"{f(w)} / ({d.tp} x {f(host.Bps)})", w / (d.tp * host.Bps), "s")
     init = c.add("runtime_init_s", "calibration.runtime_init_s", "", cal.runtime_init_s, "s")
     warm = c.add("warmup_s", "calibration.warmup_s", "", cal.warmup_s, "s")
     graphs = c.add("graph_capture_s", "num_graph_sizes x graph_capture_s_per_size",
@@ -74,7 +78,7 @@ def plan_coldstart(d: Deployment, tier: Tier) -> ColdStartPlan:
     if cal.is_assumed:
         c.note("runtime init, warm-up and graph capture are assumptions; measure them and "
                "pass --calibration.")
-    c.note(f"{storage.name}: {storage.source}. {host.name}: {host.source}.")
+    c.note(f"{_source(storage.label)} {_source(host.label)}")
     return ColdStartPlan(
         inputs={**d.inputs(), "tier": tier.name}, steps=tuple(c.steps), notes=tuple(c.notes),
         table=_tier_rows(d), weight_bytes=w, storage_read_s=read, host_to_gpu_s=copy,

@@ -9,7 +9,7 @@ Never: answers a planning question itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from servelm.config import ModelConfig
 from servelm.cost import count_params, kv_bytes_per_token
@@ -20,8 +20,13 @@ from servelm.planner.errors import (
     require_fraction,
     require_non_negative,
 )
-from servelm.planner.hardware import Accelerator
+from servelm.planner.hardware import LINKS, Accelerator, Link, Tier, tier_bandwidth
 from servelm.planner.units import GB, KV_DTYPES, dtype_bytes
+
+
+class Bandwidth(NamedTuple):
+    Bps: float
+    label: str  # what the number is: a catalog link name, or "... (set)" when calibrated
 
 
 @dataclass(frozen=True)
@@ -76,11 +81,41 @@ class Deployment:
     def usable_bytes_per_gpu(self) -> float:
         return self.gpu.memory_bytes * self.mem_util - self.reserve_gb * GB
 
+    # Tier and link bandwidths: the calibration's (file or flag) where set, else the catalog.
+
+    def storage_bandwidth(self, tier: Tier) -> Bandwidth:
+        """The medium a tier's bytes rest on (DRAM, a disk, a remote store)."""
+        bps = self.calibration.tier_bandwidth_Bps(tier.name)
+        if bps is None:
+            return Bandwidth(LINKS[tier.storage].bandwidth_Bps, tier.storage)
+        return Bandwidth(bps, f"{tier.name} (set)")
+
+    @property
+    def host_link(self) -> Bandwidth:
+        """One GPU's link to host memory (PCIe)."""
+        bps = self.calibration.host_link_bandwidth_Bps
+        if bps is None:
+            return Bandwidth(LINKS[self.gpu.host_link].bandwidth_Bps, self.gpu.host_link)
+        return Bandwidth(bps, "host link (set)")
+
+    def tier_bandwidth(self, tier: Tier) -> tuple[float, str]:
+        """Tier -> this replica's GPUs: the slower of the medium and tp host links."""
+        return tier_bandwidth(tier, self.gpu, self.tp,
+                              storage_Bps=self.calibration.tier_bandwidth_Bps(tier.name),
+                              host_link_Bps=self.calibration.host_link_bandwidth_Bps)
+
+    def link_bandwidth(self, link: Link) -> Bandwidth:
+        """The disaggregation link, one GPU's share, one direction."""
+        bps = self.calibration.kv_link_bandwidth_Bps
+        return (Bandwidth(link.bandwidth_Bps, link.name) if bps is None
+                else Bandwidth(bps, f"{link.name} (set)"))
+
     def inputs(self) -> dict[str, Any]:
         out = {"model": self.model.name, "gpu": self.gpu.name, "tp": self.tp,
                "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype}
         if not self.calibration.is_assumed:
             out["calibration"] = self.calibration.source
+        out.update(self.calibration.bandwidths_set())
         return out
 
 

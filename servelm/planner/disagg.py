@@ -41,9 +41,9 @@ def plan_disagg(d: Deployment, input_len: int, link: Link, *,
                    input_len * d.kv_bytes_per_token, "B")
     # Each TP rank ships its own KV shard over its own link, in parallel; MLA's latent is
     # replicated on every rank, so one copy crosses one link.
-    bw = c.add("link_bandwidth_Bps", f"{link.name} one-way bandwidth x kv_shard",
-               f"{f(link.bandwidth_Bps)} x {f(d.kv_shard)}", link.bandwidth_Bps * d.kv_shard,
-               "B/s")
+    one = d.link_bandwidth(link)
+    bw = c.add("link_bandwidth_Bps", f"{one.label} one-way bandwidth x kv_shard",
+               f"{f(one.Bps)} x {f(d.kv_shard)}", one.Bps * d.kv_shard, "B/s")
     t = c.add("transfer_time_s", "kv_transfer_bytes / link_bandwidth_Bps",
               f"{f(nbytes)} / {f(bw)}", nbytes / bw, "s")
     p = prefill_time(d, input_len, mfu)
@@ -58,8 +58,9 @@ def plan_disagg(d: Deployment, input_len: int, link: Link, *,
                   f"{f(t)} / {f(pt)}", t / pt, "")
     verdict = ("hides behind prefill (pipeline per layer)" if ratio <= 1 else
                "is slower than prefill: the link caps the prefill pool")
-    c.note(f"at {link.name} the transfer {verdict}; TTFT grows by at most transfer_time_s.")
-    c.note(f"{link.name}: {link.source}.")
+    c.note(f"at {one.label} the transfer {verdict}; TTFT grows by at most transfer_time_s.")
+    c.note(f"{link.name}: {link.source}." if one.label == link.name else
+           f"{one.label}: {f(one.Bps)} B/s from --link-bw or calibration.kv_link_bandwidth_Bps.")
     return DisaggPlan(
         inputs={**d.inputs(), "input_len": input_len, "link": link.name, "mfu": mfu},
         steps=tuple(c.steps), notes=tuple(c.notes),

@@ -123,10 +123,10 @@ def _steps(c: Chain, d: Deployment, w: Workload, rs: ReplicaSize) -> None:
     c.add("num_gpus", "num_replicas x tp", f"{f(n)} x {d.tp}", n * d.tp, "GPUs")
 
 
-def plan_fleet(d: Deployment, w: Workload, *, tp_fixed: bool = False,
-               mfu: float | None = None) -> FleetPlan:
-    mfu = d.calibration.prefill_mfu if mfu is None else mfu
-    require_fraction("--mfu", mfu)
+def plan_fleet(d: Deployment, w: Workload, *, tp_fixed: bool = False) -> FleetPlan:
+    """Prefill runs at d.calibration.prefill_mfu, decode steps at its decode_mfu (the CLI's
+    --prefill-mfu and --decode-mfu)."""
+    mfu = d.calibration.prefill_mfu
     options = [(cd, size_replica(cd, w, mfu)) for cd in _candidates(d, tp_fixed)]
     table = tuple({"tp": cd.tp, "decode_batch": rs.decode_batch,
                    "replica_rps": round(rs.replica_rps, 3), "num_replicas": _replicas(rs, w),
@@ -148,7 +148,8 @@ def plan_fleet(d: Deployment, w: Workload, *, tp_fixed: bool = False,
     return FleetPlan(
         inputs={**best.inputs(), "rps": w.rps, "input_len": w.input_len,
                 "output_len": w.output_len, "ttft_s": w.ttft_s, "tpot_s": w.tpot_s,
-                "max_load": w.max_load, "mfu": mfu},
+                "max_load": w.max_load, "prefill_mfu": mfu,
+                "decode_mfu": best.calibration.decode_mfu},
         steps=tuple(c.steps), notes=tuple(c.notes), table=table if not tp_fixed else (),
         tp=best.tp, decode_batch=rs.decode_batch, replica_rps=rs.replica_rps,
         num_replicas=n, num_gpus=n * best.tp, meets_ttft=rs.prefill_s <= w.ttft_s,

@@ -177,11 +177,17 @@ def get_tier(name: str) -> Tier:
     return _lookup(TIERS, "tier", "--tier", name)
 
 
-def tier_bandwidth(tier: Tier, gpu: Accelerator, num_gpus: int) -> tuple[float, str]:
+def tier_bandwidth(tier: Tier, gpu: Accelerator, num_gpus: int, *,
+                   storage_Bps: float | None = None,
+                   host_link_Bps: float | None = None) -> tuple[float, str]:
     """Effective bytes/s from a tier into `num_gpus` GPUs: the slower of the medium and
-    the GPUs' host links together. Returns (bandwidth, which side limits)."""
-    storage = LINKS[tier.storage].bandwidth_Bps
-    host = LINKS[gpu.host_link].bandwidth_Bps * num_gpus
+    the GPUs' host links together. Returns (bandwidth, which side limits). storage_Bps and
+    host_link_Bps replace the catalog's figures (measured or set by the user)."""
+    storage = LINKS[tier.storage].bandwidth_Bps if storage_Bps is None else storage_Bps
+    medium = tier.storage if storage_Bps is None else f"{tier.name} (set)"
+    one = LINKS[gpu.host_link].bandwidth_Bps if host_link_Bps is None else host_link_Bps
+    link = gpu.host_link if host_link_Bps is None else "host link (set)"
+    host = one * num_gpus
     if storage <= host:
-        return storage, f"{tier.storage} ({storage / 1e9:g} GB/s)"
-    return host, f"{num_gpus} x {gpu.host_link} ({host / 1e9:g} GB/s)"
+        return storage, f"{medium} ({storage / 1e9:g} GB/s)"
+    return host, f"{num_gpus} x {link} ({host / 1e9:g} GB/s)"

@@ -16,7 +16,7 @@ from servelm.planner.chain import Chain, PlanResult
 from servelm.planner.compute import attention_flops_per_token, matmul_flops_per_token
 from servelm.planner.deployment import Deployment
 from servelm.planner.errors import require_fraction, require_positive
-from servelm.planner.hardware import TIERS, Tier, tier_bandwidth
+from servelm.planner.hardware import TIERS, Tier
 from servelm.planner.prefill import effective_flops, prefill_time
 from servelm.planner.units import fmt_num as f
 
@@ -51,7 +51,7 @@ class OffloadPlan(PlanResult):
 def _tier_rows(d: Deployment, tokens: int, mfu: float) -> tuple[dict, ...]:
     rows = []
     for t in TIERS.values():
-        bw, _ = tier_bandwidth(t, d.gpu, d.tp)
+        bw, _ = d.tier_bandwidth(t)
         rows.append({"tier": t.name, "bandwidth_GBps": round(bw / 1e9, 2),
                      "reload_time_s": tokens * d.kv_bytes_per_token / bw,
                      "recompute_time_s": recompute_time(d, tokens, mfu),
@@ -67,7 +67,7 @@ def plan_offload(d: Deployment, tokens: int, tier: Tier, *,
     c = Chain()
     nbytes = c.add("prefix_kv_bytes", "tokens x kv_bytes_per_token",
                    f"{f(tokens)} x {f(d.kv_bytes_per_token)}", tokens * d.kv_bytes_per_token, "B")
-    bw, limit = tier_bandwidth(tier, d.gpu, d.tp)
+    bw, limit = d.tier_bandwidth(tier)
     c.add("tier_bandwidth_Bps", "min(storage medium, tp x GPU host link)", f"limited by {limit}",
           bw, "B/s")
     reload = c.add("reload_time_s", "prefix_kv_bytes / tier_bandwidth_Bps",
