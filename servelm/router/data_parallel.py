@@ -20,22 +20,30 @@ import time
 import httpx
 
 # Flags of the parent that the replicas must not inherit (value-taking ones).
-_PARENT_FLAGS = {"--port", "--host", "--data-parallel-size", "--router-policy"}
+# (The Ray backend's own flags among them: a replica is always a plain single `serve`.)
+PARENT_FLAGS = {"--port", "--host", "--data-parallel-size", "--router-policy", "--backend",
+                "--num-replicas", "--ray-address", "--replica-cpus", "--replica-gpus"}
 
 
-def replica_argv(argv: list[str], port: int, threads: int | None) -> list[str]:
-    """The parent's `serve` arguments for one replica: its own port on loopback, its share of
-    the cores unless --threads was given."""
+def strip_flags(argv: list[str], flags: set[str]) -> list[str]:
+    """`argv` without the value-taking `flags` (as `--flag value` or `--flag=value`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in _PARENT_FLAGS:
+        if name in flags:
             skip = "=" not in a
             continue
         out.append(a)
+    return out
+
+
+def replica_argv(argv: list[str], port: int, threads: int | None) -> list[str]:
+    """The parent's `serve` arguments for one replica: its own port on loopback, its share of
+    the cores unless --threads was given."""
+    out = strip_flags(argv, PARENT_FLAGS)
     out += ["--host", "127.0.0.1", "--port", str(port)]
     if threads is not None and not any(a.split("=", 1)[0] == "--threads" for a in argv):
         out += ["--threads", str(threads)]
@@ -93,8 +101,15 @@ def stop_replicas(procs: list[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-def serve_data_parallel(args, serve_argv: list[str]) -> int:
-    """The router on args.host:args.port over args.data_parallel_size replicas."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_router(args, sock: socket.socket, urls: list[str], what: str) -> None:
+    """The router (args.router_policy) over `urls` on `sock`, until SIGTERM/SIGINT."""
     import uvicorn
 
     from servelm.router.app import RouterConfig, build_router_app
@@ -102,15 +117,6 @@ def serve_data_parallel(args, serve_argv: list[str]) -> int:
     from servelm.router.policies import make_policy
     from servelm.router.replicas import ReplicaSet
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    n = args.data_parallel_size
-    try:
-        procs, urls = start_replicas(serve_argv, n)
-    except RuntimeError as exc:
-        print(f"[servelm] data parallel: {exc}", file=sys.stderr, flush=True)
-        return 1
     tokenizer = None
     try:
         from servelm.loader import load_tokenizer, resolve_model
@@ -126,13 +132,26 @@ def serve_data_parallel(args, serve_argv: list[str]) -> int:
                                          timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]
     print(f"[servelm] serving {args.served_model_name or args.model} at "
-          f"http://{host}:{port}/v1 ({n} replicas, {args.router_policy} routing)",
+          f"http://{host}:{port}/v1 ({what}, {args.router_policy} routing)",
           file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+
+
+def serve_data_parallel(args, serve_argv: list[str]) -> int:
+    """The router on args.host:args.port over args.data_parallel_size replicas."""
+    sock = bind_socket(args.host, args.port)
+    n = args.data_parallel_size
     try:
-        server.run(sockets=[sock])
+        procs, urls = start_replicas(serve_argv, n)
+    except RuntimeError as exc:
+        print(f"[servelm] data parallel: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        run_router(args, sock, urls, f"{n} replicas")
     finally:
         stop_replicas(procs, args.drain_timeout + 5)
     return 0
 
 
-__all__ = ["replica_argv", "serve_data_parallel", "start_replicas", "stop_replicas"]
+__all__ = ["PARENT_FLAGS", "bind_socket", "replica_argv", "run_router", "serve_data_parallel", "start_replicas",
+           "stop_replicas", "strip_flags"]

@@ -82,6 +82,22 @@ def add_parser(subparsers) -> None:
     g.add_argument("--router-policy", default="prefix_affinity",
                    choices=("round_robin", "least_loaded", "session", "prefix_affinity"),
                    help="with --data-parallel-size: the routing policy (docs/router.md)")
+    r = p.add_argument_group("replicas on Ray")
+    r.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: this machine's processes (default; --data-parallel-size N "
+                        "replicas); ray: --num-replicas replicas as Ray actors on a cluster, "
+                        "the router here (docs/router.md)")
+    r.add_argument("--num-replicas", type=int, default=1, metavar="N",
+                   help="with --backend ray: replicas to place")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --backend ray: the cluster to join (default $RAY_ADDRESS, a "
+                        "cluster started here with `ray start`, else a local Ray instance)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C",
+                   help="with --backend ray: CPUs each replica actor holds (its --threads "
+                        "unless given; default %(default)s)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
+                   help="with --backend ray: GPUs each replica actor holds (default "
+                        "%(default)s)")
     g.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine core (scheduler + model) in its own process "
                         "(default; a slow client or a busy event loop never delays a step) or "
@@ -122,6 +138,11 @@ def _setup_request_log(enabled: bool) -> None:
 
 
 def handler(args) -> int:
+    if args.backend == "ray":
+        from servelm.router.ray_backend import serve_ray
+
+        _setup_request_log(args.log_requests)
+        return serve_ray(args, _serve_argv())
     if args.data_parallel_size > 1:
         from servelm.router.data_parallel import serve_data_parallel
 

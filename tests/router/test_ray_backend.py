@@ -1,0 +1,115 @@
+"""`servelm serve --backend ray`: replicas as Ray actors on a local Ray cluster that the test
+starts itself (`ray start --head` on 127.0.0.1), the router in front."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from live_server import MODEL
+from serve_process import ServeProcess
+from servelm.router.ray_backend import replica_serve_argv
+
+pytest.importorskip("ray")
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def test_replica_argv_drops_the_drivers_flags():
+    argv = ["m", "--backend", "ray", "--num-replicas=3", "--ray-address", "h:1", "--port",
+            "9", "--replica-cpus", "2", "--router-policy", "session", "--max-model-len", "64"]
+    assert replica_serve_argv(argv, 2.0) == ["m", "--max-model-len", "64", "--threads", "2"]
+    assert replica_serve_argv(["m", "--threads", "1"], 4.0) == ["m", "--threads", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A one-node Ray cluster on loopback with 2 CPUs; stopped after the module."""
+    port = _free_port()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
+                    str(port), "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard",
+                    "false", "--disable-usage-stats"], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=120)
+
+
+def _wait_healthy(srv: ServeProcess, n: int, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            health = httpx.get(srv.url + "/health").json()
+            if health.get("healthy_replicas") == n:
+                return health
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert srv.proc.poll() is None and time.monotonic() < deadline, "".join(srv.stderr)
+        time.sleep(0.3)
+
+
+def _routed(srv: ServeProcess) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics").text
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("servelm_router_requests_total{")}
+
+
+def test_two_replicas_as_ray_actors(default_model_path, ray_cluster):
+    srv = ServeProcess("--backend", "ray", "--num-replicas", "2", "--ray-address", ray_cluster,
+                       "--replica-cpus", "1", "--router-policy", "round_robin",
+                       "--max-model-len", "512")
+    try:
+        _wait_healthy(srv, 2)
+        log = "".join(srv.stderr)
+        assert "2 replicas on Ray" in log
+        assert log.count("(ReplicaActor pid=") >= 2  # each replica's log, through Ray
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        for i in range(4):
+            if i % 2:
+                out = client.completions.create(model=MODEL, prompt=f"Count to {i}:",
+                                                max_tokens=6, temperature=0)
+                assert out.choices[0].text and out.usage.completion_tokens == 6
+            else:
+                stream = client.chat.completions.create(
+                    model=MODEL, max_tokens=6, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": f"Say {i}."}])
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                assert text
+        routed = _routed(srv)
+        assert sorted(routed.values()) == [2.0, 2.0]  # round robin over both actors
+
+        # A replica whose engine core dies exits; the router takes it out and the other
+        # replica serves on.
+        cores = [int(line.split("[servelm core ")[1].split("]")[0])
+                 for line in srv.stderr if "[servelm core " in line and "engine ready" in line]
+        assert len(cores) == 2
+        os.kill(cores[0], signal.SIGKILL)
+        _wait_healthy(srv, 1, timeout=30)
+        for _ in range(2):
+            out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+            assert out.usage.completion_tokens == 4
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(90)
+    assert code == 0, "".join(srv.stderr[-30:])
+    for url in routed:  # the actors stopped their replicas
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
