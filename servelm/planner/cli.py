@@ -18,7 +18,7 @@ from servelm.planner.capacity import plan_capacity
 from servelm.planner.chain import PlanResult
 from servelm.planner.coldstart import plan_coldstart
 from servelm.planner.decode import plan_decode
-from servelm.planner.deployment import Deployment, auto_tp
+from servelm.planner.deployment import ATTENTION_PARALLEL, Deployment, auto_tp
 from servelm.planner.disagg import plan_disagg
 from servelm.planner.errors import PlanInputError
 from servelm.planner.fleet import Workload, plan_fleet
@@ -75,11 +75,27 @@ def _model_flags(p: argparse.ArgumentParser, kv: bool = True, weights: bool = Tr
 _AUTO_TP = "default: smallest power of two whose weight shard leaves room for KV"
 
 
+def _attention_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-parallel", choices=ATTENTION_PARALLEL, default=None,
+                   help="attention across the replica's --tp GPUs: tp splits heads (and "
+                        "their KV) across them; dp gives each GPU whole requests and a copy "
+                        "of the attention weights, the MLPs/experts still split (default: "
+                        "dp for MLA models, whose latent TP cannot split; else tp)")
+
+
+def _memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mem-util", type=fraction, default=0.9,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    p.add_argument("--reserve-gb", type=non_neg_float, default=2.0,
+                   help="activation/workspace reserve per GPU, decimal GB (default 2)")
+
+
 def _hw_flags(p: argparse.ArgumentParser, tp_default: str = _AUTO_TP) -> None:
     _model_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"one of {', '.join(ACCELERATORS)}")
     p.add_argument("--tp", type=pos_int, default=None,
-                   help=f"tensor-parallel size per replica ({tp_default})")
+                   help=f"GPUs per replica ({tp_default})")
+    _attention_flag(p)
     p.add_argument("--mem-util", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use (default 0.9)")
     p.add_argument("--reserve-gb", type=non_neg_float, default=2.0,
@@ -150,15 +166,23 @@ def _calibration(args: argparse.Namespace) -> Calibration:
 def _deployment(args: argparse.Namespace, default_tp: int | None = None) -> Deployment:
     model = resolve_model(args.model)
     gpu = get_accelerator(args.gpu)
+    ap = args.attention_parallel
     tp = args.tp or default_tp or auto_tp(model, gpu, args.weight_dtype, args.mem_util,
-                                          args.reserve_gb)
+                                          args.reserve_gb, attention_parallel=ap)
     return Deployment(model, gpu, tp=tp, weight_dtype=args.weight_dtype,
                       kv_dtype=args.kv_dtype, mem_util=args.mem_util,
-                      reserve_gb=args.reserve_gb, calibration=_calibration(args))
+                      reserve_gb=args.reserve_gb, calibration=_calibration(args),
+                      attention_parallel=ap)
 
 
 def _run_kv(a):
-    return plan_kv(resolve_model(a.model), a.kv_dtype, a.context)
+    if a.gpu is None:
+        return plan_kv(resolve_model(a.model), a.kv_dtype, a.context, tp=a.tp,
+                       attention_parallel=a.attention_parallel)
+    d = Deployment(resolve_model(a.model), get_accelerator(a.gpu), tp=a.tp,
+                   weight_dtype=a.weight_dtype, kv_dtype=a.kv_dtype, mem_util=a.mem_util,
+                   reserve_gb=a.reserve_gb, attention_parallel=a.attention_parallel)
+    return plan_kv(d.model, d.kv_dtype, a.context, cards=d)
 
 
 def _run_weights(a):
@@ -249,8 +273,14 @@ def _print_catalog(as_json: bool) -> None:
 def _add_sizing_subcommands(sub) -> None:
     """kv, weights, capacity, decode, prefill: sizes and times of one replica."""
     p = _register(sub, "kv", "KV bytes per token/request, vs MHA/GQA/MQA/MLA layouts", _run_kv)
-    _model_flags(p, weights=False)
+    _model_flags(p)
     p.add_argument("--context", type=pos_int, default=8192)
+    p.add_argument("--tp", type=pos_int, default=1,
+                   help="GPUs sharing one replica: shows the cache per GPU and per replica")
+    _attention_flag(p)
+    p.add_argument("--gpu", default=None, help=f"one of {', '.join(ACCELERATORS)}: go on to "
+                   "the weights per GPU and the replica's KV token pool (default: none)")
+    _memory_flags(p)
 
     p = _register(sub, "weights", "parameter count (total/active) and bytes per dtype",
                   _run_weights)

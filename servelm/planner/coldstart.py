@@ -32,10 +32,10 @@ class ColdStartPlan(PlanResult):
 
 def _stage_times(d: Deployment, tier: Tier) -> tuple[float, float, float]:
     storage = d.storage_bandwidth(tier).Bps
-    host = d.host_link.Bps * d.tp  # each GPU copies its own shard
     cal = d.calibration
     fixed = cal.runtime_init_s + cal.warmup_s + cal.graph_capture_s_per_size * cal.num_graph_sizes
-    return d.weight_bytes / storage, d.weight_bytes / host, fixed
+    # each GPU copies its own weights (its shard, plus the attention copy under dp) in parallel
+    return d.weight_bytes / storage, d.weight_bytes_per_gpu / d.host_link.Bps, fixed
 
 
 def _tier_rows(d: Deployment) -> tuple[dict, ...]:
@@ -62,8 +62,14 @@ def plan_coldstart(d: Deployment, tier: Tier) -> ColdStartPlan:
               d.weight_bytes, "B")
     read = c.add("storage_read_s", f"weight_bytes / {storage.label} bandwidth",
                  f"{f(w)} / {f(storage.Bps)}", w / storage.Bps, "s")
-    copy = c.add("host_to_gpu_s", f"weight_bytes / (tp x {host.label} bandwidth)",
-                 f"{f(w)} / ({d.tp} x {f(host.Bps)})", w / (d.tp * host.Bps), "s")
+    if d.is_dp_attention:
+        copy = c.add("host_to_gpu_s", f"weight_bytes_per_gpu / {host.label} bandwidth (each "
+                     "GPU copies its shard and its attention copy)",
+                     f"{f(d.weight_bytes_per_gpu)} / {f(host.Bps)}",
+                     d.weight_bytes_per_gpu / host.Bps, "s")
+    else:
+        copy = c.add("host_to_gpu_s", f"weight_bytes / (tp x {host.label} bandwidth)",
+                     f"{f(w)} / ({d.tp} x {f(host.Bps)})", w / (d.tp * host.Bps), "s")
     init = c.add("runtime_init_s", "calibration.runtime_init_s", "", cal.runtime_init_s, "s")
     warm = c.add("warmup_s", "calibration.warmup_s", "", cal.warmup_s, "s")
     graphs = c.add("graph_capture_s", "num_graph_sizes x graph_capture_s_per_size",

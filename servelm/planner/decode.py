@@ -41,15 +41,19 @@ def step_time(d: Deployment, batch: int, context: float, tokens_per_seq: int = 1
     """One forward step for `batch` sequences with `context` cached tokens each, scoring
     `tokens_per_seq` new tokens per sequence (k+1 when verifying drafts), costed by
     servelm.cost.step_cost: the KV cache is read once per sequence however many query tokens
-    share it, and the new tokens' keys are written."""
+    share it, and the new tokens' keys are written. Bytes are the replica's total over its
+    tp GPUs: data-parallel attention reads tp copies of the attention weights, and each
+    extra copy of a token's KV (tensor-parallel MLA: one per GPU) is read on its GPU."""
     cal = d.calibration
     num_tokens = batch * tokens_per_seq
     s = step_cost(d.model, d.bytes_per_param, d.kv_bytes_per_token, num_tokens,
                   batch * (context + tokens_per_seq),
                   batch * attention_pairs(context, tokens_per_seq))
-    mem_s = s.bytes / (d.tp * d.gpu.hbm_bandwidth_Bps * cal.bandwidth_fraction)
+    weight_bytes = s.weight_bytes + (d.attention_copies - 1) * d.attention_weight_bytes
+    kv_bytes = s.kv_bytes * d.kv_copies
+    mem_s = (weight_bytes + kv_bytes) / (d.tp * d.gpu.hbm_bandwidth_Bps * cal.bandwidth_fraction)
     comp_s = s.flops / (d.tp * d.peak_flops * cal.decode_mfu)
-    return StepTime(s.weight_bytes, s.kv_bytes, s.flops, mem_s, comp_s,
+    return StepTime(weight_bytes, kv_bytes, s.flops, mem_s, comp_s,
                     max(mem_s, comp_s) + cal.step_overhead_s)
 
 
@@ -86,9 +90,11 @@ class DecodePlan(PlanResult):
 def _memory_and_compute(c: Chain, d: Deployment, s: StepTime, batch: int, context: int) -> None:
     cal, g = d.calibration, d.gpu
     _weight_read_step(c, d, batch)
+    copies = f" x {f(d.kv_copies)}" if d.kv_copies != 1 else ""
     c.add("kv_bytes_read", "batch x (context + 2) x kv_bytes_per_token (each sequence reads "
-          "its context and new key, writes the new key)",
-          f"{batch} x ({f(context)} + 2) x {f(d.kv_bytes_per_token)}", s.kv_bytes, "B")
+          "its context and new key, writes the new key)"
+          + (" x kv_copies (one per GPU holding it)" if copies else ""),
+          f"{batch} x ({f(context)} + 2) x {f(d.kv_bytes_per_token)}{copies}", s.kv_bytes, "B")
     c.add("memory_time_s", "(weight_bytes_read + kv_bytes_read) / (tp x hbm_bw x bw_fraction)",
           f"({f(s.weight_bytes)} + {f(s.kv_bytes)}) / ({d.tp} x {f(g.hbm_bandwidth_Bps)} x "
           f"{cal.bandwidth_fraction})", s.memory_s, "s")
@@ -102,9 +108,13 @@ def _memory_and_compute(c: Chain, d: Deployment, s: StepTime, batch: int, contex
 def _weight_read_step(c: Chain, d: Deployment, batch: int) -> None:
     m, b = d.model, count_params(d.model)
     w = weight_bytes_read_per_step(m, batch, d.bytes_per_param)
+    dp = d.attention_copies > 1
+    extra = "" if not dp else " + (tp - 1) x attention_weight_bytes (each GPU reads its copy)"
+    extra_n = "" if not dp else f" + {d.tp - 1} x {f(d.attention_weight_bytes)}"
+    total = w + (d.attention_copies - 1) * d.attention_weight_bytes
     if not m.is_moe:
-        c.add("weight_bytes_read", "active_matmul_params x bytes_per_param",
-              f"{f(b.matmul_active)} x {f(d.bytes_per_param)}", w, "B")
+        c.add("weight_bytes_read", "active_matmul_params x bytes_per_param" + extra,
+              f"{f(b.matmul_active)} x {f(d.bytes_per_param)}{extra_n}", total, "B")
         return
     touched = expected_experts_touched(m, batch)
     fixed = b.matmul_active - m.num_moe_layers * m.num_experts_per_tok * b.expert
@@ -112,9 +122,9 @@ def _weight_read_step(c: Chain, d: Deployment, batch: int) -> None:
           f"{m.num_experts} x (1 - (1 - {m.num_experts_per_tok}/{m.num_experts})^{batch})",
           touched, "experts")
     c.add("weight_bytes_read", "(non-expert matmul params + moe_layers x experts_touched x "
-          "expert_params) x bytes_per_param",
+          "expert_params) x bytes_per_param" + extra,
           f"({f(fixed)} + {m.num_moe_layers} x {f(touched)} x {f(b.expert)}) x "
-          f"{f(d.bytes_per_param)}", w, "B")
+          f"{f(d.bytes_per_param)}{extra_n}", total, "B")
 
 
 def _ridge_steps(c: Chain, d: Deployment, context: int) -> float:

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from servelm.cost import kv_bytes_per_token
 from servelm.planner.chain import Chain, PlanResult
 from servelm.planner.decode import step_time
 from servelm.planner.deployment import Deployment
@@ -64,10 +63,8 @@ def _tpot_batch(d: Deployment, context: float, tpot_s: float, cap: int) -> int:
 
 def size_replica(d: Deployment, w: Workload, mfu: float) -> ReplicaSize:
     full_ctx = w.input_len + w.output_len
-    kv_per_gpu = kv_bytes_per_token(d.model, d.kv_dtype_bytes) / d.kv_shard
-    pool = max(d.usable_bytes_per_gpu - d.weight_bytes / d.tp, 0.0)
-    kv_tokens = int(pool / kv_per_gpu)
-    kv_users = kv_tokens // full_ctx
+    kv_tokens = d.kv_tokens_per_replica
+    kv_users = d.sequences_per_replica(full_ctx)
     avg_ctx = w.input_len + w.output_len / 2  # a decoding request is half-way on average
     tpot_b = _tpot_batch(d, avg_ctx, w.tpot_s, kv_users)
     batch = min(kv_users, tpot_b)
@@ -102,7 +99,8 @@ def _candidates(d: Deployment, tp_fixed: bool) -> list[Deployment]:
 
 
 def _steps(c: Chain, d: Deployment, w: Workload, rs: ReplicaSize) -> None:
-    c.add("kv_users_per_replica", "floor(kv_tokens_per_replica / (input_len + output_len)) "
+    per = "per GPU x tp" if d.is_dp_attention else "per replica"
+    c.add("kv_users_per_replica", f"floor(kv_tokens {per} / (input_len + output_len)) "
           "(see `plan capacity`)", f"floor({f(rs.kv_tokens)} / {w.input_len + w.output_len})",
           rs.kv_users, "users")
     c.add("tpot_batch", f"largest batch with decode step <= tpot at context input_len + "

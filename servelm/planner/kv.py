@@ -1,8 +1,10 @@
 """`servelm plan kv`: KV-cache bytes per token and per request, and the same model's cache
 under other attention layouts (MHA, GQA, MQA, MLA) for comparison.
 
-Owns: the kv formula chain and the layout comparison table.
-Never: decides memory budgets (capacity.py) or TP sharding of the cache.
+Owns: the kv formula chain, the layout comparison table, and what tensor- or data-parallel
+attention over `tp` GPUs makes of one token's cache (bytes per GPU, copies per replica);
+given a Deployment, the replica's KV token pool too (capacity.memory_steps).
+Never: decides memory budgets itself (capacity.py does) or times anything.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import dataclass
 
 from servelm.config import ModelConfig
 from servelm.cost import kv_bytes_per_token
+from servelm.planner.capacity import memory_steps
 from servelm.planner.chain import Chain, PlanResult
-from servelm.planner.errors import require_positive
+from servelm.planner.deployment import Deployment, kv_split, resolve_attention_parallel
+from servelm.planner.errors import PlanInputError, require_positive
 from servelm.planner.units import KV_DTYPES, KiB, dtype_bytes
 from servelm.planner.units import fmt_num as f
 
@@ -25,6 +29,10 @@ class KvPlan(PlanResult):
     attention: str
     kv_bytes_per_token: float
     kv_bytes_per_request: float
+    kv_bytes_per_token_per_gpu: float
+    kv_copies: float
+    replica_kv_bytes_per_token: float
+    kv_tokens_per_replica: int | None  # with a GPU (--gpu) only
 
 
 def _gqa_heads(m: ModelConfig) -> int:
@@ -74,8 +82,43 @@ def _layout_rows(m: ModelConfig, nbytes: float, context: int, own: float) -> tup
     return tuple(rows)
 
 
-def plan_kv(m: ModelConfig, kv_dtype: str = "bf16", context: int = 8192) -> KvPlan:
+def _split_steps(c: Chain, m: ModelConfig, per_tok: float, tp: int, ap: str,
+                 show_per_gpu: bool) -> None:
+    """What `tp` GPUs under tp or dp attention make of one token's cache. With a GPU,
+    capacity.memory_steps shows kv_bytes_per_token_per_gpu instead."""
+    shard, copies = kv_split(m, tp, ap)
+    if ap == "dp":
+        c.add("kv_shard", "1 (data-parallel attention: the token sits whole on its request's "
+              "GPU)", "", shard, "ways")
+    else:
+        c.add("kv_shard", "1 (MLA's one latent is read by every head)" if m.is_mla else
+              "kv_heads / ceil(kv_heads / tp)", "" if m.is_mla else
+              f"{m.num_kv_heads} / ceil({m.num_kv_heads} / {tp})", shard, "ways")
+    if show_per_gpu:
+        c.add("kv_bytes_per_token_per_gpu", "kv_bytes_per_token / kv_shard (on each GPU that "
+              "holds the token)", f"{f(per_tok)} / {f(shard)}", per_tok / shard, "B")
+    if ap == "dp":
+        c.add("kv_copies", "1 (the other GPUs hold other requests)", "", copies, "copies")
+    else:
+        c.add("kv_copies", "tp (every rank holds the whole latent)" if m.is_mla else
+              "tp / kv_shard (ranks beyond kv_heads hold duplicates)", f"{tp} / {f(shard)}",
+              copies, "copies")
+    c.add("replica_kv_bytes_per_token", "kv_bytes_per_token x kv_copies (HBM the replica "
+          "spends per cached token)", f"{f(per_tok)} x {f(copies)}", per_tok * copies, "B")
+
+
+def plan_kv(m: ModelConfig, kv_dtype: str = "bf16", context: int = 8192, *, tp: int = 1,
+            attention_parallel: str | None = None,
+            cards: Deployment | None = None) -> KvPlan:
+    """cards: a Deployment of this model; its tp, attention split and KV dtype are used,
+    and the chain goes on to the weights per GPU and the replica's KV token pool."""
     require_positive("--context", context)
+    if cards is not None:
+        if cards.model != m:
+            raise PlanInputError("--model", "the deployment is of another model")
+        kv_dtype, tp, attention_parallel = cards.kv_dtype, cards.tp, cards.attention_parallel
+    require_positive("--tp", tp)
+    ap = resolve_attention_parallel(m, attention_parallel)
     nbytes = dtype_bytes("--kv-dtype", kv_dtype, KV_DTYPES)
     c = Chain()
     if m.is_mla:
@@ -93,12 +136,23 @@ def plan_kv(m: ModelConfig, kv_dtype: str = "bf16", context: int = 8192) -> KvPl
                     m.num_layers * per_layer * nbytes, "B")
     per_req = c.add("kv_bytes_per_request", "kv_bytes_per_token x context",
                     f"{f(per_tok)} x {f(context)}", per_tok * context, "B")
+    shard, copies = kv_split(m, tp, ap)
+    per_gpu, replica = per_tok / shard, per_tok * copies
+    if tp > 1 or cards is not None:
+        _split_steps(c, m, per_tok, tp, ap, show_per_gpu=cards is None)
+    tokens = memory_steps(c, cards).kv_tokens_per_replica if cards is not None else None
     c.note(f"{f(per_tok / KiB)} KiB/token; a request's cache grows one token at a time up to "
            "this full-context size.")
+    inputs = {"model": m.name, "attention": m.attention_kind, "kv_dtype": kv_dtype,
+              "context": context}
+    if tp > 1 or cards is not None:
+        inputs |= {"tp": tp, "attention_parallel": ap}
+    if cards is not None:
+        inputs |= {"gpu": cards.gpu.name, "weight_dtype": cards.weight_dtype}
     return KvPlan(
-        inputs={"model": m.name, "attention": m.attention_kind, "kv_dtype": kv_dtype,
-                "context": context},
-        steps=tuple(c.steps), notes=tuple(c.notes),
+        inputs=inputs, steps=tuple(c.steps), notes=tuple(c.notes),
         table=_layout_rows(m, nbytes, context, per_tok),
         attention=m.attention_kind, kv_bytes_per_token=per_tok, kv_bytes_per_request=per_req,
+        kv_bytes_per_token_per_gpu=per_gpu, kv_copies=copies,
+        replica_kv_bytes_per_token=replica, kv_tokens_per_replica=tokens,
     )

@@ -48,7 +48,7 @@ def prefill_time(d: Deployment, num_tokens: float, mfu: float) -> PrefillTime:
     lin = num_tokens * matmul_flops_per_token(d.model)
     att = prefill_attention_flops(d.model, num_tokens)
     eff = effective_flops(d, mfu)
-    w_s = d.weight_bytes / (d.tp * d.gpu.hbm_bandwidth_Bps * d.calibration.bandwidth_fraction)
+    w_s = d.weight_bytes_per_gpu / (d.gpu.hbm_bandwidth_Bps * d.calibration.bandwidth_fraction)
     return PrefillTime(lin, att, eff, w_s, max(lin / eff, w_s), max((lin + att) / eff, w_s))
 
 

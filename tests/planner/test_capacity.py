@@ -24,7 +24,8 @@ def test_replicas_multiply_and_duplicate_weights(deploy):
 
 
 def test_mla_latent_is_not_sharded_by_tp(deploy):
-    tp8 = plan_capacity(deploy("DeepSeek-V3", "H200", tp=8, weight_dtype="fp8"), 8, 4096)
+    tp8 = plan_capacity(deploy("DeepSeek-V3", "H200", tp=8, weight_dtype="fp8",
+                               attention_parallel="tp"), 8, 4096)
     per_gpu = 61 * 576 * 2  # whole latent on every rank
     assert tp8.kv_tokens_per_replica == int(tp8.kv_pool_bytes_per_gpu // per_gpu)
 
