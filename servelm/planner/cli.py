@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
+from servelm.planner.batch import BatchJob, plan_batch
 from servelm.planner.calibration import BANDWIDTH_FLAGS, Calibration, load_calibration
 from servelm.planner.capacity import plan_capacity
 from servelm.planner.chain import PlanResult
@@ -240,6 +241,12 @@ def _run_fleet(a):
     return plan_fleet(d, w, tp_fixed=a.tp is not None)
 
 
+def _run_batch(a):
+    job = BatchJob(a.docs, a.input_len, a.output_len, a.max_batch, a.window)
+    return plan_batch(_with_mfu(_deployment(a), prefill_mfu=a.prefill_mfu,
+                                decode_mfu=a.decode_mfu), job)
+
+
 def _print_catalog(as_json: bool) -> None:
     import json
 
@@ -351,6 +358,19 @@ def _add_what_if_subcommands(sub) -> None:
     _slo_flags(p)
     p.add_argument("--max-load", type=fraction, default=0.8,
                    help="target utilisation of each replica, headroom for queueing")
+    _phase_mfu_flags(p)
+
+    p = _register(sub, "batch", "a batch job: one document at a time vs batched, where "
+                  "memory stops the batch, what a batch window costs", _run_batch)
+    _hw_flags(p)
+    p.add_argument("--docs", type=pos_int, default=100, help="documents in the job")
+    p.add_argument("--input-len", type=pos_int, default=1000, help="tokens per document")
+    p.add_argument("--output-len", type=pos_int, default=100, help="tokens per answer")
+    p.add_argument("--max-batch", type=pos_int, default=None,
+                   help="cap on documents at once, e.g. the engine's max_num_seqs (default: "
+                        "what memory allows)")
+    p.add_argument("--window", type=non_neg_float, default=0.0,
+                   help="seconds spent collecting documents before the batch starts")
     _phase_mfu_flags(p)
 
     p = sub.add_parser("catalog", help="list built-in models, GPUs, links, tiers and sources")

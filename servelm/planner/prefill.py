@@ -45,8 +45,16 @@ def effective_flops(d: Deployment, mfu: float) -> float:
 def prefill_time(d: Deployment, num_tokens: float, mfu: float) -> PrefillTime:
     """Compute time of a lone prompt, never below one pass over the weights (a short
     prompt is memory-bound like a decode step)."""
-    lin = num_tokens * matmul_flops_per_token(d.model)
-    att = prefill_attention_flops(d.model, num_tokens)
+    return batch_prefill_time(d, 1, num_tokens, mfu)
+
+
+def batch_prefill_time(d: Deployment, num_seqs: int, prompt_len: float,
+                       mfu: float) -> PrefillTime:
+    """`num_seqs` prompts of `prompt_len` tokens prefilled together: their matmul FLOPs
+    add up, each attends only to itself (num_seqs x the causal pairs of one prompt), and
+    the weights are read at least once."""
+    lin = num_seqs * prompt_len * matmul_flops_per_token(d.model)
+    att = num_seqs * prefill_attention_flops(d.model, prompt_len)
     eff = effective_flops(d, mfu)
     w_s = d.weight_bytes_per_gpu / (d.gpu.hbm_bandwidth_Bps * d.calibration.bandwidth_fraction)
     return PrefillTime(lin, att, eff, w_s, max(lin / eff, w_s), max((lin + att) / eff, w_s))

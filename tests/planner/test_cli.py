@@ -22,6 +22,8 @@ REQUIRED = {
     "disagg": ["kv_transfer_bytes", "transfer_time_s", "break_even_bandwidth_Bps"],
     "offload": ["reload_time_s", "recompute_time_s", "crossover_bandwidth_Bps"],
     "fleet": ["num_gpus", "num_replicas"],
+    "batch": ["sequential_time_s", "batched_time_s", "memory_batch", "batch_size",
+              "num_waves", "break_even_window_s"],
     "coldstart": ["total_s", "storage_read_s", "host_to_gpu_s", "runtime_init_s",
                   "warmup_s", "graph_capture_s"],
 }
