@@ -149,8 +149,13 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                  -(-min(max_model_len, num_blocks * cache_config.block_size)
                                    // cache_config.block_size), device)
         logger.info("CUDA graphs captured in %.1fs", graphs.capture())
+    grammars = None
+    if tokenizer is not None:  # structured outputs need the vocabulary's strings
+        from servelm.structured import GrammarMasks, compiler_for
+
+        grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos), device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
-                         proposer, cpu_decode=cpu_choice.decode)
+                         proposer, cpu_decode=cpu_choice.decode, grammars=grammars)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
 

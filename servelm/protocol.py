@@ -1,7 +1,8 @@
 """Torch-free request and response types shared by the engine, the server and the tools.
 
-Owns: SamplingParams (validated at construction), EngineRequest, TokenDelta, FinishReason,
-RequestTimings, RequestOutput/CompletionOutput.
+Owns: SamplingParams (validated at construction), StructuredOutput (a constraint on the
+output's form), EngineRequest, TokenDelta, FinishReason, RequestTimings,
+RequestOutput/CompletionOutput.
 Never: imports torch, or holds engine state.
 """
 
@@ -28,6 +29,36 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # client abort or deadline
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the form of the output, enforced by token masks (servelm/structured/).
+
+    kind  json_schema: `spec` is a JSON schema (text); json_object is the schema
+                       {"type": "object"}
+          regex:       `spec` is a regular expression the whole output matches
+          choice:      `spec` is a JSON list of strings; the output is one of them
+          grammar:     `spec` is a Lark grammar, or a GBNF (EBNF) one (`::=` rules)
+    strict: json_schema only; True: a keyword the grammar library does not implement is an
+            error, False: it is ignored (OpenAI's non-strict schemas are best effort).
+    param: the request field it came from, named by errors about it.
+    """
+
+    kind: str
+    spec: str
+    strict: bool = True
+    param: str = "response_format"
+
+    KINDS = ("json_schema", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise InvalidParameterError(f"{self.param}: unknown kind {self.kind!r} (expected "
+                                        f"one of: {', '.join(self.KINDS)})", param=self.param)
+        if not isinstance(self.spec, str) or not self.spec:
+            raise InvalidParameterError(f"{self.param}: the {self.kind} must be a non-empty "
+                                        "string", param=self.param)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Validation names the parameter at fault."""
@@ -50,6 +81,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     speculative: bool = True  # False: never speculate for this request (servelm/spec/)
+    structured: StructuredOutput | None = None  # a grammar the output must follow
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
@@ -138,6 +170,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad("structured", f"must be a StructuredOutput, got {self.structured!r}")
+            if self.ignore_eos:
+                # A finished structure leaves only EOS allowed: ignoring it has no output.
+                raise InvalidParameterError(
+                    f"ignore_eos cannot be combined with {self.structured.param}",
+                    param="ignore_eos")
 
 
 @dataclass

@@ -62,8 +62,9 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
-                 graphs=None, proposer=None, cpu_decode: str = "auto"):
+                 graphs=None, proposer=None, cpu_decode: str = "auto", grammars=None):
         self.model = model
+        self.grammars = grammars  # servelm.structured.GrammarMasks, or None (no tokenizer)
         self.proposer = proposer  # servelm.spec proposer, when speculating
         self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
         self.config = model_config
@@ -82,6 +83,8 @@ class ModelRunner:
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(seq_id)
         if self.proposer is not None:
             self.proposer.release(seq_id)
 
@@ -94,7 +97,9 @@ class ModelRunner:
         proposals, draft_s = self._propose(scheduled)
         works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
+        masks_job = self._start_masks(works)  # computed while the model runs
         hidden = self._forward(fb)
+        masks = masks_job.result() if masks_job is not None else {}
         if not fb.logits_indices.numel():
             return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
@@ -112,11 +117,11 @@ class ModelRunner:
             idx = [r for _, r in plain]
             plain_logits = logits if len(idx) == rows else logits[idx]
             sched = [w.scheduled for w, _ in plain]
-            out = sample(plain_logits, self._sampling_tensors(sched))
+            out = sample(plain_logits, self._sampling_tensors(sched, masks))
             sampled = self._sampled_tokens(sched, out)
         result = StepResult(sampled, {}, draft_s=draft_s)
         if spec:
-            self._verify(spec, logits, proposals, result)
+            self._verify(spec, logits, proposals, result, masks)
         result.forward_s = time.perf_counter() - start
         return result
 
@@ -128,12 +133,23 @@ class ModelRunner:
         proposals = self.proposer.propose(asks)
         return proposals, time.perf_counter() - t0
 
+    def _start_masks(self, works: list):
+        if self.grammars is None:
+            return None
+        return self.grammars.start([(w.seq, w.drafts or []) for w in works
+                                    if w.drafts is not None or w.is_sampling])
+
     def _verify(self, spec: list, logits: torch.Tensor, proposals: dict,
-                result: StepResult) -> None:
-        """Accept or reject each sequence's drafts (servelm/spec/verify.py)."""
+                result: StepResult, masks: dict) -> None:
+        """Accept or reject each sequence's drafts (servelm/spec/verify.py). A structured
+        sequence's rows are masked first (row i: the grammar after its first i drafts), so a
+        draft the grammar forbids has target probability 0 and is rejected."""
         greedy_rows, sampled = [], []
         for w, row in spec:
             n = len(w.drafts) + 1
+            mask = masks.get(w.seq.seq_id)
+            if mask is not None:
+                logits[row:row + n].masked_fill_(~mask, float("-inf"))
             if w.seq.params.is_greedy:
                 greedy_rows.append((w, row, n))
             else:
@@ -192,7 +208,8 @@ class ModelRunner:
             self._generators[seq.seq_id] = gen
         return gen
 
-    def _sampling_tensors(self, sampling: list[RunnerScheduled]) -> SamplingTensors:
+    def _sampling_tensors(self, sampling: list[RunnerScheduled],
+                          masks: dict | None = None) -> SamplingTensors:
         seqs = [s.seq for s in sampling]
         params = [seq.params for seq in seqs]
         dev, vocab = self.device, self.config.vocab_size
@@ -212,13 +229,26 @@ class ModelRunner:
             st.frequency_penalties = col([p.frequency_penalty for p in params])
         if st.repetition_penalties is not None or st.presence_penalties is not None:
             st.output_tokens = _pad([seq.output_token_ids for seq in seqs], vocab, dev)
+        allowed = None
+        if masks:
+            allowed = torch.ones(len(seqs), vocab, dtype=torch.bool, device=dev)
+            for row, seq in enumerate(seqs):
+                if seq.seq_id in masks:
+                    allowed[row] = masks[seq.seq_id][0]
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = list(seq.params.stop_token_ids)
                 if not seq.params.ignore_eos:
                     ids += self.eos_token_ids
-                if ids:
+                if ids and allowed is not None and seq.seq_id in masks:
+                    # Within the grammar; once it allows only an end, the end wins.
+                    kept = allowed[row].clone()
+                    kept[ids] = False
+                    if kept.any():
+                        allowed[row] = kept
+                elif ids:
                     st.banned.append((row, ids))
+        st.allowed = allowed
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         st.num_logprobs = max(wanted) if wanted else None
         return st

@@ -1,6 +1,7 @@
 """sample(logits, SamplingTensors) -> SamplerOutput. A pure function of its inputs.
 
-Order (as vLLM and HF apply them): banned tokens (min_tokens) -> penalties -> greedy argmax, or
+Order (as vLLM and HF apply them): banned tokens (min_tokens) -> allowed-token masks
+(structured outputs) -> penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> draw. Logprobs are of the model's raw distribution.
 A draw uses the exponential race (argmax p / E, E ~ Exp(1)), so a seeded row's draw depends
 only on its own generator: the same seed gives the same output whatever else is in the batch.
@@ -25,6 +26,7 @@ class SamplingTensors:
     prompt_tokens: torch.Tensor | None = None  # [B, Lp] padded with vocab_size
     output_tokens: torch.Tensor | None = None  # [B, Lo] padded with vocab_size
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
+    allowed: torch.Tensor | None = None  # [B, V] bool; False: the token cannot be drawn
     generators: list[torch.Generator | None] = field(default_factory=list)  # per row
     num_logprobs: int | None = None  # top-k alternatives to return (max over rows)
 
@@ -67,6 +69,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if st.num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _ban(logits, st.banned)
+    if st.allowed is not None:
+        logits = logits.masked_fill(~st.allowed, float("-inf"))
     logits = _apply_penalties(logits, st)
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:

@@ -8,11 +8,12 @@ Unknown fields are ignored, as vLLM and SGLang do, so clients sending newer fiel
 
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from servelm.protocol import InvalidParameterError, SamplingParams
+from servelm.protocol import InvalidParameterError, SamplingParams, StructuredOutput
 
 # OpenAI's limit on stop sequences (SamplingParams allows more for the Python API, and checks
 # their length).
@@ -58,6 +59,10 @@ class _SamplingRequest(BaseModel):
     cache_salt: StrictStr | None = None
     skip_special_tokens: StrictBool = True
     speculative: StrictBool = True  # false: this request never speculates
+    # OpenAI's structured outputs, and servelm's extension (vLLM's name):
+    # {"json": schema} | {"regex": str} | {"choice": [str, ...]} | {"grammar": str}
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -82,7 +87,7 @@ class _SamplingRequest(BaseModel):
             stop=stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
             ignore_eos=self.ignore_eos, logprobs=self._num_logprobs(),
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
-            speculative=self.speculative)
+            speculative=self.speculative, structured=self.structured())
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -91,6 +96,16 @@ class _SamplingRequest(BaseModel):
         if self.top_k is not None:
             kwargs["top_k"] = -1 if self.top_k == 0 else self.top_k
         return SamplingParams(**kwargs)
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint of `response_format` or `structured_outputs` (not both)."""
+        fmt = _response_format(self.response_format)
+        ext = _structured_outputs(self.structured_outputs)
+        if fmt is not None and ext is not None:
+            raise InvalidParameterError("structured_outputs cannot be combined with a "
+                                        "response_format other than text",
+                                        param="structured_outputs")
+        return fmt or ext
 
     @property
     def include_usage(self) -> bool:
@@ -206,7 +221,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -236,9 +250,69 @@ class ChatCompletionRequest(_SamplingRequest):
     def check_unsupported(self) -> None:
         if self.tools:
             raise InvalidParameterError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise InvalidParameterError("response_format other than text is not supported",
-                                        param="response_format")
+
+
+def _response_format(fmt: dict[str, Any] | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_schema", '{"type": "object"}')
+    if kind != "json_schema":
+        raise InvalidParameterError(
+            f"response_format.type must be one of text, json_object, json_schema; got "
+            f"{str(kind)[:64]!r}", param="response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise InvalidParameterError("response_format.json_schema must be an object with a "
+                                    "`schema` object", param="response_format")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidParameterError("response_format.json_schema.strict must be a boolean",
+                                    param="response_format")
+    schema = spec.get("schema", {})  # OpenAI: a missing schema is any JSON
+    return StructuredOutput("json_schema", json.dumps(schema), strict=bool(strict))
+
+
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
+
+
+def _structured_outputs(ext: dict[str, Any] | None) -> StructuredOutput | None:
+    if ext is None:
+        return None
+    given = [k for k in _STRUCTURED_KINDS if ext.get(k) is not None]
+    if len(given) != 1:
+        raise InvalidParameterError(
+            f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KINDS)}; got "
+            f"{', '.join(given) or 'none'}", param="structured_outputs")
+    key = given[0]
+    value = ext[key]
+    param = "structured_outputs"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidParameterError(f"structured_outputs.json is not JSON: {exc}",
+                                            param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidParameterError("structured_outputs.json must be a JSON schema",
+                                        param=param)
+        return StructuredOutput("json_schema", json.dumps(value), strict=True, param=param)
+    if key == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise InvalidParameterError("structured_outputs.choice must be a non-empty list "
+                                        "of non-empty strings", param=param)
+        return StructuredOutput("choice", json.dumps(value), param=param)
+    if not isinstance(value, str) or not value:
+        raise InvalidParameterError(f"structured_outputs.{key} must be a non-empty string",
+                                    param=param)
+    return StructuredOutput(_STRUCTURED_KINDS[key], value, param=param)
 
 
 __all__ = ["CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",

@@ -274,6 +274,8 @@ class OpenAIServing:
             req.check_size(self.config.max_prompts, self.config.max_choices)
             params = req.sampling_params(self.config.max_n)
             self._check_stop_token_ids(params)
+            if params.structured is not None:
+                await self._check_structured(params)
             if kind == "completion":
                 prompts, texts = await self._completion_prompts(req)
             else:
@@ -291,6 +293,18 @@ class OpenAIServing:
                 raise InvalidParameterError(
                     f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})",
                     param="stop_token_ids")
+
+    async def _check_structured(self, params: SamplingParams) -> None:
+        """Compile the grammar here (cached per spec; off the event loop): a spec the library
+        cannot compile is a 400 naming the field, before the engine sees it."""
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidParameterError("structured outputs need the model's tokenizer",
+                                        param=params.structured.param)
+        from servelm.structured import compiler_for
+
+        compiler = compiler_for(tok, self.vocab_size, tok.eos_token_ids)
+        await asyncio.to_thread(compiler.grammar, params.structured)
 
     def _timeout(self, request: Request) -> float | None:
         raw = request.headers.get("timeout")
