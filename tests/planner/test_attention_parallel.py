@@ -76,7 +76,7 @@ def test_four_times_the_context_of_a_dense_70b(deploy):
     # = 2,618,690 tokens; DeepSeek's 671 GB of weights leave it 3,533,104 with dp attention
     # (1.35x, not 4x) and 583,755 with tp attention (0.22x).
     dense = plan_capacity(deploy("Llama-3.1-70B", "H200", tp=8), 8, 8192)
-    assert dense.kv_tokens_per_replica == 2_618_690
+    assert dense.kv_tokens_per_replica == 2_618_690 and dense.max_concurrent_users == 319
     dp = plan_capacity(deepseek(deploy, "dp"), 8, 8192).kv_tokens_per_replica
     tp = plan_capacity(deepseek(deploy, "tp"), 8, 8192).kv_tokens_per_replica
     assert dp / dense.kv_tokens_per_replica == pytest.approx(1.349, abs=1e-3)
