@@ -63,8 +63,8 @@ def _weights_per_gpu(c: Chain, d: Deployment) -> float:
 def _kv_per_token_per_gpu(c: Chain, d: Deployment) -> float:
     m = d.model
     if d.is_dp_attention:
-        formula = "kv_bytes_per_token (data-parallel attention: a token sits whole on the " \
-                  "one GPU that runs its request)"
+        formula = ("kv_bytes_per_token (data-parallel attention: a token sits whole on the "
+                   "one GPU that runs its request)")
         subst = f"{f(d.kv_bytes_per_token)}"
     elif m.is_mla:
         formula = "kv_bytes_per_token (MLA latent is replicated on every TP rank)"

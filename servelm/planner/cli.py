@@ -360,6 +360,13 @@ def _add_what_if_subcommands(sub) -> None:
                    help="target utilisation of each replica, headroom for queueing")
     _phase_mfu_flags(p)
 
+    p = sub.add_parser("catalog", help="list built-in models, GPUs, links, tiers and sources")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(plan_fn=None)
+
+
+def _add_job_subcommands(sub) -> None:
+    """batch: a whole job's time on one replica."""
     p = _register(sub, "batch", "a batch job: one document at a time vs batched, where "
                   "memory stops the batch, what a batch window costs", _run_batch)
     _hw_flags(p)
@@ -373,10 +380,6 @@ def _add_what_if_subcommands(sub) -> None:
                    help="seconds spent collecting documents before the batch starts")
     _phase_mfu_flags(p)
 
-    p = sub.add_parser("catalog", help="list built-in models, GPUs, links, tiers and sources")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(plan_fn=None)
-
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `plan` on the top-level `servelm` subparsers; sets func=handler."""
@@ -388,6 +391,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub.required = True
     _add_sizing_subcommands(sub)
     _add_what_if_subcommands(sub)
+    _add_job_subcommands(sub)
     plan.set_defaults(func=handler)
     return plan
 
