@@ -195,9 +195,11 @@ class Deployment:
             return Bandwidth(LINKS[self.gpu.host_link].bandwidth_Bps, self.gpu.host_link)
         return Bandwidth(bps, "host link (set)")
 
-    def tier_bandwidth(self, tier: Tier) -> tuple[float, str]:
-        """Tier -> this replica's GPUs: the slower of the medium and tp host links."""
-        return tier_bandwidth(tier, self.gpu, self.tp,
+    def kv_tier_bandwidth(self, tier: Tier) -> tuple[float, str]:
+        """A request's KV from a tier into the GPUs that hold it: the slower of the medium and
+        kv_shard host links in parallel (each GPU's link carries its shard; a whole MLA
+        latent or a dp-attention request goes over one GPU's link)."""
+        return tier_bandwidth(tier, self.gpu, self.kv_shard,
                               storage_Bps=self.calibration.tier_bandwidth_Bps(tier.name),
                               host_link_Bps=self.calibration.host_link_bandwidth_Bps)
 

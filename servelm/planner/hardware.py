@@ -177,7 +177,7 @@ def get_tier(name: str) -> Tier:
     return _lookup(TIERS, "tier", "--tier", name)
 
 
-def tier_bandwidth(tier: Tier, gpu: Accelerator, num_gpus: int, *,
+def tier_bandwidth(tier: Tier, gpu: Accelerator, num_gpus: float, *,
                    storage_Bps: float | None = None,
                    host_link_Bps: float | None = None) -> tuple[float, str]:
     """Effective bytes/s from a tier into `num_gpus` GPUs: the slower of the medium and
@@ -190,4 +190,4 @@ def tier_bandwidth(tier: Tier, gpu: Accelerator, num_gpus: int, *,
     host = one * num_gpus
     if storage <= host:
         return storage, f"{medium} ({storage / 1e9:g} GB/s)"
-    return host, f"{num_gpus} x {link} ({host / 1e9:g} GB/s)"
+    return host, f"{num_gpus:g} x {link} ({host / 1e9:g} GB/s)"

@@ -51,7 +51,7 @@ class OffloadPlan(PlanResult):
 def _tier_rows(d: Deployment, tokens: int, mfu: float) -> tuple[dict, ...]:
     rows = []
     for t in TIERS.values():
-        bw, _ = d.tier_bandwidth(t)
+        bw, _ = d.kv_tier_bandwidth(t)
         rows.append({"tier": t.name, "bandwidth_GBps": round(bw / 1e9, 2),
                      "reload_time_s": tokens * d.kv_bytes_per_token / bw,
                      "recompute_time_s": recompute_time(d, tokens, mfu),
@@ -67,8 +67,8 @@ def plan_offload(d: Deployment, tokens: int, tier: Tier, *,
     c = Chain()
     nbytes = c.add("prefix_kv_bytes", "tokens x kv_bytes_per_token",
                    f"{f(tokens)} x {f(d.kv_bytes_per_token)}", tokens * d.kv_bytes_per_token, "B")
-    bw, limit = d.tier_bandwidth(tier)
-    c.add("tier_bandwidth_Bps", "min(storage medium, tp x GPU host link)", f"limited by {limit}",
+    bw, limit = d.kv_tier_bandwidth(tier)
+    c.add("tier_bandwidth_Bps", "min(storage medium, kv_shard x GPU host link)", f"limited by {limit}",
           bw, "B/s")
     reload = c.add("reload_time_s", "prefix_kv_bytes / tier_bandwidth_Bps",
                    f"{f(nbytes)} / {f(bw)}", nbytes / bw, "s")

@@ -79,3 +79,12 @@ def test_parser_routes_host_to_the_host_measurement():
     calibrate.add_parser(parser.add_subparsers())
     args = parser.parse_args(["calibrate", "--host", "--sample-mb", "8"])
     assert args.host and args.sample_mb == 8.0 and args.func is calibrate._cmd
+
+
+def test_host_link_is_measured_only_with_a_gpu():
+    torch = pytest.importorskip("torch")
+    t = calibrate.measure_host_to_gpu(64_000_000, repeats=2)
+    if not torch.cuda.is_available():
+        assert t is None  # nothing is filled in that was not measured
+    else:  # any PCIe Gen3 x16 link or better moves more than 1 GB/s
+        assert t.num_bytes == 64_000_000 and t.bandwidth_Bps > 1e9

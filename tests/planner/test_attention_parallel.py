@@ -24,6 +24,7 @@ from servelm.planner.fleet import Workload, size_replica
 from servelm.planner.hardware import get_tier
 from servelm.planner.kv import plan_kv
 from servelm.planner.model_catalog import builtin_model
+from servelm.planner.offload import plan_offload
 
 ATTN = 11_413_547_008
 TOTAL = 671_026_404_352
@@ -145,3 +146,15 @@ def test_cli_flag_and_default(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "capacity", "--attention-parallel", "ep"])
     assert e.value.code == 2 and "--attention-parallel" in capsys.readouterr().err
+
+
+def test_offload_reloads_a_latent_over_one_host_link(deploy):
+    # A request's latent is whole on one GPU (dp) or on every GPU (tp), so it comes back over
+    # one GPU's PCIe Gen5 link either way, not 8: min(ddr5 307 GB/s, 1 x 63 GB/s) = 63 GB/s;
+    # 8,192 x 70,272 B = 575,668,224 B -> 9.14 ms. Llama-3.1-70B's 8-way KV uses 8 links.
+    for ap in ("dp", "tp"):
+        p = plan_offload(deepseek(deploy, ap), 8192, get_tier("dram"))
+        assert p.tier_bandwidth_Bps == 63e9
+        assert p.reload_time_s == pytest.approx(8192 * LATENT / 63e9)
+    dense = plan_offload(deploy("Llama-3.1-70B", "H200", tp=8), 8192, get_tier("dram"))
+    assert dense.tier_bandwidth_Bps == 307e9  # min(307, 8 x 63 = 504)
