@@ -99,10 +99,15 @@ def _candidates(d: Deployment, tp_fixed: bool) -> list[Deployment]:
 
 
 def _steps(c: Chain, d: Deployment, w: Workload, rs: ReplicaSize) -> None:
-    per = "per GPU x tp" if d.is_dp_attention else "per replica"
-    c.add("kv_users_per_replica", f"floor(kv_tokens {per} / (input_len + output_len)) "
-          "(see `plan capacity`)", f"floor({f(rs.kv_tokens)} / {w.input_len + w.output_len})",
-          rs.kv_users, "users")
+    full = w.input_len + w.output_len
+    if d.is_dp_attention:  # a request cannot span GPUs: each GPU's pool on its own
+        c.add("kv_users_per_replica", "tp x floor(kv_tokens_per_gpu / (input_len + "
+              "output_len)) (see `plan capacity`)",
+              f"{d.tp} x floor({f(d.kv_tokens_per_gpu)} / {full})", rs.kv_users, "users")
+    else:
+        c.add("kv_users_per_replica", "floor(kv_tokens_per_replica / (input_len + "
+              "output_len)) (see `plan capacity`)", f"floor({f(rs.kv_tokens)} / {full})",
+              rs.kv_users, "users")
     c.add("tpot_batch", f"largest batch with decode step <= tpot at context input_len + "
           f"output_len/2 = {f(w.input_len + w.output_len / 2)}", f"tpot {w.tpot_s} s",
           rs.tpot_batch, "sequences")
