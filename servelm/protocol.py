@@ -82,8 +82,13 @@ class SamplingParams:
     cache_salt: str | None = None
     speculative: bool = True  # False: never speculate for this request (servelm/spec/)
     structured: StructuredOutput | None = None  # a grammar the output must follow
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # never generated
 
     MAX_LOGPROBS = 20
+    LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+    MAX_LOGIT_BIAS = 1024  # entries per request
     MAX_STOP_STRINGS = 16
     MAX_STOP_LEN = 256
     # A salt names a prefix-cache namespace (a tenant); its key lives as long as the
@@ -96,6 +101,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
         self.validate()
 
     @property
@@ -170,6 +177,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        self._validate_token_lists(bad)
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", f"must be a StructuredOutput, got {self.structured!r}")
@@ -178,6 +186,44 @@ class SamplingParams:
                 raise InvalidParameterError(
                     f"ignore_eos cannot be combined with {self.structured.param}",
                     param="ignore_eos")
+
+
+    def _validate_token_lists(self, bad) -> None:
+        def is_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"has {len(self.logit_bias)} entries; at most "
+                      f"{self.MAX_LOGIT_BIAS}")
+        lo, hi = self.LOGIT_BIAS_RANGE
+        for t, v in self.logit_bias.items():
+            if not is_id(t):
+                raise bad("logit_bias", f"keys must be token ids, got {t!r}")
+            if (not isinstance(v, (int, float)) or isinstance(v, bool)
+                    or not lo <= v <= hi):
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {v!r} "
+                          f"for token {t}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty")
+            if not all(is_id(t) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be non-negative integers")
+        for word in self.bad_words_token_ids:
+            if not word or not all(is_id(t) for t in word):
+                raise bad("bad_words", "entries must be non-empty lists of token ids")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the parameters name is in [0, vocab_size)."""
+        for param, ids in (("stop_token_ids", self.stop_token_ids),
+                           ("logit_bias", self.logit_bias),
+                           ("allowed_token_ids", self.allowed_token_ids or []),
+                           ("bad_words", [t for w in self.bad_words_token_ids for t in w])):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise InvalidParameterError(
+                        f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})",
+                        param=param)
 
 
 @dataclass

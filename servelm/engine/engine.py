@@ -149,6 +149,7 @@ class Engine:
                 param="prompt")
         n_prompt = len(ids)
         params = request.sampling_params
+        params.check_vocab(self.vocab_size)
         if n_prompt >= self.max_model_len:
             raise InvalidParameterError(
                 f"prompt has {n_prompt} tokens; this model's context is {self.max_model_len} "

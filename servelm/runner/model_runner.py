@@ -229,12 +229,8 @@ class ModelRunner:
             st.frequency_penalties = col([p.frequency_penalty for p in params])
         if st.repetition_penalties is not None or st.presence_penalties is not None:
             st.output_tokens = _pad([seq.output_token_ids for seq in seqs], vocab, dev)
-        allowed = None
-        if masks:
-            allowed = torch.ones(len(seqs), vocab, dtype=torch.bool, device=dev)
-            for row, seq in enumerate(seqs):
-                if seq.seq_id in masks:
-                    allowed[row] = masks[seq.seq_id][0]
+        allowed = self._allowed(seqs, masks or {})
+        masks = masks or {}
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = list(seq.params.stop_token_ids)
@@ -248,10 +244,35 @@ class ModelRunner:
                         allowed[row] = kept
                 elif ids:
                     st.banned.append((row, ids))
+            bad = _bad_word_bans(seq)
+            if bad:
+                st.banned.append((row, bad))
+            if seq.params.logit_bias:
+                ids, values = zip(*seq.params.logit_bias.items())
+                st.biases.append((row, list(ids), list(values)))
         st.allowed = allowed
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         st.num_logprobs = max(wanted) if wanted else None
         return st
+
+    def _allowed(self, seqs: list, masks: dict) -> torch.Tensor | None:
+        """[B, V] bool of the tokens each row may draw (grammar masks and allowed_token_ids),
+        or None when every row may draw any."""
+        if not masks and all(seq.params.allowed_token_ids is None for seq in seqs):
+            return None
+        allowed = torch.ones(len(seqs), self.config.vocab_size, dtype=torch.bool,
+                             device=self.device)
+        for row, seq in enumerate(seqs):
+            if seq.seq_id in masks:
+                allowed[row] = masks[seq.seq_id][0]
+            only = seq.params.allowed_token_ids
+            if only is not None:
+                keep = torch.zeros_like(allowed[row])
+                keep[only] = True
+                allowed[row] &= keep
+                if not allowed[row].any():  # the grammar and the list share nothing
+                    allowed[row] = keep
+        return allowed
 
     def _sampled_tokens(self, sampling: list[RunnerScheduled], out) -> list[SampledToken]:
         token_ids = out.token_ids.tolist()
@@ -334,6 +355,21 @@ def build_forward_batch(works: list, block_size: int, device) -> ForwardBatch:
         seq_lens=seq_lens, num_decodes=num_decodes, block_size=bs,
         logits_indices=t(logits_idx),
     )
+
+
+def _bad_word_bans(seq) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (a one-token
+    word is always banned)."""
+    words = seq.params.bad_words_token_ids
+    if not words:
+        return []
+    out = seq.output_token_ids
+    bans = []
+    for word in words:
+        head = word[:-1]
+        if not head or (len(out) >= len(head) and out[len(out) - len(head):] == head):
+            bans.append(word[-1])
+    return bans
 
 
 def _decodes_first(works: list) -> list:

@@ -1,7 +1,7 @@
 """sample(logits, SamplingTensors) -> SamplerOutput. A pure function of its inputs.
 
-Order (as vLLM and HF apply them): banned tokens (min_tokens) -> allowed-token masks
-(structured outputs) -> penalties -> greedy argmax, or
+Order (as vLLM and HF apply them): banned tokens (min_tokens, bad words) -> allowed-token
+masks (structured outputs, allowed_token_ids) -> logit_bias -> penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> draw. Logprobs are of the model's raw distribution.
 A draw uses the exponential race (argmax p / E, E ~ Exp(1)), so a seeded row's draw depends
 only on its own generator: the same seed gives the same output whatever else is in the batch.
@@ -27,6 +27,7 @@ class SamplingTensors:
     output_tokens: torch.Tensor | None = None  # [B, Lo] padded with vocab_size
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
     allowed: torch.Tensor | None = None  # [B, V] bool; False: the token cannot be drawn
+    biases: list[tuple[int, list[int], list[float]]] = field(default_factory=list)  # logit_bias
     generators: list[torch.Generator | None] = field(default_factory=list)  # per row
     num_logprobs: int | None = None  # top-k alternatives to return (max over rows)
 
@@ -71,6 +72,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     logits = _ban(logits, st.banned)
     if st.allowed is not None:
         logits = logits.masked_fill(~st.allowed, float("-inf"))
+    logits = _add_biases(logits, st.biases)
     logits = _apply_penalties(logits, st)
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
@@ -91,6 +93,15 @@ def _ban(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> torch.Ten
     logits = logits.clone()
     for row, ids in banned:
         logits[row, ids] = float("-inf")
+    return logits
+
+
+def _add_biases(logits: torch.Tensor, biases: list) -> torch.Tensor:
+    if not biases:
+        return logits
+    logits = logits.clone()  # the caller's logits stay as they were
+    for row, ids, values in biases:
+        logits[row, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
     return logits
 
 

@@ -175,6 +175,14 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, "chat")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await serving.detokenize(request)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list",

@@ -3,7 +3,9 @@
 Owns: the shape and types of request bodies, and their conversion into SamplingParams.
 Never: range checks that SamplingParams already makes (one place decides what is valid; its
 InvalidParameterError names the parameter), or anything that needs the model.
-Unknown fields are ignored, as vLLM and SGLang do, so clients sending newer fields still work.
+Unknown fields are ignored, as vLLM and SGLang do, so clients sending newer fields still work;
+an OpenAI field servelm knows and does not implement is a 400 naming it (`check_known_fields`),
+never silently dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,37 @@ _ROLES_WITHOUT_CONTENT = frozenset({"assistant"})
 
 # A JSON number, not a bool or a numeric string (pydantic's lax float takes both).
 Number = Union[StrictInt, StrictFloat]
+
+
+# OpenAI request fields servelm does not implement, with the values that ask for nothing
+# (sent by clients that fill in defaults); any other value is a 400 naming the field.
+_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None,),  # the deprecated form of `tools`
+    "function_call": (None, "none", "auto"),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
+_NOT_IMPLEMENTED_WHY = {
+    "functions": "send `tools` instead", "function_call": "send `tool_choice` instead",
+    "store": "servelm does not store completions",
+}
+
+
+def check_known_fields(body: dict[str, Any]) -> None:
+    """A 400 for an OpenAI field servelm knows but does not implement, unless it asks for
+    nothing."""
+    for name, neutral in _NOT_IMPLEMENTED.items():
+        if name in body and body[name] not in neutral:
+            why = _NOT_IMPLEMENTED_WHY.get(name)
+            raise InvalidParameterError(
+                f"{name} is not supported by this server" + (f" ({why})" if why else ""),
+                param=name, code="unsupported_parameter")
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +96,9 @@ class _SamplingRequest(BaseModel):
     # {"json": schema} | {"regex": str} | {"choice": [str, ...]} | {"grammar": str}
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None  # OpenAI: token id (as text) -> bias
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -70,10 +106,14 @@ class _SamplingRequest(BaseModel):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def sampling_params(self, max_n: int) -> SamplingParams:
-        """Raises InvalidParameterError naming the parameter."""
+    def sampling_params(self, max_n: int, tokenize_words=None) -> SamplingParams:
+        """Raises InvalidParameterError naming the parameter. `tokenize_words(words)` gives
+        the token-id sequences of `bad_words`."""
         if self.n > max_n:
             raise InvalidParameterError(f"n must be at most {max_n}, got {self.n}", param="n")
+        if self.num_candidates > max_n:
+            raise InvalidParameterError(f"best_of must be at most {max_n}, got "
+                                        f"{self.num_candidates}", param="best_of")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise InvalidParameterError(
@@ -83,11 +123,19 @@ class _SamplingRequest(BaseModel):
             raise InvalidParameterError("stream_options is only allowed when stream is true",
                                         param="stream_options")
         kwargs: dict[str, Any] = dict(
-            n=self.n, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
+            n=self.num_candidates, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
             stop=stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
             ignore_eos=self.ignore_eos, logprobs=self._num_logprobs(),
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
-            speculative=self.speculative, structured=self.structured())
+            speculative=self.speculative, structured=self.structured(),
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids)
+        if self.bad_words:
+            if any(not w.strip() for w in self.bad_words):
+                raise InvalidParameterError("bad_words entries must be non-empty",
+                                            param="bad_words")
+            if tokenize_words is None:
+                raise InvalidParameterError("bad_words needs a tokenizer", param="bad_words")
+            kwargs["bad_words_token_ids"] = tokenize_words(self.bad_words)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -96,6 +144,17 @@ class _SamplingRequest(BaseModel):
         if self.top_k is not None:
             kwargs["top_k"] = -1 if self.top_k == 0 else self.top_k
         return SamplingParams(**kwargs)
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidParameterError(f"logit_bias keys must be token ids, got "
+                                            f"{key[:32]!r}", param="logit_bias") from None
+            out[token_id] = float(value)
+        return out
 
     def structured(self) -> StructuredOutput | None:
         """The output constraint of `response_format` or `structured_outputs` (not both)."""
@@ -106,6 +165,10 @@ class _SamplingRequest(BaseModel):
                                         "response_format other than text",
                                         param="structured_outputs")
         return fmt or ext
+
+    @property
+    def num_candidates(self) -> int:
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -126,10 +189,13 @@ class _SamplingRequest(BaseModel):
             raise InvalidParameterError(
                 f"prompt has {num_prompts} prompts; at most {max_prompts} are allowed per "
                 "request", param="prompt", code="too_many_prompts")
-        if self.n * num_prompts > max_choices:
+        n, param = self.n, "n"
+        if self.num_candidates > n:
+            n, param = self.num_candidates, "best_of"
+        if n * num_prompts > max_choices:
             raise InvalidParameterError(
-                f"n x prompts is {self.n} x {num_prompts} = {self.n * num_prompts} choices; at "
-                f"most {max_choices} are allowed per request", param="n",
+                f"{param} x prompts is {n} x {num_prompts} = {n * num_prompts} choices; at "
+                f"most {max_choices} are allowed per request", param=param,
                 code="too_many_choices")
 
 
@@ -148,6 +214,8 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens
 
     def _num_logprobs(self) -> int | None:
+        if self.logprobs is None and self.num_candidates > self.n:
+            return 0  # best_of ranks candidates by their tokens' logprobs
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
@@ -169,12 +237,21 @@ class CompletionRequest(_SamplingRequest):
     def num_prompts(self) -> int:
         return len(self.prompts())
 
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated per prompt: best_of of them, the n most likely returned."""
+        return self.best_of if self.best_of is not None else self.n
+
     def check_unsupported(self) -> None:
         if self.suffix:
             raise InvalidParameterError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidParameterError("best_of is not supported (only best_of == n)",
-                                        param="best_of")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise InvalidParameterError(f"best_of ({self.best_of}) must be at least n "
+                                            f"({self.n})", param="best_of")
+            if self.stream and self.best_of > self.n:
+                raise InvalidParameterError("best_of cannot be used with stream",
+                                            param="best_of")
         if self.echo and self.logprobs is not None:
             raise InvalidParameterError(
                 "echo with logprobs is not supported (prompt logprobs are not computed)",
@@ -252,6 +329,29 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidParameterError("tools are not supported", param="tools")
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True  # prompt only (a chat template places its own)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidParameterError("send exactly one of prompt and messages",
+                                        param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
 def _response_format(fmt: dict[str, Any] | None) -> StructuredOutput | None:
     """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
     if fmt is None:
@@ -315,5 +415,5 @@ def _structured_outputs(ext: dict[str, Any] | None) -> StructuredOutput | None:
     return StructuredOutput(_STRUCTURED_KINDS[key], value, param=param)
 
 
-__all__ = ["CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",
+__all__ = ["check_known_fields", "DetokenizeRequest", "TokenizeRequest", "CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",
            "CompletionRequest", "StreamOptions"]

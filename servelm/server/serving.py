@@ -31,7 +31,8 @@ from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChoiceState,
                                        CompletionFormatter, Formatter, finish_reason_name, sse)
 from servelm.server.idempotency import IdempotencyEntry, fingerprint
 from servelm.server.metrics import REJECTION_REASON_BY_CODE, timing_breakdown
-from servelm.server.schemas import ChatCompletionRequest, CompletionRequest
+from servelm.server.schemas import (ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, TokenizeRequest, check_known_fields)
 from servelm.server.sse import SSEResponse
 
 request_logger = logging.getLogger("servelm.requests")
@@ -270,10 +271,11 @@ class OpenAIServing:
                            f"`{self.config.served_model_name}`", param="model",
                            code="model_not_found")
         try:
+            check_known_fields(body)
             req.check_unsupported()
             req.check_size(self.config.max_prompts, self.config.max_choices)
-            params = req.sampling_params(self.config.max_n)
-            self._check_stop_token_ids(params)
+            params = req.sampling_params(self.config.max_n, self._bad_words)
+            params.check_vocab(self.vocab_size)
             if params.structured is not None:
                 await self._check_structured(params)
             if kind == "completion":
@@ -286,13 +288,20 @@ class OpenAIServing:
         return Prepared(kind, body, req, params, prompts, texts,
                         self._timeout(request), arrival)
 
-    def _check_stop_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.vocab_size
-        for t in params.stop_token_ids:
-            if not 0 <= t < vocab:
-                raise InvalidParameterError(
-                    f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})",
-                    param="stop_token_ids")
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it starts the text and after a space (as vLLM bans them)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidParameterError("bad_words needs the model's tokenizer",
+                                        param="bad_words")
+        out = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tok.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     async def _check_structured(self, params: SamplingParams) -> None:
         """Compile the grammar here (cached per spec; off the event loop): a spec the library
@@ -370,6 +379,56 @@ class OpenAIServing:
             raise InvalidParameterError("messages render to an empty prompt", param="messages")
         return [ids], [None]
 
+    # -- /tokenize and /detokenize ---------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """{"count", "max_model_len", "tokens"[, "token_strs"]}: the ids a completion (prompt)
+        or chat (messages, through the template) request would be given."""
+        try:
+            req = await self._small_request(request, TokenizeRequest)
+            req.check()
+            if req.prompt is not None:
+                ids = await self._encode(req.prompt, req.add_special_tokens)
+            else:
+                chat = ChatCompletionRequest(messages=req.messages,
+                                             add_generation_prompt=req.add_generation_prompt)
+                (ids,), _ = await self._chat_prompts(chat)
+        except InvalidParameterError as exc:
+            raise APIError.from_invalid(exc) from None
+        body: dict[str, Any] = {"count": len(ids), "tokens": ids,
+                                "max_model_len": self.state.async_engine.max_model_len}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        """{"prompt": text} of token ids (special tokens kept, as they were sent)."""
+        try:
+            req = await self._small_request(request, DetokenizeRequest)
+            if self.tokenizer is None:
+                raise InvalidParameterError("this model has no tokenizer", param="tokens")
+            vocab = self.vocab_size
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidParameterError(f"tokens: token id {bad} is outside the "
+                                            f"vocabulary [0, {vocab})", param="tokens")
+        except InvalidParameterError as exc:
+            raise APIError.from_invalid(exc) from None
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens,
+                                                             skip_special_tokens=False)})
+
+    async def _small_request(self, request: Request, schema):
+        body = await read_json_object(request, self.config.max_body_bytes)
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as exc:
+            raise APIError.from_validation(exc) from None
+        if req.model is not None and req.model != self.config.served_model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                           f"`{self.config.served_model_name}`", param="model",
+                           code="model_not_found")
+        return req
+
     # -- running ---------------------------------------------------------------------------
 
     def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
@@ -407,7 +466,12 @@ class OpenAIServing:
             raise gen.timeout_error()
         timing = gen.timing_summary()
         self._log(gen, p)
-        body = fmt.response(gen.choices, p.prompt_texts, gen.usage())
+        usage = gen.usage()  # best_of: every candidate's tokens count, as OpenAI bills them
+        choices = gen.choices
+        if p.request.num_candidates > p.request.n:
+            choices = best_of(choices, p.request.num_candidates, p.request.n,
+                              keep_logprobs=p.request.logprobs is not None)
+        body = fmt.response(choices, p.prompt_texts, usage)
         return JSONResponse(body, headers={"x-servelm-timing": _header_json(timing)})
 
     async def _complete(self, request: Request, p: Prepared) -> Response:
@@ -559,6 +623,21 @@ class OpenAIServing:
             "timing": gen.timing(),
         }
         request_logger.info(json.dumps(record, ensure_ascii=False))
+
+
+def best_of(choices: list[ChoiceState], num_candidates: int, n: int,
+            keep_logprobs: bool) -> list[ChoiceState]:
+    """Per prompt, the n candidates whose tokens have the highest total logprob (OpenAI's
+    best_of), in that order."""
+    out = []
+    for start in range(0, len(choices), num_candidates):
+        group = choices[start:start + num_candidates]
+        ranked = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))
+        for c in ranked[:n]:
+            if not keep_logprobs:
+                c.logprobs = []
+            out.append(c)
+    return out
 
 
 def summarize_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
