@@ -97,6 +97,9 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
         raise FlagError("--warmup", f"must be >= 0, got {args.warmup}")
     if not 0 < args.goodput_target <= 1:
         raise FlagError("--goodput-target", f"must be in (0, 1], got {args.goodput_target}")
+    if getattr(args, "record_requests", None) and args.sweep_rates:
+        raise FlagError("--record-requests", "records one run: give --request-rate or "
+                                             "--concurrency, not --sweep-rates")
 
 
 def endpoint_from_args(args: argparse.Namespace) -> EndpointConfig:
@@ -185,7 +188,28 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
     examples = [f"{r.error}: {r.error_detail}" for r in load.records if r.error][:5]
     if examples:
         result["failure_examples"] = examples
+    if getattr(args, "record_requests", None):
+        record_requests(args.record_requests, requests, load.records)
     return result
+
+
+def record_requests(path: str, requests: Sequence[Request], records) -> None:
+    """One JSON line per measured request, in send order: the trace `servelm sim --trace`
+    replays (format: servelm/sim/arrivals.py). Records follow the requests in order (both
+    load loops send requests[i] as the i-th record); times are from the first send."""
+    from servelm.sim.arrivals import trace_line
+
+    origin = min((r.scheduled_time for r in records), default=0.0)
+    lines = []
+    for req, rec in zip(requests, records):
+        measured = {"ttft_s": rec.ttft_s, "tpot_s": rec.tpot_s, "e2e_s": rec.e2e_s,
+                    "error": rec.error}
+        lines.append(trace_line(rec.scheduled_time - origin, req.prompt_token_ids,
+                                req.max_tokens, rec.num_output_tokens if rec.is_ok else 0,
+                                measured))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(line + "\n" for line in lines))
 
 
 def _command() -> str:
@@ -320,5 +344,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--out", default=None,
                    help="result JSON (default benchmarks/results/serve-<UTC time>.json)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--record-requests", metavar="FILE", default=None,
+                   help="also write one JSON line per request (send offset, prompt ids, "
+                        "tokens asked for and received, TTFT/TPOT/e2e): a trace for "
+                        "`servelm sim --trace`")
     p.set_defaults(func=cmd_serve)
     return p

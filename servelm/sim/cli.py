@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,15 +21,22 @@ from servelm.bench.metrics import build_serve_result, render_serve_table
 from servelm.bench.workloads import random_lengths
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
+from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
 from servelm.sim.cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 
 SCHEMA_VERSION = 1
 
 
-def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
+def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequest]:
+    """The workload at `rate` with --arrival's gaps, or (rate None) the --trace's requests
+    at their recorded send times."""
     from servelm.bench.loadgen import arrival_offsets
 
+    if args.trace is not None:
+        trace = read_trace(args.trace)
+        prompts = trace_prompts(trace, args.vocab_size, args.seed)
+        return [SimRequest(t.arrival_s, p, t.num_replay_tokens) for t, p in zip(trace, prompts)]
     if args.workload == "conversation":
         from servelm.bench.workloads import conversation
 
@@ -37,8 +45,11 @@ def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
     else:
         reqs = random_lengths(args.num_prompts, args.input_len, args.output_len,
                               args.vocab_size, args.seed)
-    offsets = arrival_offsets(len(reqs), rate, args.arrival, burst_size=args.burst_size,
-                              seed=args.seed)
+    if args.arrival == "gamma":
+        offsets = gamma_offsets(len(reqs), rate, args.burstiness, seed=args.seed)
+    else:
+        offsets = arrival_offsets(len(reqs), rate, args.arrival, burst_size=args.burst_size,
+                                  seed=args.seed)
     return [SimRequest(float(t), r.prompt_token_ids, r.max_tokens)
             for t, r in zip(offsets, reqs)]
 
@@ -60,16 +71,27 @@ def replica_spec(args: argparse.Namespace, cost: StepCostModel) -> ReplicaSpec:
     return ReplicaSpec(**engine)
 
 
-def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float) -> tuple[dict, SimResult]:
-    sim = simulate(build_requests(args, rate), args.num_replicas, spec, cost,
-                   make_policy(args.policy))
+def _load_info(args: argparse.Namespace, rate: float | None,
+               requests: list[SimRequest]) -> dict[str, Any]:
+    if args.trace is not None:
+        span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+        return {"request_rate": (len(requests) - 1) / span if span > 0 else "inf",
+                "concurrency": None, "arrival": "trace", "trace": str(args.trace)}
+    return {"request_rate": rate, "concurrency": None, "arrival": args.arrival,
+            "burst_size": args.burst_size if args.arrival == "burst" else None,
+            "burstiness": args.burstiness if args.arrival == "gamma" else None}
+
+
+def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
+            rate: float | None) -> tuple[dict, SimResult]:
+    requests = build_requests(args, rate)
+    sim = simulate(requests, args.num_replicas, spec, cost, make_policy(args.policy))
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "serve", "system": args.label,
         "model": args.model, "command": _command(),
-        "load": {"request_rate": rate, "concurrency": None, "arrival": args.arrival,
-                 "burst_size": args.burst_size if args.arrival == "burst" else None},
+        "load": _load_info(args, rate, requests),
         **build_serve_result(sim.records, sim.elapsed_s, slo_ttft_s=slo_ttft,
                              slo_tpot_s=slo_tpot),
         "sim": {"cost_model": cost.name, "num_replicas": args.num_replicas,
@@ -85,9 +107,16 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float) -> tuple[
                 "prefix_hit_rate": _hit_rate(sim.replicas),
                 "imbalance": _imbalance(sim)},
     }
-    result["workload"] = {"kind": args.workload, "num_prompts": args.num_prompts,
-                          "input_len": args.input_len, "output_len": args.output_len,
-                          "seed": args.seed, "vocab_size": args.vocab_size}
+    if args.trace is not None:
+        result["workload"] = {"kind": "trace", "num_prompts": len(requests),
+                              "num_input_tokens": sum(len(r.prompt_token_ids)
+                                                      for r in requests),
+                              "num_output_tokens": sum(r.max_tokens for r in requests),
+                              "seed": args.seed, "vocab_size": args.vocab_size}
+    else:
+        result["workload"] = {"kind": args.workload, "num_prompts": args.num_prompts,
+                              "input_len": args.input_len, "output_len": args.output_len,
+                              "seed": args.seed, "vocab_size": args.vocab_size}
     return result, sim
 
 
@@ -138,6 +167,33 @@ def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
     return path
 
 
+def check_load_flags(args: argparse.Namespace) -> list[float | None]:
+    """The rates to run (None: the trace's own times). Errors name the flag."""
+    if args.burstiness is not None and args.arrival != "gamma":
+        raise ValueError("--burstiness: only with --arrival gamma")
+    if args.arrival == "gamma":
+        args.burstiness = 1.0 if args.burstiness is None else args.burstiness
+        if not 0 < args.burstiness < math.inf:
+            raise ValueError(f"--burstiness: must be positive, got {args.burstiness}")
+    if args.trace is not None:
+        if not Path(args.trace).is_file():
+            raise ValueError(f"--trace: no such file {args.trace}")
+        return [None]
+    if args.sweep_rates:
+        try:
+            rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"--sweep-rates: expected comma-separated numbers, got "
+                             f"{args.sweep_rates!r}") from None
+    else:
+        rates = [args.request_rate]
+    if not rates or any(not 0 < r < math.inf for r in rates):
+        flag = "--sweep-rates" if args.sweep_rates else "--request-rate"
+        raise ValueError(f"{flag}: rates must be positive and finite, got "
+                         f"{args.sweep_rates or args.request_rate}")
+    return rates
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from servelm.bench.results import git_commit, machine_info
     from servelm.bench.sweep import plot_sweep, render_sweep_table, summarize_sweep
@@ -146,17 +202,22 @@ def cmd_sim(args: argparse.Namespace) -> int:
         cost = StepCostModel.load(args.cost_model)
         spec = replica_spec(args, cost)
         make_policy(args.policy)
+        rates = check_load_flags(args)
     except (OSError, ValueError) as exc:
         print(f"servelm sim: error: {exc}", file=sys.stderr)
         return 2
-    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates \
-        else [args.request_rate]
-    title = (f"servelm sim: {args.num_replicas} x {cost.name}, {args.policy}, "
-             f"{args.num_prompts} requests, input {args.input_len}, output {args.output_len}")
+    what = f"trace {args.trace}" if args.trace is not None else \
+        f"{args.num_prompts} requests, input {args.input_len}, output {args.output_len}"
+    title = f"servelm sim: {args.num_replicas} x {cost.name}, {args.policy}, {what}"
     runs, sims = [], []
     for rate in rates:
-        result, sim = run_one(args, cost, spec, rate)
-        print(f"[sim] rate {rate:g}: {len(sim.records)} requests in {sim.wall_s:.2f} s wall "
+        try:
+            result, sim = run_one(args, cost, spec, rate)
+        except (OSError, ValueError) as exc:  # a bad trace line, a prompt the engine refuses
+            print(f"servelm sim: error: {exc}", file=sys.stderr)
+            return 2
+        label = "trace" if rate is None else f"rate {rate:g}"
+        print(f"[sim] {label}: {len(sim.records)} requests in {sim.wall_s:.2f} s wall "
               f"({sim.requests_per_wall_s:,.0f} simulated requests / s)", file=sys.stderr)
         result.update(machine=machine_info(), commit=git_commit())
         runs.append(result)
@@ -200,8 +261,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--request-rate", type=float, default=None)
     mode.add_argument("--sweep-rates", default=None)
-    g.add_argument("--arrival", choices=("poisson", "constant", "burst"), default="poisson")
+    mode.add_argument("--trace", default=None, metavar="FILE",
+                      help="replay a JSONL trace (`servelm bench serve --record-requests`): "
+                           "its send times, prompts and output lengths; the workload flags "
+                           "are not used")
+    g.add_argument("--arrival", choices=("poisson", "constant", "burst", "gamma"),
+                   default="poisson",
+                   help="gaps between requests: exponential, fixed, groups of "
+                        "--burst-size, or gamma with --burstiness")
     g.add_argument("--burst-size", type=int, default=8)
+    g.add_argument("--burstiness", type=float, default=None, metavar="CV",
+                   help="gamma arrivals: the gaps' coefficient of variation (1: Poisson, "
+                        ">1 bursty; the gamma shape is 1/CV^2; default 1)")
     g.add_argument("--workload", choices=("random", "conversation"), default="random",
                    help="random lengths, or multi-turn conversations whose every turn "
                         "extends the last prompt (servelm bench serve's workloads)")
