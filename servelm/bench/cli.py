@@ -350,6 +350,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_spec_parser(bench_sub)
     from servelm.bench.calibrate import add_parser as add_calibrate_parser  # `bench calibrate`
     add_calibrate_parser(bench_sub)
+    from servelm.bench.multiturn import add_parser as add_multiturn_parser  # `bench multiturn`
+    add_multiturn_parser(bench_sub)
     return bench
 
 

@@ -39,7 +39,8 @@ def build_fake_app(behaviour: FakeBehaviour):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    state = {"count": 0, "slots": None}
+    # received: (time.perf_counter(), `user`, prompt length) of every request, in order
+    state = {"count": 0, "slots": None, "received": []}
 
     def sse(obj) -> bytes:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
@@ -57,6 +58,7 @@ def build_fake_app(behaviour: FakeBehaviour):
         prompt = body.get("prompt") if not is_chat else body["messages"][-1]["content"]
         num_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         num_out = int(body.get("max_tokens") or 16)
+        state["received"].append((time.perf_counter(), body.get("user"), num_prompt))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         is_cut = bool(b.cut_every and n % b.cut_every == 0)
 
@@ -114,6 +116,10 @@ class FakeServer:
     @property
     def num_requests(self) -> int:
         return self._app.state.fake["count"]
+
+    @property
+    def received(self) -> list[tuple[float, str | None, int]]:
+        return list(self._app.state.fake["received"])
 
     def __enter__(self) -> "FakeServer":
         import uvicorn

@@ -150,6 +150,9 @@ def _on_event(rec: RequestRecord, payload: str, is_chat: bool, now: float) -> bo
         rec.num_output_tokens = int(usage.get("completion_tokens") or 0)
         if usage.get("prompt_tokens") is not None:
             rec.usage_prompt_tokens = int(usage["prompt_tokens"])
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.cached_tokens = int(details["cached_tokens"])
     return False
 
 

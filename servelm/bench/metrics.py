@@ -42,6 +42,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # one per content chunk
     num_output_tokens: int = 0  # from the usage chunk; else the number of content chunks
     usage_prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     has_usage: bool = False
     error: str | None = None  # failure kind: http_<status>, timeout, connection, stream
     error_detail: str | None = None

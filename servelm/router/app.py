@@ -74,6 +74,10 @@ class RouterMetrics:
             "servelm_router_replica_reported_hit_tokens",
             "The replica's own servelm_prefix_cache_hit_tokens_total, as last probed",
             ["replica"], registry=r)
+        self.reported_prompt_tokens = Gauge(
+            "servelm_router_replica_reported_prompt_tokens",
+            "The replica's own servelm_prompt_tokens_total, as last probed (with the hit "
+            "tokens: the replica's prefix-cache hit rate)", ["replica"], registry=r)
         self.view_blocks = Gauge("servelm_router_replica_cache_view_blocks",
                                  "Blocks in the router's view of each replica's prefix cache",
                                  ["replica"], registry=r)
@@ -89,6 +93,7 @@ class RouterMetrics:
             self.healthy.labels(rep.url).set(1 if rep.is_healthy else 0)
             self.load.labels(rep.url).set(rep.tokens_in_flight)
             self.reported_hits.labels(rep.url).set(rep.reported_cached_tokens)
+            self.reported_prompt_tokens.labels(rep.url).set(rep.reported_prompt_tokens)
             self.view_blocks.labels(rep.url).set(len(rep.cache_view))
             if rep.is_healthy:
                 loads.append(rep.tokens_in_flight)

@@ -44,6 +44,7 @@ class Replica:
     reported_running: int = 0
     reported_kv_usage: float = 0.0
     reported_cached_tokens: float = 0.0  # servelm_prefix_cache_hit_tokens_total
+    reported_prompt_tokens: float = 0.0  # servelm_prompt_tokens_total
     tokens_in_flight: int = 0  # router's own count
     num_in_flight: int = 0
     num_routed: int = 0
@@ -137,6 +138,7 @@ class ReplicaSet:
         replica.reported_running = int(m.get("servelm_num_requests_running", 0))
         replica.reported_kv_usage = m.get("servelm_kv_cache_usage_ratio", 0.0)
         replica.reported_cached_tokens = m.get("servelm_prefix_cache_hit_tokens_total", 0.0)
+        replica.reported_prompt_tokens = m.get("servelm_prompt_tokens_total", 0.0)
         replica.last_probe = time.monotonic()
         self.record_success(replica)
         await self.pull_kv_events(client, replica)
