@@ -21,8 +21,8 @@ def _free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, *flags: str, model: str = MODEL):
-        self.port = _free_port()
+    def __init__(self, *flags: str, model: str = MODEL, port: int | None = None):
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "servelm.cli", "serve", model, "--port", str(self.port),
                "--kv-cache-memory", "64MiB", *flags]
