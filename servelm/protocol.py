@@ -85,8 +85,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # never generated
+    prompt_logprobs: int | None = None  # logprob of each prompt token (+ k alternatives)
+    pooling: str | None = None  # "mean" | "last": return the prompt's pooled hidden state
 
     MAX_LOGPROBS = 20
+    POOLINGS = ("mean", "last")
     LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
     MAX_LOGIT_BIAS = 1024  # entries per request
     MAX_STOP_STRINGS = 16
@@ -104,6 +107,12 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
         self.validate()
+
+    @property
+    def needs_prompt_states(self) -> bool:
+        """The runner must compute every prompt position (none may come from the prefix
+        cache): prompt logprobs and mean pooling read all of them."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def is_greedy(self) -> bool:
@@ -178,6 +187,14 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
         self._validate_token_lists(bad)
+        if self.prompt_logprobs is not None:
+            if (not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                    or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+                raise bad("prompt_logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}], "
+                          f"got {self.prompt_logprobs!r}")
+        if self.pooling is not None and self.pooling not in self.POOLINGS:
+            raise bad("pooling", f"must be one of {', '.join(self.POOLINGS)}, got "
+                      f"{self.pooling!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", f"must be a StructuredOutput, got {self.structured!r}")
@@ -301,6 +318,10 @@ class TokenDelta:
     num_output_tokens: int = 0  # total so far
     timings: RequestTimings | None = None  # set on the request's last delta
     error: str | None = None
+    # With the sequence's first token: one entry per prompt token, None for the first
+    # (nothing precedes it), when SamplingParams.prompt_logprobs asked for them.
+    prompt_logprobs: list[Logprob | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.pooling: the pooled hidden state
 
     @property
     def finished(self) -> bool:
@@ -314,6 +335,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass

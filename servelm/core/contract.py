@@ -76,12 +76,21 @@ class SpecOutcome(msgspec.Struct, array_like=True):
     num_accepted: int  # of which the target accepted (one more token is always emitted)
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Of one prefill chunk: logprobs[j] is the logprob of prompt token start + j + 1."""
+
+    start: int
+    logprobs: list[Logprob]
+
+
 class StepResult(msgspec.Struct, omit_defaults=True):
     """sampled: the step's new tokens in order; a speculating sequence has several, the
     first num_accepted of its drafts and the target's next token."""
 
     sampled: list[SampledToken]
     spec: dict[int, SpecOutcome] = {}  # seq_id -> outcome, for sequences that had drafts
+    prompt_logprobs: dict[int, PromptLogprobs] = {}  # seq_id -> this chunk's (when asked)
+    embeddings: dict[int, list[float]] = {}  # seq_id -> pooled prompt hidden state
     forward_s: float = 0.0  # wall time of propose + model + sampling
     draft_s: float = 0.0  # of which the proposer took
 
@@ -128,5 +137,5 @@ class Runner(Protocol):
     def execute(self, step: StepDescription) -> StepResult: ...
 
 
-__all__ = ["CONTRACT_VERSION", "KVEvent", "NewSequence", "Runner", "SampledToken", "ScheduledSequence",
+__all__ = ["CONTRACT_VERSION", "KVEvent", "NewSequence", "PromptLogprobs", "Runner", "SampledToken", "ScheduledSequence",
            "SpecOutcome", "StepDescription", "StepReport", "StepResult"]

@@ -60,7 +60,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Cached full blocks at the start of seq. At least one token is always left to
         compute, so that the step yields a next-token distribution."""
-        if self.prefix_cache is None or seq.block_table:
+        if self.prefix_cache is None or seq.block_table or seq.params.needs_prompt_states:
             return _NO_MATCH
         return self.prefix_cache.match(seq.token_ids, seq.extra_key, seq.num_tokens - 1)
 

@@ -110,6 +110,7 @@ class Engine:
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
         self._pending: list[TokenDelta] = []  # deltas produced between steps (aborts)
+        self._prompt_lps: dict[int, list] = {}  # seq_id -> prompt logprobs so far
         # The runner's knowledge, for the next StepDescription's deltas:
         self._views: dict[int, _RunnerView] = {}
         self._finished_ids: list[int] = []  # sequences the runner saw that have finished
@@ -228,12 +229,36 @@ class Engine:
         if self.speculator is not None:  # the target's part of the step, and its tokens
             self.speculator.observe_step(now - start - result.draft_s, *shape)
         # A speculating sequence gets several tokens; once one finishes it, the rest go.
+        self._keep_prompt_logprobs(result)
         for sampled in result.sampled:
             seq = self._seqs.get(sampled.seq_id)
             if seq is None or seq.is_finished:
                 continue
-            deltas.append(self._on_token(seq, sampled.token_id, sampled.logprob, now))
+            first = seq.num_output_tokens == 0
+            kept = self._prompt_lps.pop(seq.seq_id, None) if first else None
+            delta = self._on_token(seq, sampled.token_id, sampled.logprob, now)
+            if first:
+                self._attach_prompt_outputs(seq, delta, result, kept)
+            deltas.append(delta)
         return deltas
+
+    def _keep_prompt_logprobs(self, result: StepResult) -> None:
+        """Prompt logprobs arrive per prefill chunk; a recompute after preemption sends
+        positions again (kept until the first token delivers them, ignored after)."""
+        for seq_id, chunk in result.prompt_logprobs.items():
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.num_output_tokens > 0:
+                continue
+            kept = self._prompt_lps.setdefault(seq_id, [None] * seq.num_prompt_tokens)
+            kept[chunk.start + 1:chunk.start + 1 + len(chunk.logprobs)] = chunk.logprobs
+
+    def _attach_prompt_outputs(self, seq: Sequence, delta: TokenDelta, result: StepResult,
+                               kept: list | None) -> None:
+        """The first token's delta carries the prompt's logprobs and pooled state."""
+        if seq.params.prompt_logprobs is not None:
+            delta.prompt_logprobs = kept or [None] * seq.num_prompt_tokens
+        if seq.params.pooling is not None:
+            delta.embedding = result.embeddings.get(seq.seq_id)
 
     def describe(self, batch: ScheduledBatch) -> StepDescription:
         """The batch as plain data: per sequence the tokens and blocks the runner has not
@@ -364,6 +389,7 @@ class Engine:
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
         self.scheduler.finish(seq, status)
+        self._prompt_lps.pop(seq.seq_id, None)
         if self._views.pop(seq.seq_id, None) is not None:
             self._finished_ids.append(seq.seq_id)
         del self._seqs[seq.seq_id]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from servelm.config import CacheConfig, ModelConfig
-from servelm.core.contract import SampledToken, SpecOutcome, StepDescription, StepResult
+from servelm.core.contract import (PromptLogprobs, SampledToken, SpecOutcome, StepDescription,
+                                   StepResult)
 from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
 from servelm.runner.cpu_decode import CpuDecodeStack
@@ -74,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self._generators: dict[int, torch.Generator] = {}
+        self._pooled: dict[int, torch.Tensor] = {}  # seq_id -> sum of prompt hidden states
         self.state = RunnerState(on_forget=self._forget)
         # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
         # cpu_decode: its mode, the engine option's `decode` part (auto | kernel | torch).
@@ -83,6 +85,7 @@ class ModelRunner:
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self._pooled.pop(seq_id, None)
         if self.grammars is not None:
             self.grammars.forget(seq_id)
         if self.proposer is not None:
@@ -100,8 +103,10 @@ class ModelRunner:
         masks_job = self._start_masks(works)  # computed while the model runs
         hidden = self._forward(fb)
         masks = masks_job.result() if masks_job is not None else {}
+        prompt_lps, embeddings = self._prompt_outputs(works, fb, hidden)
         if not fb.logits_indices.numel():
-            return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s)
+            return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s,
+                              prompt_logprobs=prompt_lps, embeddings=embeddings)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
         rows = 0
         plain, spec = [], []
@@ -119,7 +124,8 @@ class ModelRunner:
             sched = [w.scheduled for w, _ in plain]
             out = sample(plain_logits, self._sampling_tensors(sched, masks))
             sampled = self._sampled_tokens(sched, out)
-        result = StepResult(sampled, {}, draft_s=draft_s)
+        result = StepResult(sampled, {}, draft_s=draft_s, prompt_logprobs=prompt_lps,
+                            embeddings=embeddings)
         if spec:
             self._verify(spec, logits, proposals, result, masks)
         result.forward_s = time.perf_counter() - start
@@ -132,6 +138,50 @@ class ModelRunner:
         t0 = time.perf_counter()
         proposals = self.proposer.propose(asks)
         return proposals, time.perf_counter() - t0
+
+    def _prompt_outputs(self, works: list, fb: ForwardBatch, hidden: torch.Tensor):
+        """Per sequence that asked: this chunk's prompt logprobs, and (at the prompt's last
+        chunk) its pooled hidden state (mean over the prompt, or the last position's)."""
+        prompt_lps: dict[int, PromptLogprobs] = {}
+        embeddings: dict[int, list[float]] = {}
+        qsl = fb.query_start_loc
+        for i, w in enumerate(works):
+            params, seq = w.seq.params, w.seq
+            if (params.prompt_logprobs is None and params.pooling is None) \
+                    or w.start >= seq.num_prompt_tokens:
+                continue
+            end = min(w.start + len(w.tokens), seq.num_prompt_tokens)
+            rows = hidden[qsl[i]:qsl[i] + end - w.start]  # prompt positions start .. end-1
+            if params.prompt_logprobs is not None:
+                prompt_lps[seq.seq_id] = self._prompt_logprobs(seq, w.start, end, rows)
+            if params.pooling == "mean":
+                total = rows.float().sum(dim=0)
+                if seq.seq_id in self._pooled:
+                    total += self._pooled[seq.seq_id]
+                self._pooled[seq.seq_id] = total
+            if params.pooling is not None and end == seq.num_prompt_tokens:
+                pooled = (self._pooled.pop(seq.seq_id) / seq.num_prompt_tokens
+                          if params.pooling == "mean" else rows[-1].float())
+                embeddings[seq.seq_id] = pooled.tolist()
+        return prompt_lps, embeddings
+
+    def _prompt_logprobs(self, seq, start: int, end: int, rows: torch.Tensor):
+        """Position p's distribution scores prompt token p + 1 (the last prompt position
+        scores the first output token: not a prompt logprob)."""
+        num = min(end, seq.num_prompt_tokens - 1) - start
+        if num <= 0:
+            return PromptLogprobs(start, [])
+        lps = torch.log_softmax(self.model.compute_logits(rows[:num]).float(), dim=-1)
+        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + num], device=lps.device)
+        chosen = lps.gather(1, targets[:, None]).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs
+        top_ids = top_lps = None
+        if k:
+            top_lps, top_ids = lps.topk(k, dim=-1)
+            top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
+        out = [Logprob(int(t), lp, list(zip(top_ids[j], top_lps[j])) if k else [])
+               for j, (t, lp) in enumerate(zip(targets.tolist(), chosen))]
+        return PromptLogprobs(start, out)
 
     def _start_masks(self, works: list):
         if self.grammars is None:

@@ -175,6 +175,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, "chat")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serving.handle(request, "embedding")
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await serving.tokenize(request)

@@ -30,6 +30,8 @@ class ChoiceState:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # echo with logprobs
+    embedding: list[float] | None = None
 
 
 def finish_reason_name(reason: FinishReason | None, deadline_hit: bool) -> str | None:
@@ -77,17 +79,33 @@ class CompletionFormatter(Formatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, tokenizer, request_id, model, num_choices, echo: bool):
+    def __init__(self, tokenizer, request_id, model, num_choices, echo: bool,
+                 prompt_ids: list[list[int]] | None = None, echo_logprobs: bool = False):
+        """echo_logprobs: echo with logprobs, so the echoed prompt carries its tokens'
+        logprobs (they come with each choice's first delta; `prompt_ids[i // n]` names the
+        prompt's tokens, whose first has no logprob)."""
         super().__init__(tokenizer, request_id, model, num_choices)
         self.echo = echo
+        self.echo_logprobs = echo and echo_logprobs
+        self.prompt_ids = prompt_ids or []
+        self._prompt_texts: dict[int, str] = {}
 
-    def logprobs(self, index: int, lps: list[Logprob] | None, text_before: int
+    def _prompt_entries(self, index: int, lps: list[Logprob | None]) -> list[Logprob | None]:
+        """Prompt logprobs with the first token's id filled in (its logprob stays None)."""
+        n = self.num_choices // max(1, len(self.prompt_ids))
+        ids = self.prompt_ids[index // max(1, n)] if self.prompt_ids else []
+        return [lp if lp is not None else (Logprob(ids[j], None) if j < len(ids) else None)
+                for j, lp in enumerate(lps)]
+
+    def logprobs(self, index: int, lps: list[Logprob | None] | None, text_before: int
                  ) -> dict[str, Any] | None:
         if lps is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = text_before
         for lp in lps:
+            if lp is None:
+                continue
             tok = self.token_text(lp.token_id)
             tokens.append(tok)
             token_lps.append(lp.logprob)
@@ -101,14 +119,22 @@ class CompletionFormatter(Formatter):
     def first_chunks(self, index, prompt_text):
         if not self.echo or not prompt_text:
             return []
+        if self.echo_logprobs:  # sent with the first delta, with the prompt's logprobs
+            self._prompt_texts[index] = prompt_text
+            return []
         self._text_offsets[index] += len(prompt_text)
         return [self._chunk([{"index": index, "text": prompt_text, "logprobs": None,
                               "finish_reason": None}])]
 
     def delta_chunk(self, index: int, d: TokenDelta) -> dict[str, Any]:
-        lp = self.logprobs(index, d.logprobs, self._text_offsets[index])
-        self._text_offsets[index] += len(d.text)
-        return self._chunk([{"index": index, "text": d.text, "logprobs": lp,
+        text, lps = d.text, d.logprobs
+        prompt_text = self._prompt_texts.pop(index, None)
+        if prompt_text is not None:
+            text = prompt_text + text
+            lps = self._prompt_entries(index, d.prompt_logprobs or []) + list(lps or [])
+        lp = self.logprobs(index, lps, self._text_offsets[index])
+        self._text_offsets[index] += len(text)
+        return self._chunk([{"index": index, "text": text, "logprobs": lp,
                              "finish_reason": None}])
 
     def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
@@ -121,11 +147,45 @@ class CompletionFormatter(Formatter):
         n = len(choices) // max(1, len(prompt_texts))
         for i, c in enumerate(choices):
             prefix = (prompt_texts[i // n] or "") if self.echo else ""
-            lps = self.logprobs(i, c.logprobs, len(prefix)) if c.logprobs else None
+            lps = None
+            if self.echo_logprobs:
+                lps = self.logprobs(i, self._prompt_entries(i, c.prompt_logprobs or [])
+                                    + c.logprobs, 0)
+            elif c.logprobs:
+                lps = self.logprobs(i, c.logprobs, len(prefix))
             out.append({"index": i, "text": prefix + c.text, "logprobs": lps,
                         "finish_reason": c.finish_reason})
         return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "system_fingerprint": None, "choices": out, "usage": usage}
+
+
+class EmbeddingFormatter(Formatter):
+    """/v1/embeddings: one embedding per input, L2-normalised (as OpenAI's are)."""
+
+    object_name = "list"
+
+    def __init__(self, tokenizer, request_id, model, num_choices, encoding_format: str):
+        super().__init__(tokenizer, request_id, model, num_choices)
+        self.encoding_format = encoding_format
+
+    def response(self, choices: list[ChoiceState], prompt_texts: list[str | None],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        data = []
+        for i, c in enumerate(choices):
+            vec = c.embedding or []
+            norm = sum(x * x for x in vec) ** 0.5 or 1.0
+            vec = [x / norm for x in vec]
+            if self.encoding_format == "base64":
+                import base64
+                import struct
+
+                value: Any = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            else:
+                value = vec
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        p = usage["prompt_tokens"]
+        return {"object": "list", "data": data, "model": self.model,
+                "usage": {"prompt_tokens": p, "total_tokens": p}}
 
 
 class ChatFormatter(Formatter):

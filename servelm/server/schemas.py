@@ -11,7 +11,7 @@ never silently dropped.
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -106,6 +106,9 @@ class _SamplingRequest(BaseModel):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_n: int, tokenize_words=None) -> SamplingParams:
         """Raises InvalidParameterError naming the parameter. `tokenize_words(words)` gives
         the token-id sequences of `bad_words`."""
@@ -128,7 +131,8 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=self._num_logprobs(),
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             speculative=self.speculative, structured=self.structured(),
-            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids)
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self._prompt_logprobs())
         if self.bad_words:
             if any(not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words entries must be non-empty",
@@ -213,6 +217,9 @@ class CompletionRequest(_SamplingRequest):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo with logprobs scores the prompt
+
     def _num_logprobs(self) -> int | None:
         if self.logprobs is None and self.num_candidates > self.n:
             return 0  # best_of ranks candidates by their tokens' logprobs
@@ -252,10 +259,6 @@ class CompletionRequest(_SamplingRequest):
             if self.stream and self.best_of > self.n:
                 raise InvalidParameterError("best_of cannot be used with stream",
                                             param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidParameterError(
-                "echo with logprobs is not supported (prompt logprobs are not computed)",
-                param="echo")
 
 
 class ChatMessage(BaseModel):
@@ -327,6 +330,56 @@ class ChatCompletionRequest(_SamplingRequest):
     def check_unsupported(self) -> None:
         if self.tools:
             raise InvalidParameterError("tools are not supported", param="tools")
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: the pooled final hidden state of each input (docs/server.md)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    input: Prompt
+    encoding_format: StrictStr = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    pooling: StrictStr = "mean"  # servelm extension: "mean" | "last"
+
+    # what the generation path reads of a completion request
+    n: ClassVar[int] = 1
+    num_candidates: ClassVar[int] = 1
+    stream: ClassVar[bool] = False
+    include_usage: ClassVar[bool] = False
+    echo: ClassVar[bool] = False
+    logprobs: ClassVar[None] = None
+
+    def prompts(self) -> list[str | list[int]]:
+        return CompletionRequest.prompts(self._as_completion())
+
+    def _as_completion(self) -> CompletionRequest:
+        return CompletionRequest.model_construct(prompt=self.input)
+
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
+    def check_size(self, max_prompts: int, max_choices: int) -> None:
+        self._as_completion().check_size(max_prompts, max_choices)
+
+    def client_param(self, param: str | None) -> str | None:
+        return "input" if param in ("prompt", "max_tokens") else param
+
+    def check_unsupported(self) -> None:
+        if self.encoding_format not in ("float", "base64"):
+            raise InvalidParameterError("encoding_format must be float or base64",
+                                        param="encoding_format")
+
+    def check_dimensions(self, hidden_size: int) -> None:
+        if self.dimensions is not None and self.dimensions != hidden_size:
+            raise InvalidParameterError(
+                f"dimensions: this model's embeddings have {hidden_size} dimensions; "
+                f"shortening them is not supported", param="dimensions")
+
+    def sampling_params(self, max_n: int, tokenize_words=None) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling,
+                              speculative=False)
 
 
 class TokenizeRequest(BaseModel):
@@ -415,5 +468,5 @@ def _structured_outputs(ext: dict[str, Any] | None) -> StructuredOutput | None:
     return StructuredOutput(_STRUCTURED_KINDS[key], value, param=param)
 
 
-__all__ = ["check_known_fields", "DetokenizeRequest", "TokenizeRequest", "CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",
+__all__ = ["check_known_fields", "DetokenizeRequest", "EmbeddingRequest", "TokenizeRequest", "CHAT_ROLES", "MAX_STOP_STRINGS", "ChatCompletionRequest", "ChatMessage",
            "CompletionRequest", "StreamOptions"]

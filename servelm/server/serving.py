@@ -28,11 +28,13 @@ from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStr
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams, TokenDelta
 from servelm.server.errors import APIError, read_json_object
 from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChoiceState,
-                                       CompletionFormatter, Formatter, finish_reason_name, sse)
+                                       CompletionFormatter, EmbeddingFormatter, Formatter,
+                                       finish_reason_name, sse)
 from servelm.server.idempotency import IdempotencyEntry, fingerprint
 from servelm.server.metrics import REJECTION_REASON_BY_CODE, timing_breakdown
 from servelm.server.schemas import (ChatCompletionRequest, CompletionRequest,
-                                    DetokenizeRequest, TokenizeRequest, check_known_fields)
+                                    DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+                                    check_known_fields)
 from servelm.server.sse import SSEResponse
 
 request_logger = logging.getLogger("servelm.requests")
@@ -137,6 +139,10 @@ class Generation:
         c.token_ids += d.token_ids
         if d.logprobs:
             c.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
+        if d.embedding is not None:
+            c.embedding = d.embedding
         c.num_prompt_tokens = d.num_prompt_tokens or c.num_prompt_tokens
         if d.timings is not None:
             self.timings[d.request_id] = d.timings
@@ -261,7 +267,8 @@ class OpenAIServing:
 
     async def _prepare(self, kind: str, body: dict[str, Any], request: Request,
                        arrival: float) -> Prepared:
-        schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        schema = {"completion": CompletionRequest, "chat": ChatCompletionRequest,
+                  "embedding": EmbeddingRequest}[kind]
         try:
             req = schema.model_validate(body)
         except ValidationError as exc:
@@ -278,7 +285,7 @@ class OpenAIServing:
             params.check_vocab(self.vocab_size)
             if params.structured is not None:
                 await self._check_structured(params)
-            if kind == "completion":
+            if kind in ("completion", "embedding"):
                 prompts, texts = await self._completion_prompts(req)
             else:
                 prompts, texts = await self._chat_prompts(req)
@@ -432,14 +439,18 @@ class OpenAIServing:
     # -- running ---------------------------------------------------------------------------
 
     def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
-        prefix = "cmpl" if p.kind == "completion" else "chatcmpl"
+        prefix = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}[p.kind]
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
                          p.timeout_s, p.request.client_param)
         name = self.config.served_model_name
         if p.kind == "completion":
-            fmt: Formatter = CompletionFormatter(self.tokenizer, base_id, name,
-                                                 gen.num_choices, p.request.echo)
+            fmt: Formatter = CompletionFormatter(
+                self.tokenizer, base_id, name, gen.num_choices, p.request.echo, p.prompts,
+                echo_logprobs=p.request.logprobs is not None)
+        elif p.kind == "embedding":
+            fmt = EmbeddingFormatter(self.tokenizer, base_id, name, gen.num_choices,
+                                     p.request.encoding_format)
         else:
             fmt = ChatFormatter(self.tokenizer, base_id, name, gen.num_choices,
                                 p.request.logprobs)
@@ -466,6 +477,11 @@ class OpenAIServing:
             raise gen.timeout_error()
         timing = gen.timing_summary()
         self._log(gen, p)
+        if p.kind == "embedding" and gen.choices:
+            try:
+                p.request.check_dimensions(len(gen.choices[0].embedding or []))
+            except InvalidParameterError as exc:
+                raise APIError.from_invalid(exc) from None
         usage = gen.usage()  # best_of: every candidate's tokens count, as OpenAI bills them
         choices = gen.choices
         if p.request.num_candidates > p.request.n:

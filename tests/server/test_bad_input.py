@@ -112,7 +112,6 @@ CASES = {
                             400, None, "invalid_unicode"),
     "stream_options_without_stream": (_c(stream_options={"include_usage": True}), 400,
                                       "stream_options", None),
-    "echo_with_logprobs": (_c(echo=True, logprobs=1), 400, "echo", None),
     "bad_timeout_header": (("/v1/completions", json.dumps(GOOD).encode(),
                             {**JSON, "timeout": "soon"}), 400, "timeout", None),
     "stream_bad_input": (_c(stream=True, temperature=-3), 400, "temperature", None),
