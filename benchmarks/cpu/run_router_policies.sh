@@ -7,6 +7,8 @@
 # conversation's next turn goes decides whether its history is still cached.
 #   bash benchmarks/cpu/run_router_policies.sh
 #   POLICIES=round_robin,prefix_affinity CONVERSATIONS=16 ... a shorter run
+# Run it from a clean tree of the commit to measure (git archive HEAD | tar -x -C DIR; the
+# current directory comes first on sys.path, before the editable install).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
@@ -32,6 +34,7 @@ for policy in ${POLICIES//,/ }; do
   pid=$!
   for _ in $(seq 900); do
     curl -sf "http://127.0.0.1:$port/health" | grep -q '"healthy_replicas":2' && break
+    kill -0 $pid 2>/dev/null || { echo "servelm serve failed: see $OUT/serve-$policy.log" >&2; exit 1; }
     sleep 0.2
   done
   echo "[router-policies] $policy" >&2
