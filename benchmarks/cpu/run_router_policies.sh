@@ -7,8 +7,8 @@
 # conversation's next turn goes decides whether its history is still cached.
 #   bash benchmarks/cpu/run_router_policies.sh
 #   POLICIES=round_robin,prefix_affinity CONVERSATIONS=16 ... a shorter run
-# Run it from a clean tree of the commit to measure (git archive HEAD | tar -x -C DIR; the
-# current directory comes first on sys.path, before the editable install).
+# Run it from a clean worktree of the commit to measure (git worktree add --detach DIR HEAD; the
+# current directory comes first on sys.path, before the editable install), with PY=<venv python>.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
