@@ -85,7 +85,8 @@ def _load_info(args: argparse.Namespace, rate: float | None,
 def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
             rate: float | None) -> tuple[dict, SimResult]:
     requests = build_requests(args, rate)
-    sim = simulate(requests, args.num_replicas, spec, cost, make_policy(args.policy))
+    sim = simulate(requests, args.num_replicas, spec, cost, make_policy(args.policy),
+                   bulk=not args.no_bulk)
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
     result: dict[str, Any] = {
@@ -96,6 +97,7 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
                              slo_tpot_s=slo_tpot),
         "sim": {"cost_model": cost.name, "num_replicas": args.num_replicas,
                 "policy": args.policy, "num_steps": sim.num_steps, "wall_s": sim.wall_s,
+                "bulk_decode": not args.no_bulk, "num_bulk_steps": sim.num_bulk_steps,
                 "simulated_requests_per_wall_s": sim.requests_per_wall_s,
                 "replicas": [{"num_requests": sum(rep.engine.stats.finished.values()),
                               "num_steps": rep.runner.num_steps, "busy_s": rep.runner.busy_s,
@@ -284,6 +286,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
     g.add_argument("--goodput-target", type=float, default=0.9)
+    p.add_argument("--no-bulk", action="store_true",
+                   help="run every decode step through the engine (the same result as the "
+                        "default bulk advance of plain decode steps, slower: for checking)")
     p.add_argument("--out", default=None, help="result JSON (PNG next to it)")
     p.set_defaults(func=cmd_sim)
     return p

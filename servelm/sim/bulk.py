@@ -1,0 +1,124 @@
+"""Bulk advance: run a replica's plain decode steps in one tight loop instead of one engine
+step each, when that gives exactly what stepping gives.
+
+Owns: advance_decodes, the test of when a step is a "plain decode" (below) and its update of
+the engine's state, the runner's clock and the client's records.
+Never: schedules, admits, preempts, finishes or prefills: the first step that would do any
+of those is left to Engine.step, as is every step of an engine this loop does not know
+(speculation, a tokenizer, stop tokens).
+
+A plain decode step, starting at virtual time t:
+  - no request arrives before t has been admitted elsewhere: t < the next arrival (an
+    arrival changes what the router sees, and at t itself it is admitted first);
+  - every running sequence computes exactly one token (its last sampled one) and none is
+    left out by the token budget; nothing is waiting, or the running list is full
+    (max_num_seqs), so the scheduler would not look at the queue;
+  - no sequence finishes: each has more than one token left below max_tokens and
+    max_model_len (the finishing step goes through the engine);
+  - the blocks that this step's sequences need (those whose KV just filled their last
+    block) are free: no preemption.
+Such a step changes, per sequence, one token, one computed position and at a block boundary
+one new block and one prefix-cache registration (made here through the real
+BlockManager.allocate, in the scheduler's order); the step's time is the cost model's for
+its shape, added to the clock as SimRunner does. Everything else (the runner's view of the
+sequence) is caught up by the next Engine.describe, whose deltas are "everything since I
+last told you". tests/sim/test_bulk.py runs workloads both ways and asserts identical
+per-request timings, tokens, steps, clock, engine counters and cache state.
+
+This module reads a few of the engine's private fields (`_pending`, `_step_id`): it stands
+in for Engine.step on the one kind of step it covers, and the equality tests are what keep
+the two in step when the engine changes.
+"""
+
+from __future__ import annotations
+
+from servelm.sim.cost_model import StepShape
+
+
+def _is_plain(engine) -> bool:
+    """The engine features this loop knows how to skip over."""
+    return engine.speculator is None and engine.tokenizer is None and not engine._pending
+
+
+def advance_decodes(rep, until_s: float, records: dict) -> int:
+    """Run plain decode steps of replica `rep` that start before `until_s`; returns how many
+    (0: the next step is not plain; the caller runs Engine.step)."""
+    engine = rep.engine
+    sched, bm = engine.scheduler, engine.block_manager
+    running = sched.running
+    num_seqs = len(running)
+    if not num_seqs or not _is_plain(engine):
+        return 0
+    cfg = sched.config
+    if sched.waiting and num_seqs < cfg.max_num_seqs:
+        return 0
+    if num_seqs > cfg.max_num_batched_tokens:
+        return 0
+    max_model_len = engine.max_model_len
+    limit = None  # steps before the first finish
+    context = 0
+    for seq in running:
+        n = len(seq.token_ids)
+        if n - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return 0
+        p = seq.params
+        if not p.ignore_eos or p.stop_token_ids:
+            return 0
+        left = min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) - 1
+        limit = left if limit is None or left < limit else limit
+        context += n
+    if limit <= 0:
+        return 0
+    clock, runner = rep.clock, rep.runner
+    cost = runner.cost
+    token_of = runner._token
+    bs = bm.block_size
+    recs = [records[seq.request_id] for seq in running]
+    stats = engine.stats
+    timeline = rep.timeline
+    steps = 0
+    waiting = len(sched.waiting)
+    while steps < limit and clock.now < until_s:
+        # Blocks this step takes: a sequence whose KV filled its last block needs one.
+        growing = [seq for seq in running
+                   if seq.num_computed_tokens == len(seq.block_table) * bs]
+        if len(growing) > bm.num_free_blocks:
+            break
+        for seq in running:
+            c1 = seq.num_computed_tokens + 1
+            if c1 % bs == 0 or c1 > len(seq.block_table) * bs:
+                bm.allocate(seq, 1)  # a new block and/or a full block into the prefix cache
+        start = clock.now
+        step_s = cost.predict(StepShape(num_seqs, num_seqs, context, 0, 0))
+        clock.now += step_s
+        runner.num_steps += 1
+        runner.busy_s += step_s
+        now = clock.now
+        for seq, rec in zip(running, recs):
+            seq.num_computed_tokens += 1
+            seq.append_token(token_of(seq.token_ids))
+            seq.timings.last_token_time = now
+            rec.chunk_times.append(now)
+            rec.num_output_tokens += 1
+        context += num_seqs
+        engine._step_id += 1
+        stats.num_steps += 1
+        stats.num_generated_tokens += num_seqs
+        stats.num_computed_tokens += num_seqs
+        steps += 1
+        timeline.append((now, bm.num_used_blocks / bm.num_blocks, waiting, num_seqs))
+    if steps:
+        _note_last_step(stats, now - start, num_seqs, context - num_seqs)
+    return steps
+
+
+def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
+    """The engine's `last_*` counters as Engine._account leaves them after a decode step:
+    one token per sequence, context = attention pairs = the sum of sequence lengths."""
+    stats.last_step_s = step_s
+    stats.last_num_seqs = stats.last_num_tokens = stats.last_num_decode_tokens = num_seqs
+    stats.last_num_context_tokens = stats.last_num_attention_pairs = context
+    stats.last_num_verify_tokens = stats.last_num_prefill_tokens = 0
+
+
+__all__ = ["advance_decodes"]
