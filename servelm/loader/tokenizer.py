@@ -131,8 +131,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt string for a chat; bad messages raise InvalidParameterError."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        """The prompt string for a chat; bad messages raise InvalidParameterError. `extra`
+        goes to the template as variables (`tools`, as transformers passes them)."""
         if self.chat_template is None:
             # A base model: the request, not the server, must change.
             raise InvalidParameterError(
@@ -145,6 +147,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id),
+            **extra,
         )
 
     def _token_text(self, token_id: int | None) -> str | None:

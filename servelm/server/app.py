@@ -30,6 +30,7 @@ from servelm.server.errors import APIError, error_response
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
 from servelm.server.server_config import ServerConfig
+from servelm.parsers import get_reasoning_parser, get_tool_parser
 from servelm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ def _cost_model(client: StreamRouter, config: ServerConfig) -> CostModel | None:
 def build_app(engine, config: ServerConfig) -> FastAPI:
     """An app serving `engine`: an Engine (run on a thread of this process) or an engine
     client (a CoreClient); the client starts and stops with the app's lifespan."""
+    get_tool_parser(config.tool_call_parser)  # an unknown name fails here, not per request
+    if config.reasoning_parser is not None:
+        get_reasoning_parser(config.reasoning_parser)
     async_engine = engine if isinstance(engine, StreamRouter) else AsyncEngine(engine)
     cost = _cost_model(async_engine, config)
     metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,

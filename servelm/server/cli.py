@@ -76,6 +76,15 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-connections", type=int, default=d("max_connections"),
                    help="open connections; a connection beyond it gets a 503 and is closed "
                         "(default %(default)s)")
+    from servelm.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   default=d("tool_call_parser"),
+                   help="the format the model writes tool calls in, read into tool_calls "
+                   "(tool_choice auto; docs/server.md)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   default=d("reasoning_parser"),
+                   help="read <think> output into reasoning_content (default: none)")
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the model (each its own front end and engine core, the "
                         "cores split between them) behind a router on this port")
@@ -119,7 +128,8 @@ def server_config_from_cli(args, model_name: str):
         drain_timeout=args.drain_timeout, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, max_body_bytes=args.max_body_bytes,
         write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
-        peak_flops=args.peak_flops,
+        peak_flops=args.peak_flops, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
 

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelm.parsers import ReasoningParser, ReasoningStream, ToolCallStream, ToolParser
+from servelm.parsers.reasoning_parsers import END as END_OF_THINKING
 from servelm.protocol import FinishReason, Logprob, TokenDelta
 
 
@@ -73,6 +75,9 @@ class Formatter:
     # subclasses: first_chunks, delta_chunk, finish_chunk, response
     def first_chunks(self, index: int, prompt_text: str | None) -> list[dict[str, Any]]:
         return []
+
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+        return [self.finish_chunk(index, reason)]
 
 
 class CompletionFormatter(Formatter):
@@ -188,13 +193,65 @@ class EmbeddingFormatter(Formatter):
                 "usage": {"prompt_tokens": p, "total_tokens": p}}
 
 
+@dataclass
+class ChatOutput:
+    """How a chat's output text is read: thinking apart (reasoning parser), tool calls out
+    of the content (tool parser), at most `max_calls` of them, finishing with
+    `tool_finish_reason` when there are calls (OpenAI: "tool_calls"; a named tool_choice
+    finishes with "stop")."""
+
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
+    max_calls: int | None = None
+    tool_finish_reason: str = "tool_calls"
+
+    @property
+    def is_plain(self) -> bool:
+        return self.tool_parser is None and self.reasoning_parser is None
+
+
+class _ChoiceStream:
+    """One streamed choice's text so far and its parsers' state."""
+
+    def __init__(self, output: ChatOutput):
+        self.text = ""
+        self.content = ""  # sent, when there is no tool parser
+        self.reasoning = (ReasoningStream(output.reasoning_parser)
+                          if output.reasoning_parser else None)
+        self.tools = (ToolCallStream(output.tool_parser, output.max_calls)
+                      if output.tool_parser else None)
+
+    def advance(self, final: bool) -> dict[str, Any]:
+        """The delta of everything now known to be reasoning, content or a call."""
+        delta: dict[str, Any] = {}
+        content = self.text
+        if self.reasoning is not None:
+            thought, content = self.reasoning.update(self.text, final)
+            if thought:
+                delta["reasoning_content"] = thought
+        if self.tools is not None:
+            text, calls = self.tools.update(content, final)
+            if text:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
+        elif content.startswith(self.content) and len(content) > len(self.content):
+            delta["content"] = content[len(self.content):]
+            self.content = content
+        return delta
+
+
 class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, request_id, model, num_choices, want_logprobs: bool):
+    def __init__(self, tokenizer, request_id, model, num_choices, want_logprobs: bool,
+                 output: ChatOutput | None = None):
         super().__init__(tokenizer, request_id, model, num_choices)
         self.want_logprobs = want_logprobs
+        self.output = output or ChatOutput()
+        self._streams = [_ChoiceStream(self.output) for _ in range(num_choices)] \
+            if not self.output.is_plain else []
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.token_text(token_id), "logprob": logprob,
@@ -218,18 +275,85 @@ class ChatFormatter(Formatter):
         return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])]
 
-    def delta_chunk(self, index: int, d: TokenDelta) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {"content": d.text},
+    def delta_chunk(self, index: int, d: TokenDelta) -> dict[str, Any] | None:
+        """None: nothing to send yet (text held back until a parser knows what it is)."""
+        if self.output.is_plain:
+            delta: dict[str, Any] = {"content": d.text}
+        else:
+            stream = self._streams[index]
+            stream.text += d.text
+            delta = stream.advance(final=False)
+            if not delta and not (self.want_logprobs and d.logprobs):
+                return None
+        return self._chunk([{"index": index, "delta": delta,
                              "logprobs": self.logprobs(d.logprobs), "finish_reason": None}])
 
     def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": reason}])
 
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+        if self.output.is_plain:
+            return [self.finish_chunk(index, reason)]
+        stream = self._streams[index]
+        out = []
+        delta = stream.advance(final=True)
+        if delta:
+            out.append(self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                                     "finish_reason": None}]))
+        if reason == "stop" and stream.tools is not None and stream.tools.has_calls:
+            reason = self.output.tool_finish_reason
+        out.append(self.finish_chunk(index, reason))
+        return out
+
+    def message(self, c: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a whole choice, and its finish reason."""
+        out = self.output
+        msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        content = c.text
+        if out.reasoning_parser is not None:
+            split = out.reasoning_parser.split(c.text, final=True)
+            msg["reasoning_content"] = split.reasoning or None
+            content = msg["content"] = split.content
+        if out.tool_parser is not None:
+            text, calls = out.tool_parser.parse(content)
+            if out.max_calls:
+                calls = calls[:out.max_calls]
+            if calls:
+                msg["content"] = text
+                msg["tool_calls"] = [call.to_openai() for call in calls]
+                if reason == "stop":
+                    reason = out.tool_finish_reason
+        return msg, reason
+
     def response(self, choices: list[ChoiceState], prompt_texts: list[str | None],
                  usage: dict[str, int]) -> dict[str, Any]:
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c.logprobs) if self.want_logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        out = []
+        for i, c in enumerate(choices):
+            msg, reason = self.message(c)
+            out.append({"index": i, "message": msg,
+                        "logprobs": self.logprobs(c.logprobs) if self.want_logprobs else None,
+                        "finish_reason": reason})
         return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "system_fingerprint": None, "choices": out, "usage": usage}
+
+
+def num_reasoning_tokens(tokenizer, token_ids: list[int], parser: ReasoningParser) -> int:
+    """Output tokens up to and including the end of the thinking: the shortest prefix whose
+    text closes it (found by bisection), or every token when it never closes."""
+    if tokenizer is None or not token_ids:
+        return 0
+    full = parser.split(tokenizer.decode(token_ids, skip_special_tokens=False), final=True)
+    if not full.reasoning:
+        return 0
+    if not full.is_reasoning_done:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:  # "the end tag is in the text" only grows with the prefix
+        mid = (lo + hi) // 2
+        if END_OF_THINKING in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

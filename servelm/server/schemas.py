@@ -11,6 +11,7 @@ never silently dropped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -261,11 +262,38 @@ class CompletionRequest(_SamplingRequest):
                                             param="best_of")
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr = "function"
+    function: FunctionSpec
+
+    def to_template(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.function.name,
+                              "parameters": self.function.parameters or {"type": "object",
+                                                                         "properties": {}}}
+        if self.function.description is not None:
+            fn["description"] = self.function.description
+        return {"type": "function", "function": fn}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def to_template(self, i: int) -> dict[str, Any]:
         """{'role', 'content': str}, text parts joined; other part types, unknown roles and
@@ -290,7 +318,28 @@ class ChatMessage(BaseModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(self.tool_calls)]
         return msg
+
+
+def _template_call(i: int, j: int, call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call as chat templates read it: arguments as an object."""
+    fn = call.get("function")
+    where = f"messages[{i}].tool_calls[{j}]"
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidParameterError(f"{where} needs function.name", param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except json.JSONDecodeError:
+            raise InvalidParameterError(f"{where}.function.arguments is not JSON",
+                                        param="messages") from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -300,7 +349,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
     def _max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -328,8 +379,66 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.to_template(i) for i, m in enumerate(self.messages)]
 
     def check_unsupported(self) -> None:
-        if self.tools:
-            raise InvalidParameterError("tools are not supported", param="tools")
+        self.tool_mode()
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function), validated."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise InvalidParameterError("tool_choice needs tools", param="tool_choice")
+            return "none", None
+        names = [t.function.name for t in self.tools]
+        for t in self.tools:
+            if t.type != "function":
+                raise InvalidParameterError(f"tools: only function tools are supported, got "
+                                            f"{t.type[:32]!r}", param="tools")
+            if not _TOOL_NAME.match(t.function.name):
+                raise InvalidParameterError(
+                    f"tools: function name {t.function.name[:80]!r} must be 1-64 letters, "
+                    "digits, _ or -", param="tools")
+        if len(set(names)) != len(names):
+            raise InvalidParameterError("tools: function names must be unique", param="tools")
+        if choice is None:
+            return "auto", None
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise InvalidParameterError(
+                    f"tool_choice must be none, auto, required or a function, got "
+                    f"{choice[:32]!r}", param="tool_choice")
+            return choice, None
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidParameterError('tool_choice must be {"type": "function", '
+                                        '"function": {"name": ...}}', param="tool_choice")
+        if name not in names:
+            raise InvalidParameterError(f"tool_choice names {name[:64]!r}, which is not in "
+                                        "tools", param="tool_choice")
+        return "named", name
+
+    def structured(self) -> StructuredOutput | None:
+        """tool_choice required / named: the output is constrained to call JSON (so the
+        arguments always parse); otherwise response_format / structured_outputs."""
+        mode, name = self.tool_mode()
+        if mode not in ("required", "named"):
+            return super().structured()
+        if super().structured() is not None:
+            raise InvalidParameterError(f"tool_choice {mode} cannot be combined with "
+                                        "response_format or structured_outputs",
+                                        param="tool_choice")
+        tools = [t for t in self.tools if mode == "required" or t.function.name == name]
+        calls = [{"type": "object", "properties": {
+            "name": {"const": t.function.name},
+            "arguments": t.function.parameters or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1
+                                  else {"anyOf": calls}, "minItems": 1}
+        if mode == "named" or not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        strict = all(t.function.strict for t in tools)
+        return StructuredOutput("json_schema", json.dumps(schema), strict=strict,
+                                param="tool_choice")
 
 
 class EmbeddingRequest(BaseModel):

@@ -32,3 +32,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds for a request line and headers to arrive
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int = 1024  # open connections; more are answered 503 and closed
+    # Chat output parsers, by name (servelm/parsers/): tool calls in the model's format, and
+    # thinking in tags (None: the output is all content).
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None

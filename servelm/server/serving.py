@@ -27,9 +27,12 @@ from pydantic import ValidationError
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams, TokenDelta
 from servelm.server.errors import APIError, read_json_object
-from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChoiceState,
+from servelm.parsers import get_reasoning_parser, get_tool_parser
+from servelm.parsers.tool_parsers import JsonToolParser
+from servelm.parsers.tool_prompt import tool_prompt
+from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChatOutput, ChoiceState,
                                        CompletionFormatter, EmbeddingFormatter, Formatter,
-                                       finish_reason_name, sse)
+                                       finish_reason_name, num_reasoning_tokens, sse)
 from servelm.server.idempotency import IdempotencyEntry, fingerprint
 from servelm.server.metrics import REJECTION_REASON_BY_CODE, timing_breakdown
 from servelm.server.schemas import (ChatCompletionRequest, CompletionRequest,
@@ -79,6 +82,7 @@ class Generation:
         self.status = "running"
         self.logged = False
         self._timer: asyncio.TimerHandle | None = None
+        self.count_reasoning: Callable[[list[int]], int] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -155,11 +159,17 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage, with the prompt tokens the prefix cache held
-        (`prompt_tokens_details.cached_tokens`, as OpenAI reports its prompt caching)."""
+        (`prompt_tokens_details.cached_tokens`, as OpenAI reports its prompt caching) and
+        the completion tokens spent thinking (`completion_tokens_details.reasoning_tokens`,
+        counted when a reasoning parser reads the output; they are part of
+        completion_tokens, as max_tokens counts them)."""
         p, c = self.num_prompt_tokens, self.num_completion_tokens
         cached = sum(t.num_cached_tokens for t in self.timings.values())
+        reasoning = sum(self.count_reasoning(ch.token_ids) for ch in self.choices) \
+            if self.count_reasoning is not None else 0
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": min(cached, p)}}
+                "prompt_tokens_details": {"cached_tokens": min(cached, p)},
+                "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
     def timing(self) -> Any:
         """One breakdown per prompt (a dict when there is one prompt)."""
@@ -373,9 +383,13 @@ class OpenAIServing:
         tok = self.tokenizer
         if tok is None:
             raise InvalidParameterError("this model has no tokenizer", param="messages")
+        mode, _ = req.tool_mode()
+        tools = [t.to_template() for t in req.tools] if req.tools and mode != "none" else None
+        messages, extra = tool_prompt(tok.chat_template, messages, tools,
+                                      self._tool_parser(mode))
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=
-                                           req.add_generation_prompt)
+                                           req.add_generation_prompt, **extra)
         except InvalidParameterError:
             raise
         except Exception as exc:  # a template error is about these messages
@@ -436,6 +450,25 @@ class OpenAIServing:
                            code="model_not_found")
         return req
 
+    # -- chat output parsing ---------------------------------------------------------------
+
+    def _tool_parser(self, mode: str):
+        """required / named choices are constrained to JSON calls (ChatCompletionRequest
+        .structured); auto reads the model's own format."""
+        if mode in ("required", "named"):
+            return JsonToolParser()
+        return get_tool_parser(self.config.tool_call_parser)
+
+    def _chat_output(self, req: ChatCompletionRequest) -> ChatOutput:
+        mode, _ = req.tool_mode()
+        reasoning = (get_reasoning_parser(self.config.reasoning_parser)
+                     if self.config.reasoning_parser else None)
+        if mode == "none":
+            return ChatOutput(reasoning_parser=reasoning)
+        return ChatOutput(self._tool_parser(mode), reasoning,
+                          max_calls=None if req.parallel_tool_calls else 1,
+                          tool_finish_reason="stop" if mode == "named" else "tool_calls")
+
     # -- running ---------------------------------------------------------------------------
 
     def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
@@ -453,7 +486,11 @@ class OpenAIServing:
                                      p.request.encoding_format)
         else:
             fmt = ChatFormatter(self.tokenizer, base_id, name, gen.num_choices,
-                                p.request.logprobs)
+                                p.request.logprobs, self._chat_output(p.request))
+            if fmt.output.reasoning_parser is not None:
+                parser = fmt.output.reasoning_parser
+                gen.count_reasoning = lambda ids: num_reasoning_tokens(self.tokenizer, ids,
+                                                                       parser)
         return gen, fmt
 
     async def _collect(self, gen: Generation, fmt: Formatter, p: Prepared) -> JSONResponse:
@@ -550,9 +587,12 @@ class OpenAIServing:
                 for d in deltas:
                     i, reason = gen.apply(d)
                     if d.text or d.logprobs:
-                        yield sse(fmt.delta_chunk(i, d))
+                        chunk = fmt.delta_chunk(i, d)
+                        if chunk is not None:
+                            yield sse(chunk)
                     if reason is not None:
-                        yield sse(fmt.finish_chunk(i, reason))
+                        for chunk in fmt.finish_chunks(i, reason):
+                            yield sse(chunk)
             if p.request.include_usage:
                 yield sse(fmt.usage_chunk(gen.usage(), gen.timing()))
             yield SSE_DONE
