@@ -23,6 +23,7 @@ from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
 from servelm.sim.cost_model import StepCostModel
+from servelm.sim.roofline import roofline_from_args
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 
 SCHEMA_VERSION = 1
@@ -201,7 +202,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from servelm.bench.sweep import plot_sweep, render_sweep_table, summarize_sweep
 
     try:
-        cost = StepCostModel.load(args.cost_model)
+        cost = roofline_from_args(args) if args.gpu else StepCostModel.load(args.cost_model)
         spec = replica_spec(args, cost)
         make_policy(args.policy)
         rates = check_load_flags(args)
@@ -245,10 +246,26 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sim", help="simulate a fleet with servelm's own scheduler",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--cost-model", required=True,
-                   help="a step-cost model JSON (servelm bench calibrate)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the model's name in the result")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--cost-model", help="a step-cost model JSON (servelm bench calibrate)")
+    src.add_argument("--gpu", default=None,
+                     help="instead: step times from the planner's roofline for this GPU type "
+                          "(`servelm plan catalog`), for --model, and KV blocks from its "
+                          "memory (servelm/sim/roofline.py)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the model's name in the result; with --gpu, the model simulated "
+                        "(as `servelm plan --model`)")
     p.add_argument("--label", default="servelm-sim")
+    g = p.add_argument_group("roofline (with --gpu; as servelm plan)")
+    g.add_argument("--tp", type=int, default=None,
+                   help="GPUs per replica (default: the planner's smallest that fits)")
+    g.add_argument("--weight-dtype", default="bf16")
+    g.add_argument("--kv-dtype", default="bf16")
+    g.add_argument("--mem-util", type=float, default=0.9)
+    g.add_argument("--calibration", default=None, metavar="FILE",
+                   help="planner Calibration JSON (bandwidth_fraction, MFUs, step overhead)")
+    g.add_argument("--prefill-mfu", type=float, default=None)
+    g.add_argument("--decode-mfu", type=float, default=None)
     g = p.add_argument_group("fleet")
     g.add_argument("--num-replicas", type=int, default=1)
     g.add_argument("--policy", default="round_robin", choices=policy_names())

@@ -1,0 +1,84 @@
+"""RooflineCostModel: a step's time on a GPU type from the planner's roofline, so that
+`servelm sim` can run a deployment this machine does not have (a 70B model on H100s) with
+the numbers `servelm plan` uses.
+
+Owns: step time from a StepShape and a planner Deployment (model, GPU, tp, dtypes,
+calibration factors), and the replica it implies (KV blocks from the planner's KV pool).
+Never: re-derives hardware or model figures: bytes and FLOPs are servelm.cost.step_cost,
+peaks and bandwidths the Deployment's, as in planner/decode.py and planner/prefill.py.
+
+    memory_s  = (weights read once for the step's tokens + KV read by decodes + KV written)
+                / (tp x HBM bandwidth x bandwidth_fraction)
+    compute_s = decode FLOPs / (tp x peak x decode_mfu) + prefill FLOPs / (tp x peak x prefill_mfu)
+    step_s    = max(memory_s, compute_s) + step_overhead_s
+
+A pure decode step is `servelm plan decode`'s step_time exactly; a lone prompt is `plan
+prefill`'s time (within the KV writes it adds and the embedding table it does not read). A
+mixed step (chunked prefill riding with decodes) overlaps the decodes' memory time with the
+chunk's compute time, where `plan fleet` adds prefill time and decode time per request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelm.cost import step_cost, weight_bytes_read_per_step
+from servelm.sim.cost_model import StepShape
+
+
+class RooflineCostModel:
+    def __init__(self, deployment, block_size: int = 16):
+        d = self.deployment = deployment
+        self.name = f"roofline-{d.model.name}-{d.gpu.name}-tp{d.tp}"
+        cal = d.calibration
+        self._bw = d.tp * d.gpu.hbm_bandwidth_Bps * cal.bandwidth_fraction
+        self._decode_flops = d.tp * d.peak_flops * cal.decode_mfu
+        self._prefill_flops = d.tp * d.peak_flops * cal.prefill_mfu
+        self._extra_weight_bytes = (d.attention_copies - 1) * d.attention_weight_bytes
+        self.fit: dict[str, Any] = {
+            "source": "roofline (servelm plan)", "deployment": d.inputs(),
+            "bandwidth_fraction": cal.bandwidth_fraction, "decode_mfu": cal.decode_mfu,
+            "prefill_mfu": cal.prefill_mfu, "step_overhead_s": cal.step_overhead_s,
+            "engine": {"num_blocks": d.kv_tokens_per_replica // block_size,
+                       "block_size": block_size, "vocab_size": d.model.vocab_size}}
+
+    def predict(self, shape: StepShape) -> float:
+        d = self.deployment
+        m, bpp, kv = d.model, d.bytes_per_param, d.kv_bytes_per_token
+        num_tokens = shape.num_decode_tokens + shape.num_prefill_tokens
+        # A decode row of a sequence at position p reads p + 1 keys: its context tokens are
+        # also its attention pairs (as plan decode counts them).
+        dec = step_cost(m, bpp, kv, shape.num_decode_tokens, shape.num_decode_context_tokens,
+                        shape.num_decode_context_tokens)
+        pre = step_cost(m, bpp, kv, shape.num_prefill_tokens, 0, shape.num_prefill_pairs)
+        weights = weight_bytes_read_per_step(m, num_tokens, bpp) + self._extra_weight_bytes
+        memory_s = (weights + (dec.kv_bytes + pre.kv_bytes) * d.kv_copies) / self._bw
+        compute_s = dec.flops / self._decode_flops + pre.flops / self._prefill_flops
+        return max(memory_s, compute_s) + d.calibration.step_overhead_s
+
+
+def roofline_from_args(args) -> RooflineCostModel:
+    """`servelm sim --gpu ...`: the Deployment `servelm plan` builds from the same flags.
+    Bad values raise PlanInputError (a ValueError) naming the flag."""
+    import dataclasses
+
+    from servelm.planner.calibration import load_calibration
+    from servelm.planner.deployment import Deployment, auto_tp
+    from servelm.planner.hardware import get_accelerator
+    from servelm.planner.model_catalog import resolve_model
+
+    model = resolve_model(args.model)
+    gpu = get_accelerator(args.gpu)
+    tp = args.tp if args.tp is not None else auto_tp(model, gpu, args.weight_dtype,
+                                                     args.mem_util)
+    cal = load_calibration(args.calibration)
+    changes = {k: v for k, v in (("prefill_mfu", args.prefill_mfu),
+                                 ("decode_mfu", args.decode_mfu)) if v is not None}
+    if changes:
+        cal = dataclasses.replace(cal, **changes)
+    d = Deployment(model, gpu, tp=tp, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+                   mem_util=args.mem_util, calibration=cal)
+    return RooflineCostModel(d, args.block_size or 16)
+
+
+__all__ = ["RooflineCostModel", "roofline_from_args"]
