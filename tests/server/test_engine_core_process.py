@@ -175,3 +175,54 @@ def test_a_dead_front_end_makes_the_core_free_everything_and_exit(default_model_
     free, total = (int(x) for x in line.split("blocks,")[1].split("blocks free")[0]
                    .split(" of "))
     assert free == total > 0
+
+
+def test_grammars_prompt_logprobs_and_embeddings_cross_the_core_boundary(engine):
+    """What the new per-request fields carry (a grammar, prompt logprobs, pooling) reaches a
+    core in another process through the msgspec contract, with the in-process results."""
+    from servelm.config import EngineArgs
+    from servelm.core.client import CoreClient
+    from servelm.loader import load_tokenizer, resolve_model
+
+    requests = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A person?"}],
+                                  "max_tokens": 40, "temperature": 0, "response_format": {
+                                      "type": "json_schema", "json_schema": {"name": "p",
+                                      "strict": True, "schema": {
+                                          "type": "object",
+                                          "properties": {"name": {"type": "string",
+                                                                  "maxLength": 16}},
+                                          "required": ["name"],
+                                          "additionalProperties": False}}}}),
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2,
+                             "temperature": 0, "echo": True, "logprobs": 1,
+                             "logit_bias": {"7042": -100}}),
+        ("/v1/embeddings", {"input": ["hello there"]}),
+    ]
+
+    def run(url):
+        out = []
+        for route, body in requests:
+            r = httpx.post(url + route, json={"model": MODEL, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            j = r.json()
+            out.append(j["data"][0]["embedding"] if route == "/v1/embeddings" else
+                       j["choices"][0])
+        return out
+
+    client = CoreClient.spawn(EngineArgs(model=MODEL, kv_cache_memory=64 * 2**20),
+                              load_tokenizer(resolve_model(MODEL)))
+    remote = LiveServer(client)
+    local = LiveServer(engine)
+    try:
+        got, want = run(remote.url), run(local.url)
+    finally:
+        remote.stop()
+        local.stop()
+    assert got[0]["message"] == want[0]["message"]
+    assert got[0]["finish_reason"] == "stop", got[0]
+    assert json.loads(got[0]["message"]["content"])["name"]
+    assert got[1]["text"] == want[1]["text"] and " Paris" not in got[1]["text"]
+    assert got[1]["logprobs"]["tokens"] == want[1]["logprobs"]["tokens"]
+    assert got[1]["logprobs"]["token_logprobs"][0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got[2], want[2]))

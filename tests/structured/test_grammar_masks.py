@@ -4,6 +4,7 @@ and a speculating engine's structured output equals the unspeculated one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -109,6 +110,14 @@ def test_speculative_structured_output_matches_plain(default_model_path):
         outs[method] = LLM(engine=engine).chat(messages, params)[0].outputs[0]
         if method is not None:
             assert engine.stats.spec_num_proposed > 0  # drafts were scored under the mask
+            # sampled verification (rejection sampling against the masked distribution)
+            sampled = LLM(engine=engine).chat(messages, dataclasses.replace(
+                params, temperature=0.9, seed=4, n=3))[0].outputs
+            for o in sampled:
+                if o.finish_reason.value == "stop":
+                    assert set(json.loads(o.text)) == {"name", "age"}
+                else:
+                    assert len(o.token_ids) == params.max_tokens
     assert outs["ngram"].token_ids == outs[None].token_ids
     assert outs["ngram"].finish_reason.value == "stop"
     obj = json.loads(outs["ngram"].text)
