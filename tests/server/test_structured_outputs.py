@@ -82,6 +82,20 @@ def test_streamed_sampled_choices_follow_the_regex(client):
         assert finish[i] == "stop" and re.fullmatch(pattern, text), (i, text)
 
 
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0}, {"temperature": 1.2, "top_p": 0.9}, {"temperature": 1.0, "top_k": 5},
+    {"temperature": 0.8, "min_p": 0.1, "repetition_penalty": 1.3},
+    {"temperature": 0.7, "presence_penalty": 1.5, "frequency_penalty": 1.0, "seed": 9},
+])
+def test_every_sampling_mode_stays_in_the_grammar(client, sampling):
+    pattern = r"(yes|no), because [a-z]{2,8}( [a-z]{2,8}){0,3}\."
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:",
+                                  max_tokens=40, extra_body={
+                                      "structured_outputs": {"regex": pattern}, **sampling})
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), (sampling, c.text)
+
+
 def test_choice_and_grammars(client):
     choices = ["positive", "negative", "neutral"]
     for extra, check in [

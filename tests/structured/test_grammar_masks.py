@@ -132,3 +132,31 @@ def test_the_constraint_crosses_the_core_boundary():
     msg = AddRequest(EngineRequest("r", [1, 2], SamplingParams(structured=so)))
     back = Decoder(FrontendMessage).decode(encode(msg))
     assert back.request.sampling_params.structured == so
+
+
+def test_preempted_structured_sequences_resume_in_their_grammar(default_model_path):
+    """A preempted sequence's matcher follows its tokens, not the KV: recomputed after
+    preemption, the outputs are the ones a roomy engine gives, and they validate."""
+    from servelm.config import EngineArgs
+    from servelm.engine_builder import build_engine
+    from servelm.llm import LLM
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer"}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=36, temperature=0,
+                            structured=StructuredOutput("json_schema", json.dumps(schema)))
+    chats = [[{"role": "user", "content": f"A city and its rank, number {i}, as JSON."}]
+             for i in range(4)]
+    outs = {}
+    for num_blocks in (None, 40):  # 40 blocks of 4 tokens hold ~2 of the 4 whole sequences
+        engine = build_engine(EngineArgs(model="smollm2-135m-instruct", block_size=4,
+                                         kv_cache_memory=32 * 2**20, num_blocks=num_blocks,
+                                         enable_prefix_caching=False))
+        outs[num_blocks] = [r.outputs[0] for r in LLM(engine=engine).chat(chats, params)]
+        if num_blocks is not None:
+            assert engine.scheduler.num_preemptions > 0
+    for tight, roomy in zip(outs[40], outs[None]):
+        assert tight.token_ids == roomy.token_ids
+        if tight.finish_reason.value == "stop":
+            assert set(json.loads(tight.text)) == {"city", "rank"}
