@@ -67,18 +67,29 @@ class Replica:
     last_finish: float | None = None  # when the last step finished a request, if it did
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)
     # (time, kv usage, waiting, running) after each step
+    # load() less the prompt's cached tokens, kept until the engine's state changes: a
+    # replica is read at every arrival but changes only when it steps or takes a request.
+    _load: ReplicaLoad | None = None
+
+    def changed(self) -> None:
+        """The engine's queues or blocks moved (a step, a bulk advance, a new request)."""
+        self._load = None
 
     def load(self, prompt: list[int] | None = None) -> ReplicaLoad:
         """This replica's load, and how much of `prompt` its prefix cache holds (exact: the
         simulator reads the cache a router would estimate from KV events)."""
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        in_flight = sum(s.num_uncomputed_tokens for s in sched.waiting)
-        in_flight += sum(s.max_tokens - s.num_output_tokens for s in sched.running)
-        cached = 0
-        if prompt is not None and bm.prefix_cache is not None:
-            cached = bm.prefix_cache.match(prompt, None, len(prompt) - 1, record=False).num_tokens
-        return ReplicaLoad(len(sched.waiting), len(sched.running), in_flight,
-                           bm.num_used_blocks / bm.num_blocks, True, cached)
+        bm = self.engine.block_manager
+        base = self._load
+        if base is None:
+            sched = self.engine.scheduler
+            in_flight = sum(s.num_uncomputed_tokens for s in sched.waiting)
+            in_flight += sum(s.max_tokens - s.num_output_tokens for s in sched.running)
+            base = self._load = ReplicaLoad(len(sched.waiting), len(sched.running), in_flight,
+                                            bm.num_used_blocks / bm.num_blocks, True, 0)
+        if prompt is None or bm.prefix_cache is None:
+            return base
+        cached = bm.prefix_cache.match(prompt, None, len(prompt) - 1, record=False).num_tokens
+        return base._replace(cached_tokens=cached) if cached else base
 
 
 @dataclass
@@ -130,6 +141,7 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
         t, _, rep = heapq.heappop(steps)
         rep.clock.now = t
         n = advance_decodes(rep, t_arrive, records) if bulk else 0
+        rep.changed()
         if n:
             num_steps += n
             num_bulk += n
@@ -158,6 +170,7 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         rid, req.prompt_token_ids,
         SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
         arrival_time=t))
+    rep.changed()
     if not rep.is_stepping:
         rep.clock.now = max(rep.clock.now, t)
         rep.is_stepping = True
