@@ -21,7 +21,7 @@ def eligible(seq) -> bool:
     """Speculation changes neither greedy output nor the sampled distribution, but some
     features are position-by-position over one sampled token and are not verified here:
     penalties (they depend on the drafts before each position), logprobs, min_tokens bans,
-    and seeded sampling (a seed promises the same text whatever the batch; whether a step
+    logit_bias, allowed_token_ids and bad words, and seeded sampling (a seed promises the same text whatever the batch; whether a step
     speculates depends on the batch). Those requests decode one token at a time, as does any
     request with `speculative=False`."""
     p = seq.params
@@ -30,6 +30,8 @@ def eligible(seq) -> bool:
     if p.logprobs is not None or seq.num_output_tokens < p.min_tokens:
         return False
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        return False
+    if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids:
         return False
     return p.is_greedy or p.seed is None
 

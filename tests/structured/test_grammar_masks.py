@@ -118,6 +118,14 @@ def test_speculative_structured_output_matches_plain(default_model_path):
                     assert set(json.loads(o.text)) == {"name", "age"}
                 else:
                     assert len(o.token_ids) == params.max_tokens
+            # logit processors that verification does not apply keep the request unspeculated
+            (banana,) = engine.tokenizer.encode(" banana", add_special_tokens=False)
+            proposed = engine.stats.spec_num_proposed
+            biased = LLM(engine=engine).generate(
+                example + example, SamplingParams(max_tokens=8, temperature=0,
+                                                  logit_bias={banana: 100}))[0].outputs[0]
+            assert biased.token_ids == [banana] * 8
+            assert engine.stats.spec_num_proposed == proposed
     assert outs["ngram"].token_ids == outs[None].token_ids
     assert outs["ngram"].finish_reason.value == "stop"
     obj = json.loads(outs["ngram"].text)
