@@ -196,7 +196,9 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
 def record_requests(path: str, requests: Sequence[Request], records) -> None:
     """One JSON line per measured request, in send order: the trace `servelm sim --trace`
     replays (format: servelm/sim/arrivals.py). Records follow the requests in order (both
-    load loops send requests[i] as the i-th record); times are from the first send."""
+    load loops send requests[i] as the i-th record); times are from the first send. Where
+    the server counted another prompt length (a text or chat prompt, which it tokenized
+    itself), the line keeps the server's count and not the workload's ids."""
     from servelm.sim.arrivals import trace_line
 
     origin = min((r.scheduled_time for r in records), default=0.0)
@@ -204,9 +206,13 @@ def record_requests(path: str, requests: Sequence[Request], records) -> None:
     for req, rec in zip(requests, records):
         measured = {"ttft_s": rec.ttft_s, "tpot_s": rec.tpot_s, "e2e_s": rec.e2e_s,
                     "error": rec.error}
-        lines.append(trace_line(rec.scheduled_time - origin, req.prompt_token_ids,
-                                req.max_tokens, rec.num_output_tokens if rec.is_ok else 0,
-                                measured))
+        ids = req.prompt_token_ids
+        served = rec.usage_prompt_tokens
+        if served is not None and served != len(ids):
+            ids = None
+        lines.append(trace_line(rec.scheduled_time - origin, ids, req.max_tokens,
+                                rec.num_output_tokens if rec.is_ok else 0, measured,
+                                num_prompt_tokens=served))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(line + "\n" for line in lines))

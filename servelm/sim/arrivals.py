@@ -75,10 +75,15 @@ class TraceRequest(NamedTuple):
 
 
 def trace_line(arrival_s: float, prompt_token_ids: list[int] | None, max_tokens: int,
-               num_output_tokens: int, measured: dict[str, Any] | None = None) -> str:
-    """One trace line (the writer's half of the format)."""
+               num_output_tokens: int, measured: dict[str, Any] | None = None,
+               num_prompt_tokens: int | None = None) -> str:
+    """One trace line (the writer's half of the format): the prompt's ids, or (ids None)
+    only its length."""
+    if prompt_token_ids is None and num_prompt_tokens is None:
+        raise ValueError("a trace line needs the prompt's ids or its length")
     doc: dict[str, Any] = {"arrival_s": arrival_s,
-                           "num_prompt_tokens": len(prompt_token_ids or ()),
+                           "num_prompt_tokens": len(prompt_token_ids)
+                           if prompt_token_ids is not None else num_prompt_tokens,
                            "max_tokens": max_tokens, "num_output_tokens": num_output_tokens}
     if prompt_token_ids is not None:
         doc["prompt_token_ids"] = list(prompt_token_ids)

@@ -169,3 +169,24 @@ def test_bench_serve_refuses_to_record_a_sweep(tmp_path, capsys):
     rc = main(["serve", "--base-url", "http://127.0.0.1:9", "--sweep-rates", "1,2",
                "--record-requests", str(tmp_path / "t.jsonl"), "--no-progress"])
     assert rc == 2 and "--record-requests" in capsys.readouterr().err
+
+
+def test_a_prompt_the_server_counted_differently_is_recorded_by_its_served_length(tmp_path):
+    """Text and chat prompts are tokenized by the server: the trace keeps the length the
+    server reported (usage.prompt_tokens), not the workload's ids."""
+    from servelm.bench.metrics import RequestRecord
+    from servelm.bench.serve import record_requests
+    from servelm.bench.workloads import Request
+
+    reqs = [Request([7] * 10, 5), Request([8] * 12, 6)]
+    recs = [RequestRecord(10, 5, scheduled_time=100.0, sent_time=100.0, first_token_time=100.1,
+                          end_time=100.5, num_output_tokens=5, usage_prompt_tokens=10),
+            RequestRecord(12, 6, scheduled_time=100.25, sent_time=100.25,
+                          first_token_time=100.4, end_time=101.0, num_output_tokens=6,
+                          usage_prompt_tokens=31)]
+    path = tmp_path / "t.jsonl"
+    record_requests(str(path), reqs, recs)
+    a, b = read_trace(path)
+    assert (a.arrival_s, a.prompt_token_ids, a.num_output_tokens) == (0.0, [7] * 10, 5)
+    assert (b.arrival_s, b.prompt_token_ids, b.num_prompt_tokens) == (0.25, None, 31)
+    assert b.measured["ttft_s"] == pytest.approx(0.15)
