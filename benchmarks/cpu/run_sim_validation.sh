@@ -93,8 +93,19 @@ bench() {  # OUTFILE FLAGS...
 # 3. The knee: the highest swept rate whose goodput meets the target (KNEE= to skip).
 if [ -z "${KNEE:-}" ]; then
   bench "$OUT/serve-sweep.json" --sweep-rates "$SWEEP_RATES" --num-prompts "$SWEEP_PROMPTS"
-  KNEE=$("$PY" -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"];
-r = s["max_rate_meeting_target"] or s["rates"][0]; print(r)' "$OUT/serve-sweep.json")
+  KNEE=$("$PY" - "$OUT/serve-sweep.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))["summary"]
+best = s["max_rate_meeting_target"]
+if best is None:
+    print("[validate] WARNING: no swept rate met the goodput target; lower SWEEP_RATES",
+          file=sys.stderr)
+elif best == max(s["rates"]):
+    print("[validate] WARNING: every swept rate met the target, the knee is higher; raise "
+          "SWEEP_RATES", file=sys.stderr)
+print(best if best is not None else s["rates"][0])
+EOF
+)
 fi
 LIGHT=$("$PY" -c "print(round($KNEE / 4, 4))")
 OVER=$("$PY" -c "print(round($KNEE * 2, 4))")
