@@ -60,7 +60,8 @@ class RouterMetrics:
         self.healthy = Gauge("servelm_router_replica_healthy", "1 while a replica is in",
                              ["replica"], registry=r)
         self.load = Gauge("servelm_router_replica_tokens_in_flight",
-                          "Tokens (prompt + max_tokens) the router has in flight per replica",
+                          "Work the router has in flight per replica: uncached prompt tokens (by its "
+                          "cache view) + max_tokens of each request not finished",
                           ["replica"], registry=r)
         self.imbalance = Gauge("servelm_router_imbalance_ratio",
                                "max / mean tokens in flight over healthy replicas",
@@ -198,16 +199,20 @@ class Router:
         first, cached = self.pick(route, prompt, salt, request.headers)
         if first is None:
             return _error(503, "no healthy replica", "no_replica")
+        # A replica's load counts the work it was sent: the prompt tokens it must still
+        # compute (its cached prefix is free) plus the tokens to generate.
+        work = max(1, tokens - cached)
         replica, upstream, failure = await self._send(first, request.method, path, raw,
-                                                      headers, request.url.query, tokens)
+                                                      headers, request.url.query, work)
         if upstream is None:
             retry, cached = self.pick(route, prompt, salt, request.headers, exclude=first)
             if retry is None:
                 return _error(502, f"replica {first.url} failed ({failure}) and no other "
                               "replica is healthy", "replica_failed")
             self.metrics.retries.inc()
+            work = max(1, tokens - cached)
             replica, upstream, failure = await self._send(retry, request.method, path, raw,
-                                                          headers, request.url.query, tokens)
+                                                          headers, request.url.query, work)
             if upstream is None:
                 return _error(502, f"two replicas failed: {failure}", "replica_failed")
         self.metrics.routed.labels(replica.url).inc()
@@ -217,7 +222,7 @@ class Router:
                        if k.lower() not in _DROP_RESPONSE}
         out_headers["x-servelm-replica"] = replica.url
         if is_stream:
-            return StreamingResponse(self._relay(replica, upstream, tokens),
+            return StreamingResponse(self._relay(replica, upstream, work),
                                      status_code=upstream.status_code, headers=out_headers)
         try:
             content = await upstream.aread()
@@ -226,7 +231,7 @@ class Router:
             return _error(502, f"replica {replica.url} broke off its answer: {exc!r}",
                           "replica_failed")
         finally:
-            self._done(replica, tokens)
+            self._done(replica, work)
             await upstream.aclose()
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
