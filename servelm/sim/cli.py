@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from servelm.bench.metrics import build_serve_result, render_serve_table
-from servelm.bench.workloads import random_lengths
+from servelm.bench.metrics import build_serve_result, goodput, render_serve_table
+from servelm.bench.workloads import RangeError, parse_range, random_lengths
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
@@ -83,10 +84,26 @@ def _load_info(args: argparse.Namespace, rate: float | None,
             "burstiness": args.burstiness if args.arrival == "gamma" else None}
 
 
-def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
-            rate: float | None) -> tuple[dict, SimResult]:
+def by_quarter(records, slo_ttft_s: float | None, slo_tpot_s: float | None) -> list[dict]:
+    """TTFT p50 and goodput of each quarter of the requests in send order: a queue that
+    keeps growing shows as TTFT rising quarter after quarter, where the run's totals can
+    still look fine."""
+    recs = sorted(records, key=lambda r: r.sent_time)
+    out = []
+    for i in range(4):
+        part = recs[len(recs) * i // 4:len(recs) * (i + 1) // 4]
+        ttfts = [r.ttft_s for r in part if r.is_ok]
+        out.append({"num_requests": len(part),
+                    "ttft_p50_ms": statistics.median(ttfts) * 1e3 if ttfts else None,
+                    "goodput": goodput(part, slo_ttft_s, slo_tpot_s) if part else None})
+    return out
+
+
+def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
+            num_replicas: int | None = None) -> tuple[dict, SimResult]:
+    num_replicas = args.num_replicas if num_replicas is None else num_replicas
     requests = build_requests(args, rate)
-    sim = simulate(requests, args.num_replicas, spec, cost, make_policy(args.policy),
+    sim = simulate(requests, num_replicas, spec, cost, make_policy(args.policy),
                    bulk=not args.no_bulk)
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
@@ -96,7 +113,7 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
         "load": _load_info(args, rate, requests),
         **build_serve_result(sim.records, sim.elapsed_s, slo_ttft_s=slo_ttft,
                              slo_tpot_s=slo_tpot),
-        "sim": {"cost_model": cost.name, "num_replicas": args.num_replicas,
+        "sim": {"cost_model": cost.name, "num_replicas": num_replicas,
                 "policy": args.policy, "num_steps": sim.num_steps, "wall_s": sim.wall_s,
                 "bulk_decode": not args.no_bulk, "num_bulk_steps": sim.num_bulk_steps,
                 "simulated_requests_per_wall_s": sim.requests_per_wall_s,
@@ -108,7 +125,8 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec,
                               "prefix_hit_rate": _hit_rate([rep])}
                              for rep in sim.replicas],
                 "prefix_hit_rate": _hit_rate(sim.replicas),
-                "imbalance": _imbalance(sim)},
+                "imbalance": _imbalance(sim),
+                "by_quarter": by_quarter(sim.records, slo_ttft, slo_tpot)},
     }
     if args.trace is not None:
         result["workload"] = {"kind": "trace", "num_prompts": len(requests),
@@ -197,6 +215,90 @@ def check_load_flags(args: argparse.Namespace) -> list[float | None]:
     return rates
 
 
+def check_fleet_flags(args: argparse.Namespace) -> tuple[int, int] | None:
+    """--num-replicas, and --find-replicas LO:HI (returned) with one rate or a trace."""
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas: must be >= 1, got {args.num_replicas}")
+    if args.find_replicas is None:
+        return None
+    if args.sweep_rates:
+        raise ValueError("--find-replicas: searches at one rate: give --request-rate or "
+                         "--trace, not --sweep-rates")
+    try:
+        lo, hi = parse_range(args.find_replicas, "--find-replicas")
+    except RangeError as e:
+        raise ValueError(str(e)) from None
+    return lo, hi
+
+
+def _meets(result: dict, target: float) -> bool:
+    """The run's goodput, and every quarter's, at least the target (a growing queue fails
+    its last quarters)."""
+    quarters = [q["goodput"] for q in result["sim"]["by_quarter"] if q["goodput"] is not None]
+    return result["goodput"] >= target and min(quarters, default=0.0) >= target
+
+
+def find_replicas(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
+                  lo: int, hi: int) -> tuple[dict, list[dict]]:
+    """Bisect for the fewest replicas in lo..hi whose run meets the goodput target (more
+    replicas never hurt); returns that run (or hi's, if none does) and every run tried."""
+    tried: list[dict] = []
+    runs: dict[int, dict] = {}
+
+    def meets(n: int) -> bool:
+        result, sim = run_one(args, cost, spec, rate, n)
+        runs[n] = result
+        ok = _meets(result, args.goodput_target)
+        tried.append({"num_replicas": n, "goodput": result["goodput"],
+                      "worst_quarter_goodput": min(
+                          (q["goodput"] for q in result["sim"]["by_quarter"]
+                           if q["goodput"] is not None), default=None),
+                      "ttft_p50_ms_by_quarter": [q["ttft_p50_ms"]
+                                                 for q in result["sim"]["by_quarter"]],
+                      "meets": ok, "wall_s": sim.wall_s})
+        print(f"[sim] {n} replicas: goodput {result['goodput']:.1%}, worst quarter "
+              f"{tried[-1]['worst_quarter_goodput']:.1%}: {'meets' if ok else 'misses'} the "
+              f"target ({sim.wall_s:.1f} s wall)", file=sys.stderr)
+        return ok
+
+    if not meets(hi):
+        return runs[hi], tried
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return runs[hi], tried
+
+
+def cmd_find(args, cost, spec, rate, lo: int, hi: int) -> int:
+    from servelm.bench.results import git_commit, machine_info
+
+    result, tried = find_replicas(args, cost, spec, rate, lo, hi)
+    found = min((t["num_replicas"] for t in tried if t["meets"]), default=None)
+    result.update(machine=machine_info(), commit=git_commit())
+    result["replica_search"] = {
+        "range": [lo, hi], "goodput_target": args.goodput_target,
+        "criterion": "goodput and every quarter's goodput (requests in send order) >= target",
+        "num_replicas": found, "tried": sorted(tried, key=lambda t: t["num_replicas"])}
+    out = Path(args.out) if args.out else Path("benchmarks/results") / "sim-replicas.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for t in result["replica_search"]["tried"]:
+        quarters = ", ".join("-" if q is None else f"{q:.0f}" for q in t["ttft_p50_ms_by_quarter"])
+        print(f"{t['num_replicas']:>6} replicas  goodput {t['goodput']:6.1%}  worst quarter "
+              f"{t['worst_quarter_goodput']:6.1%}  TTFT p50 by quarter {quarters} ms  "
+              f"{'meets' if t['meets'] else 'misses'}")
+    if found is None:
+        print(f"no replica count in {lo}..{hi} meets goodput >= {args.goodput_target:g}")
+    else:
+        print(f"fewest replicas meeting goodput >= {args.goodput_target:g} in every quarter: "
+              f"{found}")
+    print(f"[sim] wrote {out}", file=sys.stderr)
+    return 0 if found is not None else 1
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from servelm.bench.results import git_commit, machine_info
     from servelm.bench.sweep import plot_sweep, render_sweep_table, summarize_sweep
@@ -206,9 +308,16 @@ def cmd_sim(args: argparse.Namespace) -> int:
         spec = replica_spec(args, cost)
         make_policy(args.policy)
         rates = check_load_flags(args)
+        search = check_fleet_flags(args)
     except (OSError, ValueError) as exc:
         print(f"servelm sim: error: {exc}", file=sys.stderr)
         return 2
+    if search is not None:
+        try:
+            return cmd_find(args, cost, spec, rates[0], *search)
+        except (OSError, ValueError) as exc:
+            print(f"servelm sim: error: {exc}", file=sys.stderr)
+            return 2
     what = f"trace {args.trace}" if args.trace is not None else \
         f"{args.num_prompts} requests, input {args.input_len}, output {args.output_len}"
     title = f"servelm sim: {args.num_replicas} x {cost.name}, {args.policy}, {what}"
@@ -268,6 +377,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--decode-mfu", type=float, default=None)
     g = p.add_argument_group("fleet")
     g.add_argument("--num-replicas", type=int, default=1)
+    g.add_argument("--find-replicas", default=None, metavar="LO:HI",
+                   help="instead of --num-replicas: bisect for the fewest replicas in LO..HI "
+                        "whose run meets --goodput-target overall and in each quarter of the "
+                        "requests (one run per count tried)")
     g.add_argument("--policy", default="round_robin", choices=policy_names())
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per replica (default: the calibrated engine's)")

@@ -166,3 +166,43 @@ def test_the_load_a_policy_sees_is_the_replicas_state_at_that_arrival(monkeypatc
                                                  per_prefill_token_s=0.00005), policy)
     assert policy.num_checked == 150 and len(sim.records) == 150
     assert max(max(t[3] for t in rep.timeline) for rep in sim.replicas) > 1  # loads varied
+
+
+def test_find_replicas_bisects_to_the_fewest_that_keep_up(tmp_path):
+    """One sequence at a time, 10 steps of 10 ms a request: a replica serves 10 req/s.
+    35 req/s at constant gaps round robin: 3 replicas fall behind (the queue, and TTFT,
+    grow through the run: the last quarter misses), 4 keep up."""
+    cost = tmp_path / "cost.json"
+    _const(0.01).save(cost)
+    out = tmp_path / "find.json"
+    proc = subprocess.run([sys.executable, "-m", "servelm.cli", "sim", "--cost-model", str(cost),
+                           "--num-blocks", "64", "--max-num-seqs", "1", "--find-replicas",
+                           "1:9", "--request-rate", "35", "--arrival", "constant",
+                           "--num-prompts", "200", "--input-len", "10", "--output-len", "10",
+                           "--vocab-size", "1000", "--slo-ttft-ms", "200", "--slo-tpot-ms",
+                           "100", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    search = doc["replica_search"]
+    assert search["num_replicas"] == 4 and doc["sim"]["num_replicas"] == 4
+    tried = {t["num_replicas"]: t for t in search["tried"]}
+    assert tried[4]["meets"] and not tried[3]["meets"]
+    assert doc["ttft_ms"]["p50"] == pytest.approx(10.0)
+    q3 = tried[3]["ttft_p50_ms_by_quarter"]
+    assert q3 == sorted(q3) and q3[-1] > 200 > q3[0]  # the queue grows through the run
+    assert "fewest replicas" in proc.stdout and ": 4" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--find-replicas", "5:2", "--request-rate", "1"], "--find-replicas"),
+    (["--find-replicas", "1:4", "--sweep-rates", "1,2"], "--find-replicas"),
+    (["--num-replicas", "0", "--request-rate", "1"], "--num-replicas"),
+])
+def test_bad_fleet_flags_exit_2_naming_the_flag(tmp_path, flags, named):
+    cost = tmp_path / "cost.json"
+    _const(0.01).save(cost)
+    proc = subprocess.run([sys.executable, "-m", "servelm.cli", "sim", "--cost-model", str(cost),
+                           "--num-blocks", "64", *flags, "--out", str(tmp_path / "o.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
