@@ -18,6 +18,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ class GrammarMasks:
         self._seqs: dict[int, _SeqMatcher] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._executor = None  # llguidance.LLExecutor, built on first use
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -79,18 +79,18 @@ class GrammarMasks:
             llt.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:
             llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).reshape(num_rows, -1)
-        allowed = allowed[:, :self.vocab_size].bool()
+        # Bit j of word w is token 32 w + j (little-endian words): unpack in numpy, which
+        # is several times cheaper here than the same tensor ops.
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = bits[:, :self.vocab_size].astype(bool)
         for row in broken:
             allowed[row] = False
         # A matcher in error (or a grammar that did not compile) allows nothing: end the
         # sequence with EOS rather than sample from an empty set.
-        empty = ~allowed.any(dim=1)
-        if empty.any():
-            allowed[empty.nonzero().flatten()[:, None],
-                    torch.tensor(self.compiler.eos_token_ids)] = True
+        for row in np.flatnonzero(~allowed.any(axis=1)):
+            allowed[row, self.compiler.eos_token_ids] = True
+        allowed = torch.from_numpy(allowed).to(self.device)
         out, at = {}, 0
-        allowed = allowed.to(self.device)
         for seq, drafts in wanted:
             out[seq.seq_id] = allowed[at:at + 1 + len(drafts)]
             at += 1 + len(drafts)
