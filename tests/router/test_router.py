@@ -182,11 +182,11 @@ def test_a_stream_that_breaks_mid_way_ends_with_an_error_event():
         bad.stop()
 
 
-def _affinity_replica(port: int) -> _Uvicorn:
+def _affinity_replica(port: int, step_s: float = 0.002) -> _Uvicorn:
     from servelm.server.app import ServerConfig, build_app
 
     engine = make_engine(num_blocks=256, max_num_batched_tokens=256, prefix_caching=True,
-                         runner=FakeRunner(step_s=0.002, block_size=4))
+                         runner=FakeRunner(step_s=step_s, block_size=4))
     return _Uvicorn(build_app(engine, ServerConfig(served_model_name="fake")), port)
 
 
@@ -222,6 +222,38 @@ def test_prefix_affinity_follows_each_replicas_kv_events_and_usage_reports_the_h
         router.stop()
         for r in reps:
             r.stop()
+
+
+def test_a_replicas_load_counts_only_the_uncached_work_it_was_sent():
+    rep = _affinity_replica(_port(), step_s=0.05)  # 20 tokens/s: the stream lasts seconds
+    router = _router([rep.url], policy="prefix_affinity", probe_interval=0.1)
+    load = f'servelm_router_replica_tokens_in_flight{{replica="{rep.url}"}}'
+    body = {"model": "fake", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    shared = list(range(100, 180))  # 20 blocks of 4
+    try:
+        first = httpx.post(router.url + "/v1/completions", timeout=30, json={
+            "model": "fake", "prompt": shared + [1], "max_tokens": 1})
+        assert first.status_code == 200, first.text
+        view = f'servelm_router_replica_cache_view_blocks{{replica="{rep.url}"}}'
+        _wait(lambda: _metrics(router.url)[view] >= 20, 5)
+        for prompt, expected in ((shared + [7, 8, 9], 83 - 80 + 40),  # a hit: 3 + 40
+                                 (list(range(300, 383)), 83 + 40)):  # a miss: all of it
+            out = {}
+            sender = threading.Thread(target=lambda p=prompt: out.update(r=httpx.post(
+                router.url + "/v1/completions", timeout=30, json={**body, "prompt": p})))
+            sender.start()
+            seen = set()
+            while sender.is_alive():  # (the fake's tokens come out as one chunk at the end)
+                seen.add(_metrics(router.url)[load])
+                time.sleep(0.05)
+            assert max(seen) == expected, seen
+            lines = [x for x in out["r"].text.splitlines() if x.startswith("data: {")]
+            assert json.loads(lines[-1][6:])["usage"]["completion_tokens"] == 40
+            _wait(lambda: _metrics(router.url)[load] == 0, 5)
+    finally:
+        router.stop()
+        rep.stop()
 
 
 def test_kv_events_page_through_and_reset_when_a_reader_falls_behind():
