@@ -1,0 +1,189 @@
+"""The autoscaler's decision: how many replicas a fleet should have, from a load signal.
+
+Owns: `AutoscaleConfig` (the policy file, validated with errors naming the field) and
+`Autoscaler.decide(total_signal, num_ready, num_booting) -> Decision`, the same object the
+real controller (servelm/autoscale/controller.py, on Ray) and the simulator
+(servelm/sim/autoscale.py, in virtual time) call.
+Never: imports torch, reads a clock other than the one it is given, starts or stops a
+replica, or looks at a replica: the caller measures the signal and carries out the decision.
+
+The signal is the fleet's total of one per-replica quantity, and the target is that quantity
+per replica (servelm's default: tokens in flight, docs/autoscale.md says why):
+
+    wanted   = ceil(total_signal / target)          clamped to [min_replicas, max_replicas]
+    capacity = ready + booting                      (booting replicas are capacity to come)
+    load     = total_signal / (target * capacity)
+
+    load > scale_up_threshold    for up_window_s      -> up to the smallest `wanted` seen
+                                                         over that window (a spike must last)
+    load < scale_down_threshold  for down_cooldown_s  -> down to the largest `wanted` seen
+                                                         over that window, and only if no
+                                                         scale event in down_cooldown_s
+    otherwise (the dead band)                         -> hold
+
+Counting booting replicas as capacity is what keeps a spike from ordering a replica per tick
+while the first ones boot: once ready + booting covers `wanted`, `load` drops and nothing
+more is ordered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+SIGNALS = ("tokens_in_flight", "request_rate", "utilization")
+
+
+class AutoscaleConfigError(ValueError):
+    """A policy file or field that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    target: float  # the signal per replica the fleet is sized for
+    signal: str = "tokens_in_flight"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    scale_up_threshold: float = 1.2  # load (signal / (target x capacity)) above: too few
+    scale_down_threshold: float = 0.6  # below: too many; between the two: hold
+    up_window_s: float = 30.0  # load above the up threshold this long before scaling up
+    down_cooldown_s: float = 300.0  # below the down threshold this long, and no event
+    tick_s: float = 5.0  # how often the controller measures and decides
+    boot_s: float = 60.0  # how long a replica takes to be ready (the simulator's boot delay)
+    drain_timeout_s: float = 120.0  # a removed replica's in-flight requests get this long
+
+    def __post_init__(self):
+        if self.signal not in SIGNALS:
+            raise AutoscaleConfigError(f"signal: must be one of {list(SIGNALS)}, got "
+                                       f"{self.signal!r}")
+        for name in ("target", "tick_s", "boot_s", "drain_timeout_s"):
+            _positive(name, getattr(self, name))
+        for name in ("up_window_s", "down_cooldown_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise AutoscaleConfigError(f"{name}: must be a number >= 0, got {value!r}")
+        for name in ("min_replicas", "max_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise AutoscaleConfigError(f"{name}: must be an integer >= 0, got {value!r}")
+        if self.min_replicas < 1:
+            raise AutoscaleConfigError("min_replicas: must be >= 1 (scale to zero is not "
+                                       "supported)")
+        if self.max_replicas < self.min_replicas:
+            raise AutoscaleConfigError(f"max_replicas: must be >= min_replicas "
+                                       f"({self.min_replicas}), got {self.max_replicas}")
+        _positive("scale_up_threshold", self.scale_up_threshold)
+        _positive("scale_down_threshold", self.scale_down_threshold)
+        if self.scale_down_threshold >= 1.0 or self.scale_up_threshold <= 1.0:
+            raise AutoscaleConfigError(
+                "scale_down_threshold, scale_up_threshold: need down < 1 < up (a dead band "
+                f"around the target), got {self.scale_down_threshold} and "
+                f"{self.scale_up_threshold}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AutoscaleConfig:
+        if not isinstance(data, dict):
+            raise AutoscaleConfigError(f"the policy must be a JSON object, got "
+                                       f"{type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AutoscaleConfigError(f"{unknown[0]}: unknown field; known: {sorted(known)}")
+        if "target" not in data:
+            raise AutoscaleConfigError("target: required (the signal per replica)")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> AutoscaleConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise AutoscaleConfigError(f"--autoscale: cannot read {path}: {exc}") from None
+        except ValueError as exc:
+            raise AutoscaleConfigError(f"--autoscale: {path} is not JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except AutoscaleConfigError as exc:
+            raise AutoscaleConfigError(f"--autoscale {path}: {exc}") from None
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise AutoscaleConfigError(f"{name}: must be a positive number, got {value!r}")
+
+
+class Decision(NamedTuple):
+    num_replicas: int  # the fleet's size to be: ready + booting after this decision
+    delta: int  # replicas to start (> 0) or to drain (< 0)
+    load: float  # total_signal / (target x capacity)
+    wanted: int  # ceil(total_signal / target), clamped
+    reason: str
+
+
+class Autoscaler:
+    """Decides at each call (the caller calls every `config.tick_s`); keeps the recent
+    history of `wanted` and when the last scale event was."""
+
+    def __init__(self, config: AutoscaleConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted)
+        self._above_since: float | None = None
+        self._below_since: float | None = None
+        self._last_event: float | None = None
+        self.num_scale_ups = 0
+        self.num_scale_downs = 0
+
+    def wanted(self, total_signal: float) -> int:
+        c = self.config
+        n = math.ceil(max(0.0, total_signal) / c.target - 1e-9)
+        return min(c.max_replicas, max(c.min_replicas, n))
+
+    def decide(self, total_signal: float, num_ready: int, num_booting: int = 0) -> Decision:
+        c = self.config
+        now = self.clock()
+        capacity = num_ready + num_booting
+        wanted = self.wanted(total_signal)
+        load = total_signal / (c.target * max(1, capacity))
+        self._wanted.append((now, wanted))
+        horizon = max(c.up_window_s, c.down_cooldown_s)
+        while self._wanted and self._wanted[0][0] < now - horizon:
+            self._wanted.popleft()
+        if capacity < c.min_replicas or capacity > c.max_replicas:  # out of bounds: fix now
+            target = min(c.max_replicas, max(c.min_replicas, capacity))
+            return self._event(now, target, capacity, load, wanted, "bounds")
+        self._above_since = (self._above_since if self._above_since is not None else now) \
+            if load > c.scale_up_threshold else None
+        self._below_since = (self._below_since if self._below_since is not None else now) \
+            if load < c.scale_down_threshold else None
+        if self._above_since is not None and now - self._above_since >= c.up_window_s:
+            target = min(w for t, w in self._wanted if t >= now - c.up_window_s)
+            if target > capacity:
+                return self._event(now, target, capacity, load, wanted, "up")
+        if self._below_since is not None and now - self._below_since >= c.down_cooldown_s \
+                and (self._last_event is None or now - self._last_event >= c.down_cooldown_s):
+            target = max(w for t, w in self._wanted if t >= now - c.down_cooldown_s)
+            if target < capacity:
+                return self._event(now, target, capacity, load, wanted, "down")
+        return Decision(capacity, 0, load, wanted, "hold")
+
+    def _event(self, now: float, target: int, capacity: int, load: float, wanted: int,
+               reason: str) -> Decision:
+        if target == capacity:
+            return Decision(capacity, 0, load, wanted, "hold")
+        self._last_event = now
+        self._above_since = self._below_since = None  # the new fleet is judged afresh
+        if target > capacity:
+            self.num_scale_ups += 1
+        else:
+            self.num_scale_downs += 1
+        return Decision(target, target - capacity, load, wanted, reason)
+
+
+__all__ = ["SIGNALS", "AutoscaleConfig", "AutoscaleConfigError", "Autoscaler", "Decision"]

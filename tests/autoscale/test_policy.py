@@ -1,0 +1,173 @@
+"""The autoscaling policy against synthetic signals, on a clock the test moves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servelm.autoscale.policy import AutoscaleConfig, AutoscaleConfigError, Autoscaler
+
+CONFIG = AutoscaleConfig(target=1000, min_replicas=1, max_replicas=10, scale_up_threshold=1.2,
+                         scale_down_threshold=0.6, up_window_s=30, down_cooldown_s=300,
+                         tick_s=5, boot_s=60)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fleet:
+    """Carries out decisions: started replicas boot for config.boot_s, drained ones go."""
+
+    def __init__(self, config: AutoscaleConfig, num_ready: int):
+        self.clock = Clock()
+        self.scaler = Autoscaler(config, self.clock)
+        self.num_ready = num_ready
+        self.booting: list[float] = []  # ready times
+        self.events: list[tuple[float, int]] = []
+
+    def tick(self, total_signal: float) -> None:
+        c = self.scaler.config
+        self.num_ready += sum(1 for t in self.booting if t <= self.clock.now)
+        self.booting = [t for t in self.booting if t > self.clock.now]
+        d = self.scaler.decide(total_signal, self.num_ready, len(self.booting))
+        if d.delta > 0:
+            self.booting += [self.clock.now + c.boot_s] * d.delta
+        elif d.delta < 0:
+            self.num_ready += d.delta
+        if d.delta:
+            self.events.append((self.clock.now, d.delta))
+        self.clock.now += c.tick_s
+
+    def run(self, signal, seconds: float) -> None:
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.tick(signal(self.clock.now) if callable(signal) else signal)
+
+    @property
+    def size(self) -> int:
+        return self.num_ready + len(self.booting)
+
+
+def test_steady_load_near_a_threshold_does_not_oscillate():
+    """Load hovering around the up threshold (3 replicas at 1.1-1.3 x target) and around
+    the down threshold: one decision at most, then it holds for an hour."""
+    import math
+
+    fleet = Fleet(CONFIG, 3)
+    wobble = lambda t: 3 * 1000 * (1.2 + 0.1 * math.sin(t / 7))  # noqa: E731
+    fleet.run(wobble, 3600)
+    assert len(fleet.events) <= 1
+    sizes = set()
+    fleet.events.clear()
+    for _ in range(720):  # another hour of the same: no event at all
+        fleet.tick(wobble(fleet.clock.now))
+        sizes.add(fleet.size)
+    assert fleet.events == [] and len(sizes) == 1
+
+    fleet = Fleet(CONFIG, 4)
+    fleet.run(lambda t: 4 * 1000 * (0.6 + 0.05 * math.sin(t / 11)), 3600)
+    assert len(fleet.events) <= 1
+
+
+def test_load_inside_the_dead_band_holds():
+    fleet = Fleet(CONFIG, 3)
+    fleet.run(3 * 1000 * 1.15, 3600)
+    fleet.run(3 * 1000 * 0.65, 3600)
+    assert fleet.events == [] and fleet.size == 3
+
+
+def test_a_spike_scales_up_once_counting_booting_replicas():
+    """From 2 replicas at target to 6 x target: one event of +4 after the up window, and
+    none while the four boot (60 s, 12 ticks), though the ready replicas stay overloaded."""
+    fleet = Fleet(CONFIG, 2)
+    fleet.run(2000, 300)
+    assert fleet.events == []
+    spike_at = fleet.clock.now
+    fleet.run(6000, 600)
+    assert fleet.events == [(pytest.approx(spike_at + CONFIG.up_window_s), 4)]
+    assert fleet.size == 6 and fleet.scaler.num_scale_ups == 1
+
+
+def test_booting_replicas_count_as_capacity():
+    c = AutoscaleConfig(target=1000, max_replicas=10, up_window_s=0, down_cooldown_s=300)
+    clock = Clock()
+    scaler = Autoscaler(c, clock)
+    # 2 ready, 3 booting: 5,000 tokens fits 5 replicas: nothing more is ordered.
+    assert scaler.decide(5000, 2, 3).delta == 0
+    clock.now = 5.0
+    # 7,000 wants 7: two more, not seven.
+    assert scaler.decide(7000, 2, 3).delta == 2
+    # Without counting the booting ones, the same signal would have asked for five.
+    assert Autoscaler(c, Clock()).decide(7000, 2, 0).delta == 5
+
+
+def test_a_short_blip_does_not_scale_up():
+    fleet = Fleet(CONFIG, 2)
+    fleet.run(2000, 100)
+    fleet.run(8000, CONFIG.up_window_s - CONFIG.tick_s)  # gone before the window ends
+    fleet.run(2000, 600)
+    assert fleet.events == []
+
+
+def test_a_drop_scales_down_only_after_the_cooldown():
+    fleet = Fleet(CONFIG, 6)
+    fleet.run(6000, 400)
+    drop_at = fleet.clock.now
+    fleet.run(1500, 1000)
+    ((t, delta),) = fleet.events
+    assert t == pytest.approx(drop_at + CONFIG.down_cooldown_s)
+    assert delta == -4 and fleet.size == 2  # ceil(1500 / 1000)
+
+
+def test_no_scale_down_within_the_cooldown_of_a_scale_up():
+    c = AutoscaleConfig(target=1000, max_replicas=10, up_window_s=10, down_cooldown_s=100,
+                        tick_s=5, boot_s=20)
+    fleet = Fleet(c, 2)
+    fleet.run(5000, 30)  # up to 5 at t=10
+    assert fleet.events == [(10.0, 3)]
+    fleet.run(500, 200)  # drops right after: down once, cooldown after the up event
+    ups, downs = fleet.events[0], fleet.events[1:]
+    assert len(downs) == 1 and downs[0][0] >= ups[0] + c.down_cooldown_s
+
+
+def test_bounds():
+    c = AutoscaleConfig(target=100, min_replicas=2, max_replicas=3, up_window_s=0,
+                        down_cooldown_s=0)
+    clock = Clock()
+    scaler = Autoscaler(c, clock)
+    assert scaler.decide(10_000, 3).delta == 0  # at max: hold however loaded
+    clock.now = 1.0
+    assert scaler.decide(0, 1).num_replicas == 2  # below min: up at once
+    clock.now = 2.0
+    assert scaler.decide(0, 3).num_replicas == 2  # never below min
+
+
+def test_config_file_and_errors_name_the_field(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"target": 500, "max_replicas": 3, "up_window_s": 2}))
+    c = AutoscaleConfig.load(path)
+    assert (c.target, c.max_replicas, c.up_window_s, c.signal) == \
+        (500, 3, 2, "tokens_in_flight")
+    cases = [({"target": 1, "targt": 2}, "targt"), ({}, "target"),
+             ({"target": 1, "min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+             ({"target": 1, "signal": "cpu"}, "signal"),
+             ({"target": 1, "scale_up_threshold": 0.9}, "scale_up_threshold"),
+             ({"target": 1, "up_window_s": -1}, "up_window_s"),
+             ({"target": 0}, "target"), ({"target": 1, "tick_s": "5"}, "tick_s"),
+             ({"target": 1, "min_replicas": 0}, "min_replicas"),
+             ({"target": 1, "max_replicas": 2.5}, "max_replicas")]
+    for data, field in cases:
+        path.write_text(json.dumps(data))
+        with pytest.raises(AutoscaleConfigError, match=field):
+            AutoscaleConfig.load(path)
+    path.write_text("{not json")
+    with pytest.raises(AutoscaleConfigError, match="not JSON"):
+        AutoscaleConfig.load(path)
+    with pytest.raises(AutoscaleConfigError, match="cannot read"):
+        AutoscaleConfig.load(tmp_path / "missing.json")
