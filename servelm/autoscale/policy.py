@@ -17,7 +17,9 @@ per replica (servelm's default: tokens in flight, docs/autoscale.md says why):
     load > scale_up_threshold    for up_window_s      -> up to the smallest `wanted` seen
                                                          over that window (a spike must last)
     load < scale_down_threshold  for down_cooldown_s  -> down to the largest `wanted` seen
-                                                         over that window, and only if no
+                                                         over that window (and no further
+                                                         than load (1 + down) / 2, nor by
+                                                         more than half), and only if no
                                                          scale event in down_cooldown_s
     otherwise (the dead band)                         -> hold
 
@@ -169,6 +171,11 @@ class Autoscaler:
         if self._below_since is not None and now - self._below_since >= c.down_cooldown_s \
                 and (self._last_event is None or now - self._last_event >= c.down_cooldown_s):
             target = max(w for t, w in self._wanted if t >= now - c.down_cooldown_s)
+            # Land mid dead band, not on the target, and remove at most half: the signal
+            # per replica grows faster than 1 / replicas (fewer replicas, bigger batches,
+            # slower steps), so a cut sized to reach the target would land above it.
+            landing = (1 + c.scale_down_threshold) / 2
+            target = max(target, self.wanted(total_signal / landing), math.ceil(capacity / 2))
             if target < capacity:
                 return self._event(now, target, capacity, load, wanted, "down")
         return Decision(capacity, 0, load, wanted, "hold")

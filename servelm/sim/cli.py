@@ -39,6 +39,11 @@ def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequ
         trace = read_trace(args.trace)
         prompts = trace_prompts(trace, args.vocab_size, args.seed)
         return [SimRequest(t.arrival_s, p, t.num_replay_tokens) for t, p in zip(trace, prompts)]
+    if args.arrival == "diurnal":
+        from servelm.sim.autoscale import diurnal_requests
+
+        return diurnal_requests(rate, args.hour_s, args.input_len, args.output_len,
+                                args.vocab_size, args.seed)
     if args.workload == "conversation":
         from servelm.bench.workloads import conversation
 
@@ -190,6 +195,13 @@ def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
 
 def check_load_flags(args: argparse.Namespace) -> list[float | None]:
     """The rates to run (None: the trace's own times). Errors name the flag."""
+    if args.arrival == "diurnal" and (args.trace is not None or args.sweep_rates):
+        raise ValueError("--arrival diurnal: the day's shape peaks at --request-rate; not "
+                         "with --trace or --sweep-rates")
+    if args.arrival != "diurnal" and args.autoscale is not None:
+        raise ValueError("--autoscale: runs over a day: give --arrival diurnal")
+    if not 0 < args.hour_s < math.inf:
+        raise ValueError(f"--hour-s: must be positive, got {args.hour_s}")
     if args.burstiness is not None and args.arrival != "gamma":
         raise ValueError("--burstiness: only with --arrival gamma")
     if args.arrival == "gamma":
@@ -312,6 +324,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"servelm sim: error: {exc}", file=sys.stderr)
         return 2
+    if args.autoscale is not None:
+        from servelm.sim.autoscale_cli import cmd_autoscale
+
+        return cmd_autoscale(args, cost, spec, rates[0])
     if search is not None:
         try:
             return cmd_find(args, cost, spec, rates[0], *search)
@@ -389,6 +405,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-cache", action="store_true")
+    g.add_argument("--autoscale", default=None, metavar="POLICY_FILE",
+                   help="instead of a fixed fleet: the autoscaling policy (JSON, "
+                        "docs/autoscale.md) sizes it over --arrival diurnal, against a static "
+                        "fleet of --static-replicas")
+    g.add_argument("--static-replicas", type=int, default=None, metavar="N",
+                   help="with --autoscale: the static fleet compared (default: the policy's "
+                        "max_replicas; 0: none)")
     g = p.add_argument_group("load (as servelm bench serve)")
     mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--request-rate", type=float, default=None)
@@ -397,10 +420,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="replay a JSONL trace (`servelm bench serve --record-requests`): "
                            "its send times, prompts and output lengths; the workload flags "
                            "are not used")
-    g.add_argument("--arrival", choices=("poisson", "constant", "burst", "gamma"),
+    g.add_argument("--arrival", choices=("poisson", "constant", "burst", "gamma", "diurnal"),
                    default="poisson",
                    help="gaps between requests: exponential, fixed, groups of "
-                        "--burst-size, or gamma with --burstiness")
+                        "--burst-size, gamma with --burstiness, or diurnal: a day of "
+                        "Poisson arrivals peaking at --request-rate, with spikes and longer "
+                        "answers in the evening (servelm/sim/autoscale.py; --num-prompts is "
+                        "what the day gives)")
+    g.add_argument("--hour-s", type=float, default=3600.0,
+                   help="with --arrival diurnal: seconds each hour of the day lasts (time "
+                        "compression; default %(default)s)")
     g.add_argument("--burst-size", type=int, default=8)
     g.add_argument("--burstiness", type=float, default=None, metavar="CV",
                    help="gamma arrivals: the gaps' coefficient of variation (1: Poisson, "

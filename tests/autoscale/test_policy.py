@@ -120,9 +120,12 @@ def test_a_drop_scales_down_only_after_the_cooldown():
     fleet.run(6000, 400)
     drop_at = fleet.clock.now
     fleet.run(1500, 1000)
-    ((t, delta),) = fleet.events
-    assert t == pytest.approx(drop_at + CONFIG.down_cooldown_s)
-    assert delta == -4 and fleet.size == 2  # ceil(1500 / 1000)
+    # Half at most per event, a cool-down apart (counted from the next measurement after
+    # the first event), down to ceil(1500 / 1000 / 0.8) = 2.
+    second = drop_at + 2 * CONFIG.down_cooldown_s + CONFIG.tick_s
+    assert fleet.events == [(pytest.approx(drop_at + CONFIG.down_cooldown_s), -3),
+                            (pytest.approx(second), -1)]
+    assert fleet.size == 2
 
 
 def test_no_scale_down_within_the_cooldown_of_a_scale_up():
