@@ -10,8 +10,9 @@ Never: decides a size itself (policy.py does) or routes (servelm/router's polici
 
 At each tick (every `config.tick_s`), over the serving replicas (ready, not draining):
 
-    tokens_in_flight  sum of each replica's ReplicaLoad.num_tokens_in_flight: prompt tokens
-                      not yet computed + output tokens still to generate
+    tokens_in_flight  the work the router counts in flight (routed_work): per request not
+                      finished, its uncached prompt tokens + max_tokens; the same number
+                      the real controller reads from the router
     request_rate      requests arrived in the last RATE_WINDOW_S / RATE_WINDOW_S
     utilization       busy seconds in the last tick / tick_s (a replica stepping all the
                       tick counts 1): what a CPU or GPU utilisation gauge reports
@@ -190,7 +191,7 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
 def _signal(fleet: _Fleet, config: AutoscaleConfig, serving: list[_Member], now: float,
             num_arrived: int) -> tuple[float, float]:
     """(the policy's signal, tokens in flight) over the serving replicas."""
-    tokens = float(sum(m.rep.load().num_tokens_in_flight for m in serving))
+    tokens = float(sum(routed_work(m.rep) for m in serving))
     if config.signal == "tokens_in_flight":
         return tokens, tokens
     if config.signal == "request_rate":
@@ -204,6 +205,14 @@ def _signal(fleet: _Fleet, config: AutoscaleConfig, serving: list[_Member], now:
         busy += min(config.tick_s, max(0.0, b - m.busy_at_tick))
         m.busy_at_tick = b
     return busy / config.tick_s, tokens
+
+
+def routed_work(rep: Replica) -> int:
+    """The work a router counts in flight on this replica (servelm/router/app.py): for each
+    request not finished, its prompt tokens less those found cached, plus max_tokens."""
+    sched = rep.engine.scheduler
+    return sum(s.num_prompt_tokens - s.num_cached_tokens + s.max_tokens
+               for s in (*sched.waiting, *sched.running))
 
 
 def _tick(fleet: _Fleet, scaler: Autoscaler, config: AutoscaleConfig, now: float,

@@ -43,7 +43,7 @@ CONFIG = AutoscaleConfig(target=150, min_replicas=1, max_replicas=6, up_window_s
 
 
 def test_a_ramp_scales_up_and_down_and_drops_nothing():
-    reqs = _load([(60, 2), (120, 20), (200, 2)])
+    reqs = _load([(60, 2), (120, 20), (200, 0.5)])
     res = simulate_autoscaled(reqs, SPEC, COST, make_policy("least_loaded"), CONFIG)
     assert len(res.records) == len(reqs)
     assert all(r.is_ok and r.num_output_tokens == 32 for r in res.records)
