@@ -153,7 +153,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     if tokenizer is not None:  # structured outputs need the vocabulary's strings
         from servelm.structured import GrammarMasks, compiler_for
 
-        grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos), device)
+        grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos))
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
                          proposer, cpu_decode=cpu_choice.decode, grammars=grammars)
     if device.type == "cpu":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from servelm.config import CacheConfig, ModelConfig
@@ -199,7 +200,8 @@ class ModelRunner:
             n = len(w.drafts) + 1
             mask = masks.get(w.seq.seq_id)
             if mask is not None:
-                logits[row:row + n].masked_fill_(~mask, float("-inf"))
+                logits[row:row + n].masked_fill_(
+                    torch.from_numpy(~mask).to(logits.device), float("-inf"))
             if w.seq.params.is_greedy:
                 greedy_rows.append((w, row, n))
             else:
@@ -307,22 +309,21 @@ class ModelRunner:
 
     def _allowed(self, seqs: list, masks: dict) -> torch.Tensor | None:
         """[B, V] bool of the tokens each row may draw (grammar masks and allowed_token_ids),
-        or None when every row may draw any."""
+        or None when every row may draw any. Built in numpy (host), moved once."""
         if not masks and all(seq.params.allowed_token_ids is None for seq in seqs):
             return None
-        allowed = torch.ones(len(seqs), self.config.vocab_size, dtype=torch.bool,
-                             device=self.device)
+        allowed = np.ones((len(seqs), self.config.vocab_size), dtype=bool)
         for row, seq in enumerate(seqs):
             if seq.seq_id in masks:
                 allowed[row] = masks[seq.seq_id][0]
             only = seq.params.allowed_token_ids
             if only is not None:
-                keep = torch.zeros_like(allowed[row])
+                keep = np.zeros(self.config.vocab_size, dtype=bool)
                 keep[only] = True
                 allowed[row] &= keep
                 if not allowed[row].any():  # the grammar and the list share nothing
                     allowed[row] = keep
-        return allowed
+        return torch.from_numpy(allowed).to(self.device)
 
     def _sampled_tokens(self, sampling: list[RunnerScheduled], out) -> list[SampledToken]:
         token_ids = out.token_ids.tolist()

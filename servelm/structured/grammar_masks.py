@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +30,9 @@ class _SeqMatcher:
 
 
 class GrammarMasks:
-    def __init__(self, compiler, device: torch.device):
+    def __init__(self, compiler):
         self.compiler = compiler  # servelm.structured.GrammarCompiler
         self.vocab_size = compiler.vocab_size
-        self.device = device
         self._seqs: dict[int, _SeqMatcher] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._executor = None  # llguidance.LLExecutor, built on first use
@@ -51,10 +49,10 @@ class GrammarMasks:
             return None
         return self._worker.submit(self.masks, wanted)
 
-    def masks(self, wanted: list[tuple]) -> dict[int, torch.Tensor]:
-        """{seq_id: allowed [1 + len(drafts), V] bool}: row 0 for the token after the
-        sequence's last, row i for the token after its first i drafts."""
-        import llguidance.torch as llt
+    def masks(self, wanted: list[tuple]) -> dict[int, np.ndarray]:
+        """{seq_id: allowed [1 + len(drafts), V] bool (numpy, on the host)}: row 0 for the
+        token after the sequence's last, row i for the token after its first i drafts."""
+        import llguidance.numpy as lln
 
         if self._executor is None:
             import llguidance
@@ -64,7 +62,7 @@ class GrammarMasks:
         words = (self.vocab_size + 31) // 32
         # -1: all allowed, for rows after a draft the grammar rejects (never used: that
         # draft is rejected and the token there is drawn from the row before it).
-        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        bitmask = np.full((num_rows, words), -1, dtype=np.int32)
         plain, drafted, broken, at = [], [], [], 0
         for seq, drafts in wanted:
             matcher = self._sync(seq)
@@ -76,12 +74,12 @@ class GrammarMasks:
                 plain.append((matcher, at))
             at += 1 + len(drafts)
         if plain:
-            llt.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            lln.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:
-            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
-        # Bit j of word w is token 32 w + j (little-endian words): unpack in numpy, which
-        # is several times cheaper here than the same tensor ops.
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+            lln.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+        # Bit j of word w is token 32 w + j (little-endian words). numpy, not tensor ops:
+        # these small ops cost milliseconds each in torch on a loaded CPU, microseconds here.
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         allowed = bits[:, :self.vocab_size].astype(bool)
         for row in broken:
             allowed[row] = False
@@ -89,7 +87,6 @@ class GrammarMasks:
         # sequence with EOS rather than sample from an empty set.
         for row in np.flatnonzero(~allowed.any(axis=1)):
             allowed[row, self.compiler.eos_token_ids] = True
-        allowed = torch.from_numpy(allowed).to(self.device)
         out, at = {}, 0
         for seq, drafts in wanted:
             out[seq.seq_id] = allowed[at:at + 1 + len(drafts)]

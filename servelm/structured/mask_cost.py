@@ -88,6 +88,34 @@ def measure_xgrammar(tokenizer, vocab_size, eos, token_lists, rounds):
             **_summary(times)}
 
 
+def measure_step_masks(tokenizer, vocab_size, eos, token_ids, batch_sizes):
+    """servelm's own per-step work (GrammarMasks.masks: sync the matchers, fill every row's
+    bitmask with llguidance's executor, unpack to [B, V] bool), median over the tokens."""
+    from servelm.core.runner_state import RunnerSequence
+    from servelm.protocol import SamplingParams, StructuredOutput
+    from servelm.structured import GrammarCompiler, GrammarMasks
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos)
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    out = {}
+    for batch in batch_sizes:
+        masks = GrammarMasks(compiler)
+        seqs = [RunnerSequence(i, SamplingParams(structured=so), 1, None, [0])
+                for i in range(batch)]
+        masks.masks([(q, []) for q in seqs])  # warm up: compile, first masks
+        times = []
+        for t in token_ids:
+            start = time.perf_counter()
+            masks.masks([(q, []) for q in seqs])
+            times.append(time.perf_counter() - start)
+            for q in seqs:
+                q.token_ids.append(t)
+        med = statistics.median(times)
+        out[f"batch_{batch}"] = {"step_ms": round(med * 1e3, 3),
+                                 "per_sequence_us": round(med / batch * 1e6, 1)}
+    return out
+
+
 def main(argv=None) -> None:
     from servelm.loader import load_tokenizer, resolve_model
     from servelm.loader.model_cache import DEFAULT_MODEL
@@ -108,6 +136,8 @@ def main(argv=None) -> None:
             report[name] = fn(tokenizer, vocab, eos, token_lists, args.rounds)
         except ImportError:
             report[name] = "not installed"
+    report["servelm_step_masks"] = measure_step_masks(tokenizer, vocab, eos,
+                                                      token_lists[0][:-1], (1, 8, 32))
     print(json.dumps(report, indent=2))
 
 
