@@ -105,6 +105,10 @@ def _merge(out: RequestOutput, delta: TokenDelta) -> None:
     c.token_ids += delta.token_ids
     if delta.logprobs is not None:
         c.logprobs = (c.logprobs or []) + delta.logprobs
+    if delta.prompt_logprobs is not None:
+        c.prompt_logprobs = delta.prompt_logprobs
+    if delta.embedding is not None:
+        c.embedding = delta.embedding
     if delta.finish_reason is not None:
         c.finish_reason = delta.finish_reason
     if delta.timings is not None:

@@ -97,6 +97,7 @@ def test_embeddings_base64_and_errors(client, server):
 def test_chunked_prefill_gives_the_same_prompt_outputs(default_model_path):
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine
+    from servelm.llm import LLM
     from servelm.protocol import EngineRequest, SamplingParams
 
     text = "In the beginning the universe was created. This has made a lot of people angry."
@@ -118,3 +119,8 @@ def test_chunked_prefill_gives_the_same_prompt_outputs(default_model_path):
     assert all(math.isclose(a, b, abs_tol=2e-3) for a, b in zip(lp_full, lp_chunk))
     a, b = out[None, "mean"].embedding, out[8, "mean"].embedding
     assert all(math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-3) for x, y in zip(a, b))
+    # the Python API returns them too
+    got = LLM(engine=engine).generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                           pooling="mean"))[0].outputs[0]
+    assert [x.logprob for x in got.prompt_logprobs[1:]] == pytest.approx(lp_chunk, abs=2e-3)
+    assert got.embedding == pytest.approx(b, rel=1e-3, abs=1e-3)
