@@ -82,13 +82,55 @@ class RouterMetrics:
         self.view_blocks = Gauge("servelm_router_replica_cache_view_blocks",
                                  "Blocks in the router's view of each replica's prefix cache",
                                  ["replica"], registry=r)
+        # The autoscaling signal (docs/autoscale.md): what a Kubernetes HPA or KEDA reads.
+        self.signal = Gauge("servelm_router_tokens_in_flight",
+                            "Work in flight on the serving replicas (uncached prompt tokens + "
+                            "max_tokens of each request not finished): the autoscaling signal",
+                            registry=r)
+        self.signal_per_replica = Gauge(
+            "servelm_router_tokens_in_flight_per_replica",
+            "servelm_router_tokens_in_flight / servelm_router_replicas_serving", registry=r)
+        self.serving = Gauge("servelm_router_replicas_serving",
+                             "Replicas taking requests (healthy, not draining)", registry=r)
+        self.draining = Gauge("servelm_router_replicas_draining",
+                              "Replicas being removed: finishing their requests", registry=r)
+        self.booting = Gauge("servelm_router_replicas_booting",
+                             "Replicas the autoscaler started that are not ready yet", registry=r)
+        self.scale_events = Counter("servelm_router_autoscale_events_total",
+                                    "Autoscaler decisions carried out, by direction",
+                                    ["direction"], registry=r)
+        self._scale_counts = {"up": 0, "down": 0}
+        self._labelled: set[str] = set()
         self.replicas = replicas
         for rep in replicas.replicas:
             self.routed.labels(rep.url)
             self.ejections.labels(rep.url)
             self.estimated_hits.labels(rep.url)
 
+    def _render_fleet(self) -> None:
+        rs = self.replicas
+        serving = rs.healthy
+        total = rs.tokens_in_flight()
+        self.signal.set(total)
+        self.signal_per_replica.set(total / len(serving) if serving else 0.0)
+        self.serving.set(len(serving))
+        self.draining.set(sum(r.is_draining for r in rs.replicas))
+        self.booting.set(rs.num_booting)
+        for direction, n in (("up", rs.num_scale_ups), ("down", rs.num_scale_downs)):
+            self.scale_events.labels(direction).inc(n - self._scale_counts[direction])
+            self._scale_counts[direction] = n
+        urls = {rep.url for rep in rs.replicas}
+        for url in self._labelled - urls:  # removed replicas: their series go
+            for metric in (self.healthy, self.load, self.reported_hits,
+                           self.reported_prompt_tokens, self.view_blocks):
+                try:
+                    metric.remove(url)
+                except KeyError:
+                    pass
+        self._labelled = urls
+
     def render(self) -> bytes:
+        self._render_fleet()
         loads = []
         for rep in self.replicas.replicas:
             self.healthy.labels(rep.url).set(1 if rep.is_healthy else 0)

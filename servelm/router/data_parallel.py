@@ -22,7 +22,8 @@ import httpx
 # Flags of the parent that the replicas must not inherit (value-taking ones).
 # (The Ray backend's own flags among them: a replica is always a plain single `serve`.)
 PARENT_FLAGS = {"--port", "--host", "--data-parallel-size", "--router-policy", "--backend",
-                "--num-replicas", "--ray-address", "--replica-cpus", "--replica-gpus"}
+                "--num-replicas", "--ray-address", "--replica-cpus", "--replica-gpus",
+                "--autoscale"}
 
 
 def strip_flags(argv: list[str], flags: set[str]) -> list[str]:
@@ -108,8 +109,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_router(args, sock: socket.socket, urls: list[str], what: str) -> None:
-    """The router (args.router_policy) over `urls` on `sock`, until SIGTERM/SIGINT."""
+def run_router(args, sock: socket.socket, urls: list[str], what: str,
+               controllers: list | None = None) -> None:
+    """The router (args.router_policy) over `urls` on `sock`, until SIGTERM/SIGINT;
+    `controllers` (an autoscaler) run in its event loop beside the replicas' probes."""
     import uvicorn
 
     from servelm.router.app import RouterConfig, build_router_app
@@ -126,6 +129,7 @@ def run_router(args, sock: socket.socket, urls: list[str], what: str) -> None:
         pass  # token-id prompts still get a cache estimate
     api_key = args.api_key or os.environ.get("SERVELM_API_KEY") or None
     replicas = ReplicaSet(urls, probe_interval=0.5, api_key=api_key)
+    replicas.controllers = list(controllers or [])
     app = build_router_app(replicas, make_policy(args.router_policy),
                            RouterConfig(args.router_policy), tokenizer)
     server = RouterServer(uvicorn.Config(app, log_level="warning", access_log=False,

@@ -6,6 +6,8 @@ actor starting the very same `servelm serve` process a single machine runs (boun
 node's address, on a free port), and stopping them all when the router stops.
 Never: manages machines, restarts a dead replica, or schedules anything itself: Ray places
 the actors (spread over the nodes) and the router ejects a replica that stops answering.
+With --autoscale POLICY_FILE, servelm/autoscale/controller.py adds and removes actors
+through `RayReplicas` while the router runs (docs/autoscale.md).
 
     driver (this process)                 node A                    node B
     +---------------------+      +----------------------+   +----------------------+
@@ -162,12 +164,68 @@ def stop_actors(ray, actors, timeout: float) -> None:
         ray.kill(a)
 
 
+class RayReplicas:
+    """The autoscaler's backend (servelm/autoscale/controller.py): one more replica actor,
+    placed by Ray, or one stopped. Keeps every actor it has, for the final stop."""
+
+    def __init__(self, ray, serve_argv: list[str], cpus: float, gpus: float, actors,
+                 drain_timeout: float, timeout: float = 900.0):
+        self.ray = ray
+        self.argv = replica_serve_argv(serve_argv, cpus)
+        self.cpus, self.gpus = cpus, gpus
+        self.actors = list(actors)
+        self.drain_timeout = drain_timeout
+        self.timeout = timeout
+
+    async def start_replica(self):
+        import asyncio
+
+        cls = self.ray.remote(ReplicaActor)
+        actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus,
+                            scheduling_strategy="SPREAD", max_restarts=0).remote()
+        self.actors.append(actor)
+        try:
+            url = await asyncio.to_thread(self.ray.get, actor.start.remote(self.argv,
+                                                                           self.timeout),
+                                          timeout=self.timeout + 60)
+        except BaseException:
+            await self.stop_replica(actor)
+            raise
+        return actor, url
+
+    async def stop_replica(self, actor) -> None:
+        import asyncio
+
+        await asyncio.to_thread(stop_actors, self.ray, [actor], self.drain_timeout)
+        if actor in self.actors:
+            self.actors.remove(actor)
+
+
+def _autoscale_setup(args):
+    """(policy config, first replica count) for --autoscale, or (None, --num-replicas)."""
+    from servelm.autoscale.controller import check_controller_config
+    from servelm.autoscale.policy import AutoscaleConfig
+
+    if args.autoscale is None:
+        return None, args.num_replicas
+    config = AutoscaleConfig.load(args.autoscale)
+    check_controller_config(config)
+    return config, min(config.max_replicas, max(config.min_replicas, args.num_replicas))
+
+
 def serve_ray(args, serve_argv: list[str]) -> int:
-    """The router on args.host:args.port over args.num_replicas Ray actors."""
+    """The router on args.host:args.port over args.num_replicas Ray actors, or with
+    --autoscale over as many as the policy asks for (from min_replicas)."""
+    from servelm.autoscale.policy import AutoscaleConfigError
     from servelm.router.data_parallel import bind_socket, run_router
 
     if args.num_replicas < 1:
         print("[servelm] --num-replicas must be at least 1", file=sys.stderr, flush=True)
+        return 2
+    try:
+        config, num_replicas = _autoscale_setup(args)
+    except AutoscaleConfigError as exc:
+        print(f"[servelm] {exc}", file=sys.stderr, flush=True)
         return 2
     sock = bind_socket(args.host, args.port)  # fail before placing actors if it is taken
     try:
@@ -177,20 +235,29 @@ def serve_ray(args, serve_argv: list[str]) -> int:
         return 1
     try:
         try:
-            actors, urls = start_actors(ray, serve_argv, args.num_replicas,
+            actors, urls = start_actors(ray, serve_argv, num_replicas,
                                         args.replica_cpus, args.replica_gpus)
         except Exception as exc:
             print(f"[servelm] ray: replicas failed to start: {exc}", file=sys.stderr,
                   flush=True)
             return 1
+        backend = RayReplicas(ray, serve_argv, args.replica_cpus, args.replica_gpus, actors,
+                              args.drain_timeout + 5)
+        controllers, what = [], f"{len(urls)} replicas on Ray"
+        if config is not None:
+            from servelm.autoscale.controller import AutoscaleController
+
+            controllers.append(AutoscaleController(config, backend, dict(zip(urls, actors))))
+            what += (f", autoscaled {config.min_replicas}..{config.max_replicas} on "
+                     f"{config.signal} (target {config.target:g} per replica)")
         try:
-            run_router(args, sock, urls, f"{len(urls)} replicas on Ray")
+            run_router(args, sock, urls, what, controllers)
         finally:
-            stop_actors(ray, actors, args.drain_timeout + 5)
+            stop_actors(ray, backend.actors, args.drain_timeout + 5)
     finally:
         ray.shutdown()
     return 0
 
 
-__all__ = ["ReplicaActor", "connect", "replica_serve_argv", "serve_ray",
+__all__ = ["RayReplicas", "ReplicaActor", "connect", "replica_serve_argv", "serve_ray",
            "start_actors", "stop_actors"]

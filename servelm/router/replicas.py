@@ -3,7 +3,9 @@
 Owns: `Replica` (a URL, its health, the load it last reported on /metrics, and the router's
 own count of what it sent there and has not seen finish) and `ReplicaSet` (the probe loop:
 /health and /metrics every `probe_interval` seconds; a replica that fails `eject_after`
-probes in a row, or a request, is ejected; the first probe it answers puts it back).
+probes in a row, or a request, is ejected; the first probe it answers puts it back; replicas
+added, drained (no new requests; those in flight finish) and removed while it runs; the
+background tasks of a controller, started and stopped with the probe loop).
 Never: decides where a request goes (policies.py does, from `ReplicaSet.loads()`).
 
 Load = what the replica reported (waiting and running requests, KV usage; up to one probe
@@ -54,10 +56,15 @@ class Replica:
     kv_next: int = 0  # the next event number to ask for
     block_size: int = 0  # 0: the replica publishes no events
     num_view_resets: int = 0
+    is_draining: bool = False  # being removed: no new requests, those in flight finish
+
+    @property
+    def is_serving(self) -> bool:
+        return self.is_healthy and not self.is_draining
 
     def load(self, cached_tokens: int = 0) -> ReplicaLoad:
         return ReplicaLoad(self.reported_waiting, max(self.reported_running, self.num_in_flight),
-                           self.tokens_in_flight, self.reported_kv_usage, self.is_healthy,
+                           self.tokens_in_flight, self.reported_kv_usage, self.is_serving,
                            cached_tokens)
 
     def cached_tokens(self, hashes: list[int]) -> int:
@@ -93,6 +100,12 @@ class ReplicaSet:
         self.probe_timeout = probe_timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.controllers: list = []  # async callables(ReplicaSet), run beside the probe loop
+        # What an autoscaling controller reports (the router's /metrics shows it).
+        self.num_booting = 0
+        self.num_scale_ups = 0
+        self.num_scale_downs = 0
         self.on_change = None  # called with (replica, is_healthy) on ejection / readmission
 
     def loads(self) -> list[ReplicaLoad]:
@@ -100,7 +113,41 @@ class ReplicaSet:
 
     @property
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.is_healthy]
+        """The replicas a request may go to: healthy and not draining."""
+        return [r for r in self.replicas if r.is_serving]
+
+    def tokens_in_flight(self) -> int:
+        """The autoscaling signal: the work in flight on the serving replicas (uncached prompt
+        tokens + max_tokens of each request sent there and not finished)."""
+        return sum(r.tokens_in_flight for r in self.healthy)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, url: str) -> Replica:
+        """A new replica, routed to from now on (it answered /health: the caller waited)."""
+        rep = Replica(url.rstrip("/"))
+        self.replicas.append(rep)
+        logger.warning("router: added %s", rep.url)
+        return rep
+
+    def drain(self, replica: Replica) -> None:
+        """No new requests to `replica`; those in flight finish (see `drained`)."""
+        replica.is_draining = True
+        logger.warning("router: draining %s (%d requests in flight)", replica.url,
+                       replica.num_in_flight)
+
+    async def drained(self, replica: Replica, timeout: float, poll: float = 0.1) -> bool:
+        """Wait until the draining replica has nothing in flight (False: timed out)."""
+        deadline = time.monotonic() + timeout
+        while replica.num_in_flight > 0:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(poll)
+        return True
+
+    def remove(self, replica: Replica) -> None:
+        self.replicas.remove(replica)
+        logger.warning("router: removed %s", replica.url)
 
     # -- health ----------------------------------------------------------------------------
 
@@ -160,16 +207,20 @@ class ReplicaSet:
                 return
 
     async def probe_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.probe(client, r) for r in self.replicas))
+        await asyncio.gather(*(self.probe(client, r) for r in list(self.replicas)))
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._probe_loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._probe_loop())
+        self._tasks = [loop.create_task(c(self)) for c in self.controllers]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in [*self._tasks, self._task]:
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
 

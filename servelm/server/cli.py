@@ -107,6 +107,10 @@ def add_parser(subparsers) -> None:
     r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
                    help="with --backend ray: GPUs each replica actor holds (default "
                         "%(default)s)")
+    r.add_argument("--autoscale", default=None, metavar="POLICY_FILE",
+                   help="with --backend ray: add and remove replica actors as the load "
+                        "asks, by this policy (JSON; docs/autoscale.md), starting from "
+                        "--num-replicas within its min..max")
     g.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine core (scheduler + model) in its own process "
                         "(default; a slow client or a busy event loop never delays a step) or "
