@@ -15,14 +15,14 @@ PY=${PY:-$PWD/.venv/bin/python}
 TS=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=${OUT_DIR:-$PWD/benchmarks/results/router-policies-$TS}
 POLICIES=${POLICIES:-round_robin,least_loaded,session,prefix_affinity}
-CONVERSATIONS=${CONVERSATIONS:-40}
+CONVERSATIONS=${CONVERSATIONS:-24}
 RATE=${RATE:-0.4}
 THINK=${THINK:-4}
 KV_MEMORY=${KV_MEMORY:-160MiB}
 SYSTEM=${SYSTEM:-64}
 USER_LEN=${USER_LEN:-32:96}
 OUTPUT_LEN=${OUTPUT_LEN:-16:32}
-TURNS=${TURNS:-4:10}
+TURNS=${TURNS:-4:8}
 MODEL=smollm2-135m-instruct
 mkdir -p "$OUT"
 echo "load before: $(cat /proc/loadavg)" >&2
