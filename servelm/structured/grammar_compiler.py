@@ -41,6 +41,7 @@ class GrammarCompiler:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._ll_tokenizer = None
         self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._matchers: OrderedDict[StructuredOutput, object] = OrderedDict()  # never advanced
         self._lock = threading.Lock()
 
     @property
@@ -70,10 +71,22 @@ class GrammarCompiler:
         return text
 
     def matcher(self, so: StructuredOutput):
-        """A fresh llguidance matcher at the start of the output."""
+        """A fresh llguidance matcher at the start of the output: a copy of one built once
+        per spec (building one parses the grammar again, ~3 ms for a small schema; a copy
+        takes microseconds)."""
         import llguidance
 
-        return llguidance.LLMatcher(self.ll_tokenizer, self.grammar(so), log_level=0)
+        with self._lock:
+            pristine = self._matchers.get(so)
+            if pristine is not None:
+                self._matchers.move_to_end(so)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self.ll_tokenizer, self.grammar(so), log_level=0)
+            with self._lock:
+                self._matchers[so] = pristine
+                while len(self._matchers) > MAX_CACHED_GRAMMARS:
+                    self._matchers.popitem(last=False)
+        return pristine.deep_copy()
 
     def _check(self, so: StructuredOutput, text: str) -> str:
         import llguidance
