@@ -21,6 +21,8 @@ per replica (servelm's default: tokens in flight, docs/autoscale.md says why):
                                                          than load (1 + down) / 2, nor by
                                                          more than half), and only if no
                                                          scale event in down_cooldown_s
+                                                         (this side reads the signal's mean
+                                                         over down_smoothing_s)
     otherwise (the dead band)                         -> hold
 
 Counting booting replicas as capacity is what keeps a spike from ordering a replica per tick
@@ -55,6 +57,7 @@ class AutoscaleConfig:
     scale_down_threshold: float = 0.6  # below: too many; between the two: hold
     up_window_s: float = 30.0  # load above the up threshold this long before scaling up
     down_cooldown_s: float = 300.0  # below the down threshold this long, and no event
+    down_smoothing_s: float = 0.0  # the down side reads the signal's mean over this long
     tick_s: float = 5.0  # how often the controller measures and decides
     boot_s: float = 60.0  # how long a replica takes to be ready (the simulator's boot delay)
     drain_timeout_s: float = 120.0  # a removed replica's in-flight requests get this long
@@ -65,7 +68,7 @@ class AutoscaleConfig:
                                        f"{self.signal!r}")
         for name in ("target", "tick_s", "boot_s", "drain_timeout_s"):
             _positive(name, getattr(self, name))
-        for name in ("up_window_s", "down_cooldown_s"):
+        for name in ("up_window_s", "down_cooldown_s", "down_smoothing_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise AutoscaleConfigError(f"{name}: must be a number >= 0, got {value!r}")
@@ -135,7 +138,8 @@ class Autoscaler:
     def __init__(self, config: AutoscaleConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted)
+        self._wanted: deque[tuple[float, int, int]] = deque()  # (time, wanted, smoothed)
+        self._totals: deque[tuple[float, float]] = deque()  # (time, total_signal)
         self._above_since: float | None = None
         self._below_since: float | None = None
         self._last_event: float | None = None
@@ -153,32 +157,45 @@ class Autoscaler:
         capacity = num_ready + num_booting
         wanted = self.wanted(total_signal)
         load = total_signal / (c.target * max(1, capacity))
-        self._wanted.append((now, wanted))
+        smoothed = self._smoothed(now, total_signal)
+        self._wanted.append((now, wanted, self.wanted(smoothed)))
         horizon = max(c.up_window_s, c.down_cooldown_s)
         while self._wanted and self._wanted[0][0] < now - horizon:
             self._wanted.popleft()
+        smoothed_load = smoothed / (c.target * max(1, capacity))
         if capacity < c.min_replicas or capacity > c.max_replicas:  # out of bounds: fix now
             target = min(c.max_replicas, max(c.min_replicas, capacity))
             return self._event(now, target, capacity, load, wanted, "bounds")
         self._above_since = (self._above_since if self._above_since is not None else now) \
             if load > c.scale_up_threshold else None
         self._below_since = (self._below_since if self._below_since is not None else now) \
-            if load < c.scale_down_threshold else None
+            if smoothed_load < c.scale_down_threshold else None
         if self._above_since is not None and now - self._above_since >= c.up_window_s:
-            target = min(w for t, w in self._wanted if t >= now - c.up_window_s)
+            target = min(w for t, w, _ in self._wanted if t >= now - c.up_window_s)
             if target > capacity:
                 return self._event(now, target, capacity, load, wanted, "up")
         if self._below_since is not None and now - self._below_since >= c.down_cooldown_s \
                 and (self._last_event is None or now - self._last_event >= c.down_cooldown_s):
-            target = max(w for t, w in self._wanted if t >= now - c.down_cooldown_s)
+            target = max(w for t, _, w in self._wanted if t >= now - c.down_cooldown_s)
             # Land mid dead band, not on the target, and remove at most half: the signal
             # per replica grows faster than 1 / replicas (fewer replicas, bigger batches,
             # slower steps), so a cut sized to reach the target would land above it.
             landing = (1 + c.scale_down_threshold) / 2
-            target = max(target, self.wanted(total_signal / landing), math.ceil(capacity / 2))
+            target = max(target, self.wanted(smoothed / landing), math.ceil(capacity / 2))
             if target < capacity:
                 return self._event(now, target, capacity, load, wanted, "down")
         return Decision(capacity, 0, load, wanted, "hold")
+
+    def _smoothed(self, now: float, total_signal: float) -> float:
+        """The signal's mean over the last down_smoothing_s (the scale-down side reads it:
+        an instantaneous count of work in flight is noisy, and one high sample should not
+        restart a cool-down)."""
+        self._totals.append((now, total_signal))
+        while self._totals and self._totals[0][0] <= now - self.config.down_smoothing_s:
+            self._totals.popleft()
+        if not self._totals:
+            return total_signal
+        return sum(v for _, v in self._totals) / len(self._totals)
 
     def _event(self, now: float, target: int, capacity: int, load: float, wanted: int,
                reason: str) -> Decision:

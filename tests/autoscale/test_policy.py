@@ -174,3 +174,18 @@ def test_config_file_and_errors_name_the_field(tmp_path):
         AutoscaleConfig.load(path)
     with pytest.raises(AutoscaleConfigError, match="cannot read"):
         AutoscaleConfig.load(tmp_path / "missing.json")
+
+
+def test_smoothing_keeps_noise_from_restarting_the_cooldown():
+    """A light load with a high sample every 20 s: without smoothing each one restarts the
+    cool-down and the fleet never shrinks; with a 60 s mean it shrinks once, after it."""
+    import dataclasses
+
+    noisy = lambda t: 8 * 1000 * (1.0 if int(t) % 20 == 0 else 0.2)  # noqa: E731
+    fleet = Fleet(CONFIG, 8)
+    fleet.run(noisy, 1800)
+    assert fleet.events == []
+    fleet = Fleet(dataclasses.replace(CONFIG, down_smoothing_s=60), 8)
+    fleet.run(noisy, 400)
+    ((t, delta),) = fleet.events  # to the mean's 3,200 / 0.8 = 4 or a little above
+    assert t >= CONFIG.down_cooldown_s and -4 <= delta <= -3
