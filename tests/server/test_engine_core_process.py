@@ -177,6 +177,7 @@ def test_a_dead_front_end_makes_the_core_free_everything_and_exit(default_model_
     assert free == total > 0
 
 
+@pytest.mark.slow  # builds engines of the default model
 def test_grammars_prompt_logprobs_and_embeddings_cross_the_core_boundary(engine):
     """What the new per-request fields carry (a grammar, prompt logprobs, pooling) reaches a
     core in another process through the msgspec contract, with the in-process results."""

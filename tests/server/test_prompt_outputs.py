@@ -94,6 +94,7 @@ def test_embeddings_base64_and_errors(client, server):
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, body
 
 
+@pytest.mark.slow  # builds engines of the default model
 def test_chunked_prefill_gives_the_same_prompt_outputs(default_model_path):
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine

@@ -88,6 +88,7 @@ def test_uncompilable_specs_name_their_field(compiler, so):
     assert exc.value.param == so.param
 
 
+@pytest.mark.slow  # builds engines of the default model
 def test_speculative_structured_output_matches_plain(default_model_path):
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine
@@ -141,6 +142,7 @@ def test_the_constraint_crosses_the_core_boundary():
     assert back.request.sampling_params.structured == so
 
 
+@pytest.mark.slow  # builds engines of the default model
 def test_preempted_structured_sequences_resume_in_their_grammar(default_model_path):
     """A preempted sequence's matcher follows its tokens, not the KV: recomputed after
     preemption, the outputs are the ones a roomy engine gives, and they validate."""
