@@ -92,5 +92,12 @@ class ReasoningStream:
         return delta, s.content
 
 
-__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "REASONING_PARSERS",
-           "ReasoningParser", "ReasoningStream", "Split", "get_reasoning_parser"]
+__all__ = [
+    "REASONING_PARSERS",
+    "DeepSeekR1ReasoningParser",
+    "Qwen3ReasoningParser",
+    "ReasoningParser",
+    "ReasoningStream",
+    "Split",
+    "get_reasoning_parser",
+]

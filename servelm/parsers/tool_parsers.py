@@ -360,6 +360,18 @@ class ToolCallStream:
         return content, deltas
 
 
-__all__ = ["HermesToolParser", "JsonToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "PartialCall", "Scan", "TOOL_PARSERS", "ToolCall", "ToolCallStream", "ToolParser",
-           "get_tool_parser", "new_call_id", "scan_call_object"]
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "JsonToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "PartialCall",
+    "Scan",
+    "ToolCall",
+    "ToolCallStream",
+    "ToolParser",
+    "get_tool_parser",
+    "new_call_id",
+    "scan_call_object",
+]

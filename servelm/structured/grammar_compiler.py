@@ -103,8 +103,10 @@ class GrammarCompiler:
 def _grammar_text(so: StructuredOutput) -> str:
     import llguidance
 
-    bad = lambda why: InvalidParameterError(f"{so.param}: {why}", param=so.param,  # noqa: E731
-                                            code="invalid_grammar")
+    def bad(why: str) -> InvalidParameterError:
+        return InvalidParameterError(f"{so.param}: {why}", param=so.param,
+                                     code="invalid_grammar")
+
     try:
         if so.kind == "json_schema":
             schema = json.loads(so.spec)
@@ -136,4 +138,4 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0][:500] if message.strip() else "invalid"
 
 
-__all__ = ["GrammarCompiler", "MAX_CACHED_GRAMMARS", "compiler_for"]
+__all__ = ["MAX_CACHED_GRAMMARS", "GrammarCompiler", "compiler_for"]
