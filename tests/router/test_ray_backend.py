@@ -42,10 +42,17 @@ def ray_cluster():
     """A one-node Ray cluster on loopback with 2 CPUs; stopped after the module."""
     port = _free_port()
     env = {**os.environ, "RAY_ADDRESS": ""}
-    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
-                    str(port), "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard",
-                    "false", "--disable-usage-stats"], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    start = [RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false",
+             "--disable-usage-stats"]
+    for attempt in range(2):
+        done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            break
+        # A cluster left on this machine (by a test that was killed) holds the ports.
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    else:
+        raise RuntimeError(f"ray start failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     try:
         yield f"127.0.0.1:{port}"
     finally:
