@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from servelm.autoscale.policy import AutoscaleConfig, AutoscaleConfigError, Autoscaler
 

@@ -36,9 +36,10 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 SIGNALS = ("tokens_in_flight", "request_rate", "utilization")
 

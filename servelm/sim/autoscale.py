@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -35,8 +35,14 @@ from servelm.bench.metrics import RequestRecord
 from servelm.router.policies import RoutingPolicy
 from servelm.sim.bulk import advance_decodes
 from servelm.sim.cost_model import StepCostModel
-from servelm.sim.fleet import Replica, ReplicaSpec, SimRequest, _arrive, _make_replica, _step
-
+from servelm.sim.fleet import (
+    Replica,
+    ReplicaSpec,
+    SimRequest,
+    _arrive,
+    _make_replica,
+    _step,
+)
 
 RATE_WINDOW_S = 60.0
 

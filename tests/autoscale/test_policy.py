@@ -60,7 +60,7 @@ def test_steady_load_near_a_threshold_does_not_oscillate():
     import math
 
     fleet = Fleet(CONFIG, 3)
-    wobble = lambda t: 3 * 1000 * (1.2 + 0.1 * math.sin(t / 7))  # noqa: E731
+    wobble = lambda t: 3 * 1000 * (1.2 + 0.1 * math.sin(t / 7))
     fleet.run(wobble, 3600)
     assert len(fleet.events) <= 1
     sizes = set()
@@ -181,7 +181,7 @@ def test_smoothing_keeps_noise_from_restarting_the_cooldown():
     cool-down and the fleet never shrinks; with a 60 s mean it shrinks once, after it."""
     import dataclasses
 
-    noisy = lambda t: 8 * 1000 * (1.0 if int(t) % 20 == 0 else 0.2)  # noqa: E731
+    noisy = lambda t: 8 * 1000 * (1.0 if int(t) % 20 == 0 else 0.2)
     fleet = Fleet(CONFIG, 8)
     fleet.run(noisy, 1800)
     assert fleet.events == []

@@ -11,10 +11,10 @@ import time
 
 import httpx
 import openai
+from test_router import _metrics, _port, _replica, _Uvicorn, _wait
 
 from servelm.autoscale.controller import AutoscaleController
 from servelm.autoscale.policy import AutoscaleConfig
-from test_router import _metrics, _port, _replica, _Uvicorn, _wait
 
 
 class FakeBackend:

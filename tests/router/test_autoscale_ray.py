@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from live_server import MODEL
 from serve_process import ServeProcess
+
 from servelm.router.ray_backend import replica_serve_argv
 
 pytest.importorskip("ray")
@@ -38,12 +38,12 @@ def test_bad_policy_file_is_refused_before_anything_starts(tmp_path):
     policy.write_text(json.dumps({"target": 100, "max_replicas": 0}))
     r = subprocess.run([sys.executable, "-m", "servelm.cli", "serve", MODEL, "--backend",
                         "ray", "--autoscale", str(policy), "--port", "0"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "max_replicas" in r.stderr
     policy.write_text(json.dumps({"target": 1, "signal": "utilization"}))
     r = subprocess.run([sys.executable, "-m", "servelm.cli", "serve", MODEL, "--backend",
                         "ray", "--autoscale", str(policy), "--port", "0"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "signal" in r.stderr
 
 
