@@ -24,6 +24,41 @@ def row(data: dict) -> dict:
             "elapsed_s": data["elapsed_s"], "goodput": data["goodput"]}
 
 
+def hit_rate_bounds(workload: dict, block_size: int = 16, trials: int = 200) -> dict:
+    """The run's own conversations, regenerated from its seed: the hit rate of a perfect
+    cache-aware router with unbounded pools (each turn finds its previous prompt), and of
+    round robin over 2 replicas with unbounded pools (a turn lands on either replica at
+    random and finds the longest earlier prompt of its conversation served there, or the
+    system prompt), in the replica's full blocks of prompt[:-1]."""
+    import numpy as np
+
+    from servelm.bench.multiturn import multi_turn
+
+    def full(n: int) -> int:
+        return (n - 1) // block_size * block_size
+
+    convs = multi_turn(workload["num_conversations"], workload["system_prompt_len"],
+                       workload["user_len"], workload["output_len"], workload["turns"],
+                       seed=workload["seed"])
+    system = full(workload["system_prompt_len"] + 1)
+    total = sum(len(t.prompt_token_ids) for c in convs for t in c.turns)
+    ideal = sum(system if k == 0 else full(len(c.turns[k - 1].prompt_token_ids) + 1)
+                for c in convs for k in range(len(c.turns)))
+    rng = np.random.default_rng(0)
+    rr = []
+    for _ in range(trials):
+        hits = 0
+        for c in convs:
+            best = [system, system]  # longest prompt of this conversation each replica saw
+            for t in c.turns:
+                r = int(rng.integers(2))
+                hits += min(best[r], full(len(t.prompt_token_ids)))
+                best[r] = max(best[r], full(len(t.prompt_token_ids) + 1))
+        rr.append(hits)
+    return {"ideal_unbounded": ideal / total,
+            "round_robin_unbounded_2_replicas": float(np.mean(rr)) / total}
+
+
 def targets(rows: dict) -> dict:
     rr, pa = rows.get("round_robin"), rows.get("prefix_affinity")
     if not rr or not pa or not rr["hit_rate"]:
@@ -46,7 +81,8 @@ def main() -> None:
     first = next(iter(runs.values()))
     summary = {"kind": "router-policies", "command": args.command,
                "machine": first["machine"], "commit": first["commit"],
-               "workload": first["workload"], "policies": rows, "targets": targets(rows)}
+               "workload": first["workload"], "policies": rows, "targets": targets(rows),
+               "hit_rate_bounds": hit_rate_bounds(first["workload"])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = ["| policy | prefix-cache hit rate | TTFT p50 / p99 ms | later turns TTFT p50 ms "
           "| TPOT p50 / p99 ms | imbalance (requests, prompt tokens) | failed |",
@@ -59,7 +95,7 @@ def main() -> None:
                   f"{r['num_failed']} |")
     (out / "summary.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    print(json.dumps(summary["targets"]))
+    print(json.dumps(summary["targets"]), json.dumps(summary["hit_rate_bounds"]))
     _plot(rows, out / "summary.png", first["machine"])
 
 
