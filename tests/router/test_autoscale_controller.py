@@ -94,6 +94,8 @@ def test_controller_scales_up_under_load_and_drains_on_the_way_down():
         for t in users:
             t.join(60)
         _wait(lambda: len(replicas.replicas) == 1, timeout=30)
+        # The router lets a replica go before its backend has finished stopping it.
+        _wait(lambda: len(backend.stopped) == 2, timeout=30)
         m = _metrics(router.url)
     finally:
         for e in stop:
