@@ -72,8 +72,11 @@ trap stop_server EXIT
 trap 'exit 130' INT TERM
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL="http://127.0.0.1:$PORT"
+# No prefix cache: every run and every swept rate sends the same seeded prompts to this one
+# server, and a replayed trace starts from an empty cache in the simulator; with the cache on,
+# the later runs would measure cache hits the simulation never sees.
 setsid "$PY" -m servelm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" "${ENGINE[@]}" \
-  --no-log-requests > "$LOGS/server.log" 2>&1 &
+  --no-prefix-cache --no-log-requests > "$LOGS/server.log" 2>&1 &
 SERVER_PID=$!
 t0=$SECONDS
 until curl -sf -o /dev/null "$URL/v1/models"; do
