@@ -279,14 +279,7 @@ class OpenAIServing:
                        arrival: float) -> Prepared:
         schema = {"completion": CompletionRequest, "chat": ChatCompletionRequest,
                   "embedding": EmbeddingRequest}[kind]
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as exc:
-            raise APIError.from_validation(exc) from None
-        if req.model is not None and req.model != self.config.served_model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                           f"`{self.config.served_model_name}`", param="model",
-                           code="model_not_found")
+        req = self._validate(schema, body)
         try:
             check_known_fields(body)
             req.check_unsupported()
@@ -440,6 +433,10 @@ class OpenAIServing:
 
     async def _small_request(self, request: Request, schema):
         body = await read_json_object(request, self.config.max_body_bytes)
+        return self._validate(schema, body)
+
+    def _validate(self, schema, body: dict[str, Any]):
+        """`body` as `schema`, for the model this server serves (400 / 404 naming the field)."""
         try:
             req = schema.model_validate(body)
         except ValidationError as exc:
