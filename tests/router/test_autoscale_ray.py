@@ -6,14 +6,11 @@ answered, at most 3 replicas."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,7 +22,7 @@ from servelm.router.ray_backend import replica_serve_argv
 
 pytest.importorskip("ray")
 
-RAY = str(Path(sys.executable).with_name("ray"))
+RAY_NUM_CPUS = 3  # the ray_cluster fixture (conftest.py): up to 3 replicas of 1 CPU
 
 
 def test_replica_argv_drops_the_autoscale_flag():
@@ -45,27 +42,6 @@ def test_bad_policy_file_is_refused_before_anything_starts(tmp_path):
                         "ray", "--autoscale", str(policy), "--port", "0"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "signal" in r.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    port = _free_port()
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
-                    str(port), "--num-cpus", "3", "--num-gpus", "0", "--include-dashboard",
-                    "false", "--disable-usage-stats"], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=120)
 
 
 def _metrics(url: str) -> dict[str, float]:

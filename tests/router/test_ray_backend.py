@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +17,6 @@ from servelm.router.ray_backend import replica_serve_argv
 
 pytest.importorskip("ray")
 
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def test_replica_argv_drops_the_drivers_flags():
@@ -29,35 +24,6 @@ def test_replica_argv_drops_the_drivers_flags():
             "9", "--replica-cpus", "2", "--router-policy", "session", "--max-model-len", "64"]
     assert replica_serve_argv(argv, 2.0) == ["m", "--max-model-len", "64", "--threads", "2"]
     assert replica_serve_argv(["m", "--threads", "1"], 4.0) == ["m", "--threads", "1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A one-node Ray cluster on loopback with 2 CPUs; stopped after the module."""
-    port = _free_port()
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    start = [RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false",
-             "--disable-usage-stats"]
-    for attempt in range(2):
-        done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            break
-        # A cluster left on this machine (by a test that was killed) holds the ports.
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
-    else:
-        raise RuntimeError(f"ray start failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=120)
 
 
 def _wait_healthy(srv: ServeProcess, n: int, timeout: float = 180) -> dict:
