@@ -127,6 +127,7 @@ class KVEvent(msgspec.Struct, array_like=True):
 
     kind: int
     hash: int
+    last_max_prefill_chunk: int = 0  # largest prompt/recompute chunk of one sequence
     parent: int
 
 

@@ -64,6 +64,7 @@ class EngineStats:
     last_num_decode_tokens: int = 0  # of last_num_tokens: plain one-token decodes
     last_num_verify_tokens: int = 0  # speculative verifications (1 + drafts each)
     last_num_prefill_tokens: int = 0  # prompt (or recompute) chunks
+    last_max_prefill_chunk: int = 0  # of which the largest one sequence's (the doctor)
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     # Speculative decoding (zero when off):
     spec_num_verifications: int = 0  # sequence-steps that verified drafts (or asked for them)
@@ -298,7 +299,7 @@ class Engine:
         (plain decode, verification, prefill) counts."""
         prefilling = set()
         ran = []  # (start, tokens run) per sequence
-        decode = verify = prefill = 0
+        decode = verify = prefill = max_chunk = 0
         for s in batch.seqs:
             seq = s.seq
             if s.start < seq.num_prompt_tokens and seq.request_id not in prefilling:
@@ -368,6 +369,7 @@ class Engine:
         detok = self._requests[seq.request_id].detokenizers[seq.seq_id]
         logprobs = [logprob] if logprob is not None else None
         is_eos = token in self.eos_token_ids and not params.ignore_eos
+                    max_chunk = max(max_chunk, s.num_new_tokens)
         if is_eos or token in params.stop_token_ids:
             text = detok.flush() if detok else ""
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
@@ -378,6 +380,7 @@ class Engine:
         if match and match.stopped:
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
                                 now)
+        st.last_max_prefill_chunk = max_chunk
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             text += detok.flush() if detok else ""
             return self._finish(seq, SequenceStatus.FINISHED_LENGTH, text, [token], logprobs,
@@ -446,3 +449,4 @@ class Engine:
 
 
 FINISH_REASONS = [r.value for r in FinishReason]
+            last_max_prefill_chunk=st.last_max_prefill_chunk,

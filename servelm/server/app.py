@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import servelm
 from servelm.engine.async_engine import AsyncEngine, StreamRouter
 from servelm.server.errors import APIError, error_response
+from servelm.server.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS, dashboard_router
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
 from servelm.server.server_config import ServerConfig
@@ -35,7 +36,9 @@ from servelm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"})  # exact, decoded paths that need no API key
+# Exact, decoded paths that need no API key (the dashboard's page and script hold no data;
+# the JSON they poll is guarded).
+PUBLIC_PATHS = frozenset({"/health", *DASHBOARD_PUBLIC_PATHS})
 
 
 @dataclass
@@ -233,6 +236,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": servelm.__version__})
 
+    app.include_router(dashboard_router(state))
     app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
     return app
 

@@ -3,8 +3,9 @@
 Owns: every `servelm_*` metric, the per-step observer the engine thread calls (step time,
 batch shape, estimated bandwidth / compute utilisation, per-token latency), per-request
 histograms from RequestTimings (TTFT, TPOT, e2e, queue, prefill, decode), goodput against the
-SLOs, and the request timing breakdown (`timing_breakdown`) used by the log line and the
-`x-servelm-timing` header.
+SLOs, the request timing breakdown (`timing_breakdown`) used by the log line and the
+`x-servelm-timing` header, and the Recorder of recent steps and request records that the
+dashboard, `servelm doctor` and the traces read (servelm/server/dashboard/records.py).
 Never: blocks (prometheus_client is thread-safe; the observer only does arithmetic), or holds
 per-request state beyond the last token time of live sequences.
 """
@@ -24,6 +25,7 @@ from servelm.config import EngineArgs, ModelConfig
 from servelm.cost import WeightBytes
 from servelm.planner.hardware import default_peaks
 from servelm.protocol import RequestTimings, TokenDelta
+from servelm.server.dashboard.records import Recorder, StepRecord, build_record
 
 # Defaults when --peak-bandwidth / --peak-flops are not given (documented in docs/server.md),
 # from the planner's hardware table: a CPU socket's DRAM bandwidth and fp32 FLOPs, and an
@@ -125,8 +127,9 @@ class CostModel:
 
 class ServerMetrics:
     def __init__(self, model_name: str, slo_ttft_s: float, slo_tpot_s: float,
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, recorder: Recorder | None = None):
         self.registry = r = CollectorRegistry()
+        self.recorder = recorder or Recorder()
         self.model_name = model_name
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
@@ -266,7 +269,11 @@ class ServerMetrics:
         """One step's StepReport (servelm/core/contract.py) and the deltas it produced."""
         now = time.monotonic()
         if report.step_s is not None:
-            self._observe_step_shape(report, report.step_s)
+            bw, fl = self._observe_step_shape(report, report.step_s)
+            self.recorder.add_step(StepRecord(
+                now, report.step_s, report.last_num_seqs, report.last_num_tokens,
+                report.last_max_prefill_chunk, sum(len(d.token_ids) for d in deltas),
+                report.num_waiting_requests, bw, fl))
         if report.num_preemptions > self._num_preemptions_seen:
             self.preemptions.inc(report.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = report.num_preemptions
@@ -286,13 +293,14 @@ class ServerMetrics:
         self.spec_draft_share.set(report.spec_draft_time_share)
         self.spec_k.set(report.spec_k)
 
-    def _observe_step_shape(self, stats, step_s: float) -> None:
+    def _observe_step_shape(self, stats, step_s: float) -> tuple[float | None, float | None]:
+        """(bandwidth, compute) utilisation of the step; None without a cost model."""
         self.step_time.observe(step_s)
         self.step_batch.observe(stats.last_num_seqs)
         self.step_tokens.observe(stats.last_num_tokens)
         self.step_seconds.inc(step_s)
         if self.cost is None or step_s <= 0:
-            return
+            return None, None
         nbytes, flops = self.cost.step_cost(stats)
         bw = nbytes / step_s / self.cost.peak_bandwidth
         fl = flops / step_s / self.cost.peak_flops
@@ -302,6 +310,7 @@ class ServerMetrics:
         self.step_flops_util.observe(fl)
         self.bw_util.set(bw)
         self.flops_util.set(fl)
+        return bw, fl
 
     def _observe_delta(self, d: TokenDelta, now: float) -> None:
         key = (d.request_id, d.index)
@@ -351,6 +360,23 @@ class ServerMetrics:
                 self.goodput.set(self._num_slo_met / self._num_slo_judged)
 
     # -- event loop ------------------------------------------------------------------------
+
+    def record_request(self, gen, endpoint: str, status: str, stream: bool,
+                       trace_id: str | None = None) -> None:
+        """One finished HTTP request's engine requests into the Recorder (the dashboard's
+        waterfall, `servelm doctor`, traces). `gen`: serving.Generation."""
+        from servelm.server.sse import current_stream_stats
+        done = time.monotonic()
+        stats = current_stream_stats() if stream else None
+        submitted = getattr(gen, "submitted", None)
+        for i, r in enumerate(gen.requests):
+            timings = gen.timings.get(r.request_id)
+            num_out = sum(len(c.token_ids) for c in gen.choices[i * gen.n:(i + 1) * gen.n])
+            self.recorder.add_request(build_record(
+                self.recorder, r.request_id, endpoint=endpoint, status=status, stream=stream,
+                arrival=gen.arrival, submitted=submitted, timings=timings,
+                num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=num_out,
+                done=done, stream_stats=stats, trace_id=trace_id))
 
     def refresh(self, async_engine) -> None:
         """Before a scrape: values the engine thread publishes, read without locking it."""

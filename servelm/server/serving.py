@@ -95,6 +95,7 @@ class Generation:
     async def start(self) -> None:
         """Submit and wait for admission; engine rejections raise APIError (4xx)."""
         loop = asyncio.get_running_loop()
+        self.submitted = time.monotonic()  # arrival -> here: host work (request record)
         self.stream = self.async_engine.submit(self.requests)
         if self.timeout_s is not None:
             remaining = self.arrival + self.timeout_s - time.monotonic()
@@ -676,6 +677,7 @@ class OpenAIServing:
             "timing": gen.timing(),
         }
         request_logger.info(json.dumps(record, ensure_ascii=False))
+        self.state.metrics.record_request(gen, p.kind, gen.status, bool(p.request.stream))
 
 
 def best_of(choices: list[ChoiceState], num_candidates: int, n: int,

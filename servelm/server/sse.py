@@ -2,7 +2,9 @@
 
 Owns: writing events with a per-write timeout (a reader stalled past it is dropped), and
 watching the connection for a disconnect while events are produced, so the request is aborted
-at once rather than at the next write.
+at once rather than at the next write, and `StreamStats` (when each write started, how long
+writes waited on the client's socket) for the request record, visible to code running in the
+response's context through `current_stream_stats()`.
 Never: buffers events itself: it pulls the next event only after the previous write finished,
 so a slow reader makes the producer coalesce (see RequestStream), not a queue grow.
 """
@@ -10,13 +12,41 @@ so a slow reader makes the producer coalesce (see RequestStream), not a queue gr
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 logger = logging.getLogger(__name__)
+
+_MAX_WRITE_TIMES = 64  # start instants kept of a stream's first writes (delivery lag)
+
+
+@dataclass
+class StreamStats:
+    """What writing one stream cost: seconds spent awaiting writes (a reader that does not
+    keep up makes them wait on the transport's flow control) and the first writes' starts."""
+
+    blocked_s: float = 0.0
+    num_writes: int = 0
+    write_starts: list[float] = field(default_factory=list)
+
+    def first_write_after(self, t: float) -> float | None:
+        """Start of the first write that began at or after `t` (monotonic seconds)."""
+        return next((w for w in self.write_starts if w >= t), None)
+
+
+_STREAM_STATS: contextvars.ContextVar[StreamStats | None] = contextvars.ContextVar(
+    "servelm_stream_stats", default=None)
+
+
+def current_stream_stats() -> StreamStats | None:
+    """The StreamStats of the SSE response being written in this context, if any."""
+    return _STREAM_STATS.get()
 
 
 class SSEResponse(Response):
@@ -38,8 +68,10 @@ class SSEResponse(Response):
                             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
                              for k, v in (headers or {}).items()]
+        self.stats = StreamStats()
 
     async def __call__(self, scope, receive, send) -> None:
+        _STREAM_STATS.set(self.stats)
         watcher = asyncio.ensure_future(self._watch_disconnect(receive))
         try:
             await self._send(send, {"type": "http.response.start", "status": self.status_code,
@@ -71,9 +103,16 @@ class SSEResponse(Response):
         if self._complete:
             await send(message)
             return
+        start = time.monotonic()
+        stats = self.stats
+        if len(stats.write_starts) < _MAX_WRITE_TIMES:
+            stats.write_starts.append(start)
         try:
             await asyncio.wait_for(send(message), self.write_timeout)
+            stats.num_writes += 1
+            stats.blocked_s += time.monotonic() - start
         except asyncio.TimeoutError:
+            stats.blocked_s += time.monotonic() - start
             self._drop("write_timeout")
             raise _Dropped from None
         except Exception:  # the transport is gone (uvicorn raises on a closed socket)
