@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: serve chat test install clean
+.PHONY: serve chat test install clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+# The dashboard's browser test drives Debian's headless chromium (Playwright's own download
+# cannot work offline): installed with apt-get when missing and this is root; otherwise the
+# test says why it skips.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "no chromium and not root: the dashboard browser test will skip"; fi
+
 serve: $(VENV)/.installed
 	$(BIN)/servelm models pull $(MODEL)
 	$(BIN)/servelm serve $(MODEL) --host $(HOST) --port $(PORT)
@@ -41,7 +50,7 @@ chat: $(VENV)/.installed
 	$(BIN)/servelm models pull $(MODEL)
 	$(BIN)/servelm chat $(MODEL)
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test browser
 	$(BIN)/servelm models pull $(MODEL)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
