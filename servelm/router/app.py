@@ -5,7 +5,8 @@ with the same Idempotency-Key always go to the same replica, so its store answer
 forwarding (status, headers and body unchanged; streams relayed as they come), one retry on
 another replica for a request that failed before its first byte reached the client
 (connection refused or reset, timeout, a 5xx), an SSE error event for a stream that breaks
-mid-way (never a silent truncation), and the router's own Prometheus metrics.
+mid-way (never a silent truncation), the router's own Prometheus metrics, and the fleet's
+dashboard (`/dashboard`: every replica's numbers merged).
 Never: parses or rewrites a response body, or retries a request twice.
 """
 
@@ -24,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from servelm.engine.prefix_cache import block_hashes
+from servelm.server.dashboard import page_routes
+from servelm.server.dashboard.data import fleet_data, parse_window
 from servelm.router.policies import RouteRequest, RoutingPolicy
 from servelm.router.prompts import prompt_token_ids
 from servelm.router.replicas import Replica, ReplicaSet
@@ -277,6 +280,33 @@ class Router:
             await upstream.aclose()
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
+    async def dashboard_data(self, request: Request) -> Response:
+        """The fleet's dashboard numbers: every replica's /dashboard/data (asked with the
+        client's Authorization header, so the replicas' API key guards it) merged."""
+        try:
+            window = parse_window(request.query_params.get("window"))
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_window")
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+        async def one(rep: Replica):
+            try:
+                r = await self.client.get(f"{rep.url}/dashboard/data",
+                                          params={"window": window, "values": 1},
+                                          headers=headers, timeout=5.0)
+            except httpx.HTTPError:
+                return rep, None, None
+            return rep, r.status_code, (r.json() if r.status_code == 200 else None)
+
+        results = await asyncio.gather(*(one(rep) for rep in list(self.replicas.replicas)))
+        if any(status == 401 for _, status, _ in results):
+            return _error(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                          "invalid_api_key")
+        data = fleet_data([(rep.url, rep.is_serving, d) for rep, _, d in results], window)
+        data["router"] = {"policy": self.config.policy,
+                          "replicas_serving": sum(rep.is_serving for rep, _, _ in results)}
+        return JSONResponse(data, headers={"cache-control": "no-store"})
+
     @staticmethod
     def _done(replica: Replica, tokens: int) -> None:
         replica.tokens_in_flight -= tokens
@@ -357,6 +387,12 @@ def build_router_app(replicas: ReplicaSet, policy: RoutingPolicy,
     async def metrics() -> Response:
         return Response(router.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    page_routes(app)  # /dashboard and its script, the same page as a replica's
+
+    @app.get("/dashboard/data")
+    async def dashboard(request: Request) -> Response:
+        return await router.dashboard_data(request)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request) -> Response:

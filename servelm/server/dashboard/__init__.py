@@ -67,8 +67,10 @@ def dashboard_router(state) -> APIRouter:
             from servelm.server.errors import error_response
             return error_response(400, str(exc), param="window")
         state.metrics.refresh(state.async_engine)
-        records = request.query_params.get("records") in ("1", "true")
-        return JSONResponse(dashboard_data(state.metrics, window, include_records=records),
+        flags = {k: request.query_params.get(k) in ("1", "true") for k in ("records", "values")}
+        return JSONResponse(dashboard_data(state.metrics, window,
+                                           include_records=flags["records"],
+                                           include_values=flags["values"]),
                             headers={"cache-control": "no-store"})
 
     return router

@@ -41,6 +41,8 @@ COUNTERS = {
     "prefix_hit_tokens": ("servelm_prefix_cache_hit_tokens_total", None),
     "spec_draft_tokens": ("servelm_spec_draft_tokens_total", None),
     "spec_accepted_tokens": ("servelm_spec_accepted_tokens_total", None),
+    "slo_met": ("servelm_requests_slo_met_total", None),
+    "slo_judged": ("servelm_requests_slo_judged_total", None),
 }
 
 
@@ -117,7 +119,8 @@ def waterfall(rec: RequestRecord) -> dict[str, Any]:
 
 
 def dashboard_data(metrics, window_s: float = DEFAULT_WINDOW_S,
-                   include_records: bool = False) -> dict[str, Any]:
+                   include_records: bool = False, include_values: bool = False
+                   ) -> dict[str, Any]:
     """The dashboard's JSON from a ServerMetrics already refreshed (as for a scrape)."""
     gauges, counters = _registry_values(metrics.registry)
     recorder = metrics.recorder
@@ -162,7 +165,67 @@ def dashboard_data(metrics, window_s: float = DEFAULT_WINDOW_S,
                   for s in steps[-NUM_STEPS_SHOWN:]],
         "slowest": [waterfall(r) for r in slowest],
     }
+    if include_values:  # raw latencies, so a router can take fleet-wide percentiles
+        out["values"] = {k: [getattr(r, k) for r in requests if getattr(r, k) is not None]
+                         for k in ("ttft_s", "tpot_s", "e2e_s")}
     if include_records:
         out["records"] = [r.__dict__ | {"arrival_ago_s": now - r.arrival} for r in requests]
         out["step_records"] = [s._asdict() | {"end_ago_s": now - s.end} for s in steps]
     return out
+
+
+def fleet_data(replicas: list[tuple[str, bool, dict | None]],
+               window_s: float) -> dict[str, Any]:
+    """The router's view: each replica's dashboard data (fetched with values) merged. Gauges
+    and counters add up, ratios are recomputed from their parts, percentiles are taken over
+    every replica's requests; `replicas` lists (url, healthy, data or None when unreachable)."""
+    datas = [d for _, _, d in replicas if d is not None]
+    gauges: dict[str, Any] = {}
+    for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_total"):
+        gauges[key] = sum(d["gauges"].get(key, 0.0) for d in datas)
+    counters = {key: sum(d["counters"].get(key, 0.0) for d in datas) for key in COUNTERS}
+    gauges["kv_usage"] = (gauges["kv_blocks_used"] / gauges["kv_blocks_total"]
+                          if gauges["kv_blocks_total"] else 0.0)
+    gauges["prefix_hit_rate"] = (counters["prefix_hit_tokens"] / counters["prompt_tokens"]
+                                 if counters["prompt_tokens"] else 0.0)
+    gauges["goodput"] = (counters["slo_met"] / counters["slo_judged"]
+                         if counters["slo_judged"] else 0.0)
+    gauges["engine_alive"] = float(bool(datas) and all(d["gauges"].get("engine_alive")
+                                                       for d in datas))
+    values = {k: [v for d in datas for v in d.get("values", {}).get(k, [])]
+              for k in ("ttft_s", "tpot_s", "e2e_s")}
+    slo = datas[0]["slo"] if datas else {"ttft_s": None, "tpot_s": None}
+    judged = sum(d["window"]["num_requests"] for d in datas)
+    windows = [d["window"] for d in datas]
+
+    def mean_of(key):
+        vals = [w[key] for w in windows if w.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    goodputs = [(w["goodput"], w["num_requests"]) for w in windows if w["goodput"] is not None]
+    window = {
+        "seconds": window_s, "num_requests": judged,
+        "ttft_s": _latency_summary(values["ttft_s"], slo["ttft_s"]),
+        "tpot_s": _latency_summary(values["tpot_s"], slo["tpot_s"]),
+        "e2e_s": _latency_summary(values["e2e_s"], None),
+        "goodput": (sum(g * n for g, n in goodputs) / max(1, sum(n for _, n in goodputs))
+                    if goodputs else None),
+        "preemptions": sum(w["preemptions"] for w in windows),
+        "tokens_per_s": sum(w["tokens_per_s"] for w in windows),
+        "computed_tokens_per_s": sum(w["computed_tokens_per_s"] for w in windows),
+        "bandwidth_util": mean_of("bandwidth_util"), "compute_util": mean_of("compute_util"),
+    }
+    slowest = sorted(((dict(r, replica=url)) for url, _, d in replicas if d
+                      for r in d["slowest"]), key=lambda r: -(r["latency_s"] or 0.0))
+    steps = sorted((s for d in datas for s in d["steps"]), key=lambda s: s[0])
+    proposed = counters["spec_draft_tokens"]
+    return {
+        "model": datas[0]["model"] if datas else "",
+        "time_unix": time.time(), "slo": slo,
+        "peaks": datas[0]["peaks"] if datas else {},
+        "gauges": gauges, "counters": counters,
+        "spec_acceptance": counters["spec_accepted_tokens"] / proposed if proposed else None,
+        "window": window, "steps": steps[-NUM_STEPS_SHOWN:], "slowest": slowest[:NUM_SLOWEST],
+        "replicas": [{"url": url, "healthy": healthy, "reachable": d is not None}
+                     for url, healthy, d in replicas],
+    }
