@@ -567,9 +567,32 @@ class EngineArgs:
     spec_draft_layers: int | None = None
     spec_draft_quantization: str | None = None
     spec_adaptive: bool = True
+    # LoRA adapters (servelm/lora/, docs/lora.md): "name=path" each, loaded at start-up;
+    # enable_lora: serve adapters loaded at run time even when none is given here.
+    lora_modules: tuple[str, ...] = ()
+    enable_lora: bool = False
+    max_loras: int = 4  # adapter slots: adapters in one step's batch, at most
+    max_lora_rank: int = 16  # the largest r an adapter may have (slot buffers are this wide)
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
+        if not isinstance(self.lora_modules, tuple):  # argparse: a list, or None
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        self.lora_adapters()
+
+    @property
+    def is_lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora name=path entries as (name, path)."""
+        out = []
+        for item in self.lora_modules or ():
+            name, sep, path = str(item).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora: expected name=path, got {item!r}")
+            out.append((name.strip(), path.strip()))
+        return out
 
     def cpu_kernel_choice(self):
         from servelm.cpu_kernels.choice import CpuKernelChoice  # torch-free
@@ -671,6 +694,16 @@ def add_engine_cli_args(parser) -> None:
                         "'attention=torch,decode=kernel' (parts: attention, decode, "
                         "layer_ops, quant; default %(default)s). The start-up log (-v) says "
                         "which path each part took")
+    lo = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lo.add_argument("--lora", dest="lora_modules", action="append", default=None,
+                    metavar="NAME=PATH",
+                    help="serve the PEFT adapter at PATH as model NAME (repeatable)")
+    lo.add_argument("--enable-lora", action="store_true", default=d("enable_lora"),
+                    help="accept adapters loaded at run time (implied by --lora)")
+    lo.add_argument("--max-loras", type=int, default=d("max_loras"),
+                    help="adapter slots: distinct adapters in one step (default %(default)s)")
+    lo.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
+                    help="largest adapter rank r accepted (default %(default)s)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
                    help="propose tokens with an n-gram lookup or a draft model and verify "

@@ -154,8 +154,10 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         from servelm.structured import GrammarMasks, compiler_for
 
         grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos))
+    lora_manager, lora_slots = _build_lora(args, config, model, dtype, device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
-                         proposer, cpu_decode=cpu_choice.decode, grammars=grammars)
+                         proposer, cpu_decode=cpu_choice.decode, grammars=grammars,
+                         lora=lora_manager)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
 
@@ -166,7 +168,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
                     config.vocab_size, eos, model_name=name or config.name,
-                    speculator=speculator)
+                    speculator=speculator, loras=lora_slots)
     engine.model_config = config
     engine.engine_args = args
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
@@ -175,6 +177,30 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                                      kv_dtype) / 1e9,
                 max_model_len)
     return engine
+
+
+def _build_lora(args: EngineArgs, config: ModelConfig, model, dtype, device):
+    """(LoraManager for the runner, LoraSlots for the engine) with the --lora adapters
+    registered, or (None, None) when LoRA is off."""
+    if not args.is_lora_enabled:
+        return None, None
+    from servelm.lora.adapter import check_model_supports_lora
+    from servelm.lora.manager import LoraManager
+    from servelm.lora.slots import LoraSlots
+
+    check_model_supports_lora(config)
+    if args.speculative_method is not None:
+        raise InvalidParameterError("speculative decoding with LoRA adapters is not supported "
+                                    "(drafts would run without the adapter)",
+                                    param="speculative_method")
+    slots = LoraSlots(args.max_loras, args.max_lora_rank, config)
+    manager = LoraManager(model, config, args.max_loras, args.max_lora_rank, device, dtype)
+    for name, path in args.lora_adapters():
+        slots.register(name, path)
+    logger.info("LoRA: %d slots of rank <= %d (%.1f MB each), adapters: %s", args.max_loras,
+                args.max_lora_rank, manager.slot_bytes / 1e6,
+                ", ".join(slots.names()) or "none yet")
+    return manager, slots
 
 
 def _build_draft_model(args: EngineArgs, spec, target: ModelConfig, dtype: torch.dtype,

@@ -1,4 +1,8 @@
-"""LLM: the offline Python API. `LLM(model).generate(prompts, SamplingParams)`."""
+"""LLM: the offline Python API. `LLM(model).generate(prompts, SamplingParams)`.
+
+LoRA: `LLM(model, lora_modules=("name=path",))` or `llm.load_lora(name, path)`, then
+`generate(prompts, params, lora="name")` (one name for all prompts, or one per prompt; None
+runs the base model)."""
 
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: text, token ids, or a list of either. Returns outputs in prompt order."""
+                 use_tqdm: bool = True, lora: str | Seq[str | None] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: text, token ids, or a list of either. Returns outputs in prompt order.
+        lora: the adapter name for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -41,7 +47,14 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise InvalidParameterError("sampling_params must be one or one per prompt",
                                         param="sampling_params")
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise InvalidParameterError("lora must be one adapter name or one per prompt",
+                                        param="lora")
         requests = [self._request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for r, name in zip(requests, lora):
+            r.lora_name = name
         added = []
         try:
             for r in requests:
@@ -53,6 +66,13 @@ class LLM:
             self._drain()
             raise
         return self._run(requests, use_tqdm)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Register the PEFT adapter at `path` as `name` (checked against the base model)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,

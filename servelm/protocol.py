@@ -294,6 +294,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     prompt: str | None = None
     arrival_time: float | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter to run with; None: the base model
 
 
 @dataclass

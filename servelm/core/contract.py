@@ -29,7 +29,9 @@ import msgspec
 
 from servelm.protocol import Logprob, SamplingParams
 
-CONTRACT_VERSION = 1
+# 2: NewSequence.lora_id, StepDescription.lora, the LoRA counters of StepReport, the
+# LoadLora / UnloadLora / LoraResult messages (servelm/core/codec.py).
+CONTRACT_VERSION = 2
 
 
 class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -38,6 +40,25 @@ class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     params: SamplingParams
     num_prompt_tokens: int
     seed: int | None = None  # the sequence's own sampling stream (n > 1: distinct seeds)
+    lora_id: int | None = None  # the adapter it runs with (LoraAdapterRef.lora_id); None: base
+
+
+class LoraAdapterRef(msgspec.Struct, array_like=True):
+    """An adapter the engine registered: the runner reads it into host memory."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoraDeltas(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Adapter changes since the last step, applied before the step's sequences: added ones
+    read into host memory, removed ones forgotten (and their slot freed), then each slot in
+    `slots` overwritten with that adapter's weights (servelm/lora/slots.py decides which)."""
+
+    added: list[LoraAdapterRef] = []
+    removed: list[int] = []
+    slots: dict[int, int] = {}  # slot -> lora_id now in it
 
 
 class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -59,6 +80,7 @@ class StepDescription(msgspec.Struct, omit_defaults=True):
     seqs: list[ScheduledSequence]
     finished_seq_ids: list[int] = []  # the runner forgets these (sent once, with any step)
     preempted_seq_ids: list[int] = []  # the runner drops their blocks (and draft KV)
+    lora: LoraDeltas | None = None  # adapter registrations and slot loads (LoRA on)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,6 +127,7 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     last_num_tokens: int = 0
     last_num_context_tokens: int = 0
     last_num_attention_pairs: int = 0
+    last_max_prefill_chunk: int = 0  # largest prompt/recompute chunk of one sequence
     num_steps: int = 0
     num_preemptions: int = 0
     spec_num_proposed: int = 0
@@ -119,6 +142,10 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     num_total_blocks: int = 0
     prefix_cache_namespaces: int = 0  # cache_salt namespaces holding a block
     prefix_cache_bytes: int = 0  # estimated bytes of the prefix cache's bookkeeping
+    lora_num_adapters: int = 0  # registered LoRA adapters
+    lora_num_resident: int = 0  # of which in a slot
+    lora_num_loads: int = 0  # adapters copied into a slot so far
+    lora_num_evictions: int = 0  # of which displaced another
 
 
 class KVEvent(msgspec.Struct, array_like=True):
@@ -127,7 +154,6 @@ class KVEvent(msgspec.Struct, array_like=True):
 
     kind: int
     hash: int
-    last_max_prefill_chunk: int = 0  # largest prompt/recompute chunk of one sequence
     parent: int
 
 
@@ -138,5 +164,5 @@ class Runner(Protocol):
     def execute(self, step: StepDescription) -> StepResult: ...
 
 
-__all__ = ["CONTRACT_VERSION", "KVEvent", "NewSequence", "PromptLogprobs", "Runner", "SampledToken", "ScheduledSequence",
+__all__ = ["CONTRACT_VERSION", "KVEvent", "LoraAdapterRef", "LoraDeltas", "NewSequence", "PromptLogprobs", "Runner", "SampledToken", "ScheduledSequence",
            "SpecOutcome", "StepDescription", "StepReport", "StepResult"]

@@ -22,12 +22,13 @@ class RunnerSequence(SequenceTokens):
     batch builder read it through the same attribute names as a Sequence."""
 
     __slots__ = ("seq_id", "token_ids", "block_table", "params", "seed", "num_prompt_tokens",
-                 "num_computed_tokens", "num_resets")
+                 "num_computed_tokens", "num_resets", "lora_id")
 
     def __init__(self, seq_id: int, params: SamplingParams, num_prompt_tokens: int,
                  seed: int | None = None, token_ids: list[int] | None = None,
-                 block_table: list[int] | None = None):
+                 block_table: list[int] | None = None, lora_id: int | None = None):
         self.seq_id = seq_id
+        self.lora_id = lora_id  # the LoRA adapter it runs with (None: the base model)
         self.params = params
         self.seed = seed
         self.num_prompt_tokens = num_prompt_tokens
@@ -91,7 +92,8 @@ class RunnerState:
                     raise ValueError(f"step {step.step_id} schedules sequence {s.seq_id}, "
                                      "which this runner has never seen")
                 seq = self.seqs[s.seq_id] = RunnerSequence(
-                    s.seq_id, s.new.params, s.new.num_prompt_tokens, s.new.seed)
+                    s.seq_id, s.new.params, s.new.num_prompt_tokens, s.new.seed,
+                    lora_id=s.new.lora_id)
             if s.new_token_ids:
                 seq.token_ids += s.new_token_ids
             if s.num_kept_blocks != len(seq.block_table):

@@ -92,7 +92,7 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], model_name: str = "", speculator=None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, loras=None):
         self.runner = runner
         self.clock = clock  # every timestamp the engine takes (a simulator's virtual clock)
         self.tokenizer = tokenizer
@@ -103,7 +103,10 @@ class Engine:
             max_model_len = min(max_model_len, scheduler_config.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.speculator = speculator  # servelm.spec.SpecController, or None
-        self.scheduler = Scheduler(scheduler_config, block_manager, speculator, max_model_len)
+        # LoRA adapters and slots (servelm/lora/slots.py LoraSlots), or None: LoRA off.
+        self.loras = loras
+        self.scheduler = Scheduler(scheduler_config, block_manager, speculator, max_model_len,
+                                   loras)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
@@ -127,10 +130,17 @@ class Engine:
                                         param="request_id")
         max_tokens = self._check_request(request)
         params = request.sampling_params
+        lora = self._lora_entry(request.lora_name)
         timings = RequestTimings(arrival_time=request.arrival_time or self.clock())
         extra_key = params.cache_salt
+        lora_id = None
+        if lora is not None:  # two adapters never share KV: the adapter is in the namespace
+            lora_id = lora.lora_id
+            extra_key = f"lora:{lora.name}#{lora_id}" + ("" if extra_key is None
+                                                         else f"|salt:{extra_key}")
+            self.loras.add_live(lora_id, params.n)
         seqs = [Sequence(request.request_id, i, request.prompt_token_ids, params, timings,
-                         max_tokens, extra_key) for i in range(params.n)]
+                         max_tokens, extra_key, lora_id) for i in range(params.n)]
         detoks = {s.seq_id: self._detokenizer(request) for s in seqs}
         self._requests[request.request_id] = _RequestState(request, seqs, timings, detoks,
                                                            len(seqs))
@@ -138,6 +148,36 @@ class Engine:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n
+
+    def _lora_entry(self, name: str | None):
+        if name is None:
+            return None
+        if self.loras is None:
+            raise InvalidParameterError(f"the model `{name}` does not exist (this engine serves "
+                                        "no LoRA adapters: start it with --lora or "
+                                        "--enable-lora)", param="model", code="model_not_found")
+        return self.loras.lookup(name)
+
+    # -- LoRA adapters (plain data here; the runner is told through the step contract) ----
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Register an adapter (checked against the base model now, servelm/lora/adapter.py);
+        it is read into the runner's host memory with the next step."""
+        if self.loras is None:
+            raise InvalidParameterError("this engine was started without LoRA (use --lora or "
+                                        "--enable-lora)", param="lora_name")
+        self.loras.register(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unregister an adapter: new requests for it are refused at once; sequences using it
+        run to the end, then it is dropped. True: gone now."""
+        if self.loras is None:
+            raise InvalidParameterError("this engine was started without LoRA",
+                                        param="lora_name")
+        return self.loras.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
 
     def _check_request(self, request: EngineRequest) -> int:
         ids = request.prompt_token_ids
@@ -273,7 +313,7 @@ class Engine:
             new = None
             if view is None:
                 view = views[seq.seq_id] = _RunnerView()
-                new = NewSequence(seq.params, seq.num_prompt_tokens, seq.seed)
+                new = NewSequence(seq.params, seq.num_prompt_tokens, seq.seed, seq.lora_id)
             table = seq.block_table
             kept = min(view.num_blocks, len(table))
             seqs.append(ScheduledSequence(
@@ -282,7 +322,8 @@ class Engine:
             view.num_tokens = len(seq.token_ids)
             view.num_blocks = len(table)
         self._step_id += 1
-        step = StepDescription(self._step_id, seqs, self._finished_ids, self._preempted_ids)
+        step = StepDescription(self._step_id, seqs, self._finished_ids, self._preempted_ids,
+                               self.loras.drain() if self.loras is not None else None)
         self._finished_ids, self._preempted_ids = [], []
         return step
 
@@ -328,6 +369,7 @@ class Engine:
                     decode += 1
                 else:
                     prefill += s.num_new_tokens
+                    max_chunk = max(max_chunk, s.num_new_tokens)
         num_tokens = sum(n for _, n in ran)
         st = self.stats
         st.num_steps += 1
@@ -338,6 +380,7 @@ class Engine:
         st.last_num_attention_pairs = sum(attention_pairs(start, n) for start, n in ran)
         st.last_num_decode_tokens, st.last_num_verify_tokens = decode, verify
         st.last_num_prefill_tokens = prefill
+        st.last_max_prefill_chunk = max_chunk
         st.num_computed_tokens += num_tokens
         st.num_computed_prompt_tokens += sum(
             max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
@@ -369,7 +412,6 @@ class Engine:
         detok = self._requests[seq.request_id].detokenizers[seq.seq_id]
         logprobs = [logprob] if logprob is not None else None
         is_eos = token in self.eos_token_ids and not params.ignore_eos
-                    max_chunk = max(max_chunk, s.num_new_tokens)
         if is_eos or token in params.stop_token_ids:
             text = detok.flush() if detok else ""
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
@@ -380,7 +422,6 @@ class Engine:
         if match and match.stopped:
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], logprobs,
                                 now)
-        st.last_max_prefill_chunk = max_chunk
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             text += detok.flush() if detok else ""
             return self._finish(seq, SequenceStatus.FINISHED_LENGTH, text, [token], logprobs,
@@ -392,6 +433,8 @@ class Engine:
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
         self.scheduler.finish(seq, status)
+        if seq.lora_id is not None:
+            self.loras.finish_live(seq.lora_id)
         self._prompt_lps.pop(seq.seq_id, None)
         if self._views.pop(seq.seq_id, None) is not None:
             self._finished_ids.append(seq.seq_id)
@@ -430,6 +473,7 @@ class Engine:
             step_s=step_s, last_num_seqs=st.last_num_seqs, last_num_tokens=st.last_num_tokens,
             last_num_context_tokens=st.last_num_context_tokens,
             last_num_attention_pairs=st.last_num_attention_pairs, num_steps=st.num_steps,
+            last_max_prefill_chunk=st.last_max_prefill_chunk,
             num_preemptions=sched.num_preemptions, spec_num_proposed=st.spec_num_proposed,
             spec_num_accepted=st.spec_num_accepted,
             spec_mean_accepted_length=st.spec_mean_accepted_length,
@@ -439,14 +483,23 @@ class Engine:
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             prefix_cache_namespaces=cache.num_namespaces if cache else 0,
-            prefix_cache_bytes=cache.num_bytes if cache else 0)
+            prefix_cache_bytes=cache.num_bytes if cache else 0, **self._lora_report())
+
+    def _lora_report(self) -> dict:
+        lo = self.loras
+        if lo is None:
+            return {}
+        return dict(lora_num_adapters=len(lo.by_name), lora_num_resident=lo.num_resident,
+                    lora_num_loads=lo.num_loads, lora_num_evictions=lo.num_evictions)
 
     def check_invariants(self) -> None:
         """free + held == total; no finished sequence holds a block."""
         live = self.scheduler.live_sequences()
         self.block_manager.check_invariants(live)
         assert all(not s.is_finished for s in live)
+        if self.loras is not None:
+            self.loras.check_invariants([s.lora_id for s in self.scheduler.running
+                                         if s.lora_id is not None])
 
 
 FINISH_REASONS = [r.value for r in FinishReason]
-            last_max_prefill_chunk=st.last_max_prefill_chunk,

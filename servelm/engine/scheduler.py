@@ -8,6 +8,11 @@ running sequences first (decodes, or the next chunk of a prompt already started)
 waiting ones in arrival order, each taking as many prompt tokens as the budget leaves
 (chunked prefill). When blocks run out, the youngest running sequence is preempted
 (its KV dropped, recomputed later).
+
+With LoRA on (`loras`, servelm/lora/slots.py), a waiting sequence with an adapter is admitted
+only when its adapter is resident or can be made resident (a free slot, or an unpinned one to
+evict); one that cannot waits in place while the sequences behind it are considered. A
+running sequence pins its adapter's slot; preemption and finishing unpin it.
 """
 
 from __future__ import annotations
@@ -74,8 +79,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 speculator: Speculator | None = None, max_model_len: int | None = None):
+                 speculator: Speculator | None = None, max_model_len: int | None = None,
+                 loras=None):
         self.config = config
+        self.loras = loras  # servelm.lora.LoraSlots, or None (LoRA off)
         self.block_manager = block_manager
         # Speculative decoding (servelm/spec/controller.py): how many draft slots a decode
         # gets this step; None: never speculate.
@@ -150,8 +157,23 @@ class Scheduler:
         self.block_manager.trim(seq, num_computed)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        if self.loras is None:
+            self._admit_waiting(batch, budget)
+            return
+        skipped: list[Sequence] = []  # their adapter has no slot this step: they keep places
+        try:
+            self._admit_waiting(batch, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int,
+                       skipped: list[Sequence] | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if skipped is not None and seq.lora_id is not None \
+                    and not self.loras.can_acquire(seq.lora_id):
+                skipped.append(self.waiting.popleft())
+                continue
             match = self.block_manager.match_prefix(seq)
             num_new = seq.num_uncomputed_tokens - match.num_tokens
             if num_new > budget:
@@ -163,6 +185,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new, match)
+            if skipped is not None and seq.lora_id is not None:
+                self.loras.acquire(seq.lora_id)
             if seq.status == SequenceStatus.WAITING:  # first admission, not a resume
                 seq.num_cached_tokens = match.num_tokens
                 seq.timings.num_cached_tokens = max(seq.timings.num_cached_tokens,
@@ -174,6 +198,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.loras is not None and seq.lora_id is not None:
+            self.loras.release(seq.lora_id)
         seq.reset_for_recompute()
         seq.timings.num_preemptions += 1
         self.num_preemptions += 1
@@ -186,6 +212,8 @@ class Scheduler:
         assert status.is_finished
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self.loras is not None and seq.lora_id is not None:
+                self.loras.release(seq.lora_id)
         elif not seq.is_finished:
             self.waiting.remove(seq)
         seq.status = status

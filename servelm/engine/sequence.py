@@ -84,6 +84,7 @@ class Sequence(SequenceTokens):
         timings: RequestTimings,
         max_tokens: int,
         extra_key: str | None = None,
+        lora_id: int | None = None,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -99,6 +100,7 @@ class Sequence(SequenceTokens):
         self.timings = timings
         self.max_tokens = max_tokens  # resolved: never None
         self.extra_key = extra_key  # prefix-cache namespace (cache_salt, adapter id)
+        self.lora_id = lora_id  # the LoRA adapter it runs with (servelm/lora/slots.py)
         # Seed for this sequence's private sampling stream (n > 1 gets distinct streams).
         self.seed = None if params.seed is None else params.seed + index * 1_000_003
 

@@ -30,6 +30,8 @@ class ForwardBatch:
     block_size: int
     logits_indices: torch.Tensor  # [S] flat positions whose hidden state is sampled
     attn_metadata: Any = field(default=None)  # built once per step by the attention backend
+    # servelm.lora.segmented.LoraBatch when some rows use a LoRA adapter; None: the base path
+    lora: Any = field(default=None)
 
     @property
     def num_seqs(self) -> int:

@@ -64,8 +64,10 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
-                 graphs=None, proposer=None, cpu_decode: str = "auto", grammars=None):
+                 graphs=None, proposer=None, cpu_decode: str = "auto", grammars=None,
+                 lora=None):
         self.model = model
+        self.lora = lora  # servelm.lora.manager.LoraManager, or None (LoRA off)
         self.grammars = grammars  # servelm.structured.GrammarMasks, or None (no tokenizer)
         self.proposer = proposer  # servelm.spec proposer, when speculating
         self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
@@ -96,11 +98,15 @@ class ModelRunner:
     def execute(self, step: StepDescription) -> StepResult:
         start = time.perf_counter()
         scheduled = self.state.apply(step)
+        if self.lora is not None:
+            self.lora.apply(step.lora)
         if not scheduled:
             return StepResult([])
         proposals, draft_s = self._propose(scheduled)
         works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
+        if self.lora is not None:
+            fb.lora = self.lora.batch_for(works, fb.query_start_loc)
         masks_job = self._start_masks(works)  # computed while the model runs
         hidden = self._forward(fb)
         masks = masks_job.result() if masks_job is not None else {}
@@ -237,7 +243,10 @@ class ModelRunner:
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Replay a captured graph for a decode batch when one fits (CUDA), or run it as one
-        C++ call (CPU), else run eagerly."""
+        C++ call (CPU), else run eagerly. A step with LoRA rows runs eagerly with the
+        adapters' products added (servelm/lora/manager.py)."""
+        if fb.lora is not None:
+            return self.lora.forward(self.model, self.backend, fb)
         hidden = self.graphs.maybe_run(fb) if self.graphs is not None else None
         if hidden is None and self.cpu_stack is not None:
             hidden = self.cpu_stack.maybe_run(fb)
