@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from servelm.core import codec
 from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInfo, Fatal, Hello,
-                                Outputs, Ready, Rejected, Shutdown, Start)
+                                LoadLora, LoraResult, Outputs, Ready, Rejected, Shutdown, Start,
+                                UnloadLora)
 from servelm.core.contract import CONTRACT_VERSION, StepReport
 from servelm.core.process import recv_frame
 from servelm.engine.async_engine import EngineDeadError, RequestStream, StreamRouter
@@ -71,6 +72,9 @@ class CoreClient(StreamRouter):
         self.max_model_len = info.max_model_len
         self.model_name = info.model_name
         self.block_size = info.block_size
+        self.lora_names = list(info.lora_names)
+        self._lora_calls: dict[int, object] = {}  # call id -> its future (loop side)
+        self._lora_call_ids = iter(range(1, 2**62))
         self.on_dead = on_dead  # called on the loop with the cause when the core dies
         self.snapshot = StepReport(num_total_blocks=info.num_blocks,
                                    num_free_blocks=info.num_blocks)
@@ -199,6 +203,12 @@ class CoreClient(StreamRouter):
     def _send_abort(self, request_id: str) -> None:
         self._out.put(codec.frame(Abort(request_id)))
 
+    def _send_lora(self, op: str, name: str, path: str, done) -> None:
+        call_id = next(self._lora_call_ids)
+        self._lora_calls[call_id] = done
+        msg = LoadLora(call_id, name, path) if op == "load" else UnloadLora(call_id, name)
+        self._out.put(codec.frame(msg))
+
     # -- threads ---------------------------------------------------------------------------
 
     def _write(self) -> None:
@@ -247,6 +257,14 @@ class CoreClient(StreamRouter):
             self._num_queued_adds -= 1
             self._rejected(None, msg.request_id,
                            InvalidParameterError(msg.message, msg.param, msg.code))
+        elif isinstance(msg, LoraResult):
+            done = self._lora_calls.pop(msg.call_id, None)
+            exc = None if msg.message is None else InvalidParameterError(
+                msg.message, msg.param, msg.code)
+            if done is not None:
+                self._lora_done(done, msg.lora_names, exc)
+            else:
+                self.lora_names = list(msg.lora_names)
         elif isinstance(msg, Fatal):
             self._fatal = msg.message
         else:
@@ -255,6 +273,10 @@ class CoreClient(StreamRouter):
     def _on_core_gone(self, cause: str) -> None:
         self._dead_cause = cause
         self._num_queued_adds = 0
+        calls, self._lora_calls = self._lora_calls, {}
+        for done in calls.values():
+            if not done.done():
+                done.set_exception(EngineDeadError(cause))
         if self._stopping:
             self._fail_all(EngineDeadError("the engine was stopped"))
             return

@@ -8,8 +8,10 @@ Never: pickle, or any decoding into types not named here.
     frame = 4-byte big-endian length | msgpack body
     first frame each way: Hello(version); a mismatch ends the connection with a clear error.
 
-    front end -> core:  Hello, Start(EngineArgs), AddRequest, Abort, Shutdown
-    core -> front end:  Hello, Ready(CoreInfo), Admitted, Rejected, Outputs(deltas, report), Fatal
+    front end -> core:  Hello, Start(EngineArgs), AddRequest, Abort, LoadLora, UnloadLora,
+                        Shutdown
+    core -> front end:  Hello, Ready(CoreInfo), Admitted, Rejected, Outputs(deltas, report),
+                        LoraResult, Fatal
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class CoreInfo(msgspec.Struct):
     kv_cache_dtype: str
     device_type: str
     speculative: bool
+    lora_names: list[str] = []  # LoRA adapters loaded at start-up (--lora)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -74,6 +77,30 @@ class Abort(msgspec.Struct, tag=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
+
+
+class LoadLora(msgspec.Struct, tag=True):
+    """Register the PEFT adapter at lora_path as lora_name (answered by a LoraResult)."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLora(msgspec.Struct, tag=True):
+    call_id: int
+    lora_name: str
+
+
+class LoraResult(msgspec.Struct, tag=True):
+    """The answer to LoadLora / UnloadLora: message None = done; else refused (param and code
+    as an InvalidParameterError names them). lora_names: the adapters loaded now."""
+
+    call_id: int
+    lora_names: list[str]
+    message: str | None = None
+    param: str | None = None
+    code: str | None = None
 
 
 class Admitted(msgspec.Struct, tag=True):
@@ -100,8 +127,8 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-FrontendMessage = Union[Hello, Start, AddRequest, Abort, Shutdown]
-CoreMessage = Union[Hello, Ready, Admitted, Rejected, Outputs, Fatal]
+FrontendMessage = Union[Hello, Start, AddRequest, Abort, LoadLora, UnloadLora, Shutdown]
+CoreMessage = Union[Hello, Ready, Admitted, Rejected, Outputs, LoraResult, Fatal]
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -160,6 +187,7 @@ frontend_decoder = Decoder(FrontendMessage)
 core_decoder = Decoder(CoreMessage)
 
 __all__ = ["Abort", "AddRequest", "Admitted", "CodecError", "CoreInfo", "Decoder", "Fatal",
-           "HEADER_BYTES", "Hello", "MAX_FRAME_BYTES", "Outputs", "Ready", "Rejected",
+           "HEADER_BYTES", "Hello", "LoadLora", "LoraResult", "MAX_FRAME_BYTES", "Outputs",
+           "Ready", "Rejected", "UnloadLora",
            "Shutdown", "Start", "check_hello", "core_decoder", "encode", "frame", "frame_length",
            "frontend_decoder", "result_decoder", "step_decoder"]

@@ -4,7 +4,8 @@ Owns: the core's side of the front end <-> core connection (servelm/core/codec.p
 handshake, building the engine from the EngineArgs the front end sends, and three threads
 so that neither side can stall the other:
 
-    reader thread   socket -> AddRequest / Abort / Shutdown -> EngineLoop commands
+    reader thread   socket -> AddRequest / Abort / LoadLora / UnloadLora / Shutdown
+                    -> EngineLoop commands
     main thread     EngineLoop.run(): apply commands, step, report  (never touches the socket)
     writer thread   queue of encoded frames -> socket (a slow front end backs up here only)
 
@@ -27,7 +28,8 @@ import threading
 
 from servelm.core import codec
 from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInfo, Fatal,
-                                Hello, Outputs, Ready, Rejected, Shutdown, Start)
+                                Hello, LoadLora, LoraResult, Outputs, Ready, Rejected, Shutdown,
+                                Start, UnloadLora)
 from servelm.core.contract import CONTRACT_VERSION
 
 logger = logging.getLogger("servelm.core")
@@ -64,7 +66,8 @@ def describe_engine(engine) -> CoreInfo:
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         num_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
         dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        device_type=args.device.split(":")[0], speculative=engine.speculator is not None)
+        device_type=args.device.split(":")[0], speculative=engine.speculator is not None,
+        lora_names=engine.lora_names())
 
 
 class _SocketSink:
@@ -84,6 +87,14 @@ class _SocketSink:
 
     def dead(self, exc) -> None:
         self.out.put(codec.frame(Fatal(f"engine loop crashed: {exc!r}")))
+
+    def lora_done(self, call_id, names, exc) -> None:
+        if exc is None:
+            self.out.put(codec.frame(LoraResult(call_id, names)))
+        else:
+            self.out.put(codec.frame(LoraResult(call_id, names, str(exc),
+                                                getattr(exc, "param", None),
+                                                getattr(exc, "code", None))))
 
     def stopped(self) -> None:
         pass
@@ -128,6 +139,10 @@ class EngineCore:
                     self.loop.add([msg.request])
                 elif isinstance(msg, Abort):
                     self.loop.abort(msg.request_id)
+                elif isinstance(msg, LoadLora):
+                    self.loop.lora("load", msg.lora_name, msg.lora_path, msg.call_id)
+                elif isinstance(msg, UnloadLora):
+                    self.loop.lora("unload", msg.lora_name, "", msg.call_id)
                 elif isinstance(msg, Shutdown):
                     self.loop.stop()
                     return

@@ -127,6 +127,7 @@ class StreamRouter:
     max_model_len: int = 0
     model_name: str = ""
     block_size: int = 0  # KV block size (a router hashes prompts in these blocks)
+    lora_names: list[str] = []  # LoRA adapters loaded (served as model names)
 
     def __init__(self):
         self.kv_events = KVEventLog()  # the engine's prefix-cache events (GET /v1/kv_events)
@@ -148,6 +149,9 @@ class StreamRouter:
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _send_lora(self, op: str, name: str, path: str, done: asyncio.Future) -> None:
         raise NotImplementedError
 
     # -- event-loop API --------------------------------------------------------------------
@@ -188,6 +192,33 @@ class StreamRouter:
                 del self._streams[rid]
                 if rid in stream._unfinished:
                     self.abort(rid)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register a LoRA adapter with the engine (checked there against the base model);
+        raises InvalidParameterError naming the field when it is refused."""
+        await self._lora("load", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unregister an adapter: new requests for it are refused at once, requests using it
+        run to their end first (servelm/lora/slots.py)."""
+        await self._lora("unload", name, "")
+
+    async def _lora(self, op: str, name: str, path: str) -> None:
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._send_lora(op, name, path, done)
+        await done
+
+    def _lora_done(self, done: asyncio.Future, names: list[str],
+                   exc: BaseException | None) -> None:
+        self.lora_names = list(names)
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         """Deltas of one request, merged per choice when the consumer is slower than the
@@ -274,6 +305,9 @@ class _PostingSink:
     def dead(self, exc) -> None:
         self.owner._post(self.owner._fail_all, EngineDeadError(f"engine loop crashed: {exc!r}"))
 
+    def lora_done(self, done, names, exc) -> None:
+        self.owner._post(self.owner._lora_done, done, names, exc)
+
     def stopped(self) -> None:
         self.owner.snapshot = self.owner._body.report
         self.owner._post(self.owner._fail_all, EngineDeadError("the engine was stopped"))
@@ -296,6 +330,7 @@ class AsyncEngine(StreamRouter):
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
         self.block_size = engine.block_manager.block_size
+        self.lora_names = engine.lora_names() if hasattr(engine, "lora_names") else []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -327,6 +362,9 @@ class AsyncEngine(StreamRouter):
 
     def _send_abort(self, request_id: str) -> None:
         self._body.abort(request_id)
+
+    def _send_lora(self, op: str, name: str, path: str, done: asyncio.Future) -> None:
+        self._body.lora(op, name, path, done)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "StreamRouter", "merge_delta",

@@ -11,6 +11,7 @@ Never: touches tensors (the engine's runner does), or blocks on a consumer.
     ----------                      -----------------
     add(req, token) --queue+cond--> engine.add_request(req)  -> sink.admitted / sink.rejected
     abort(rid)      --queue+cond--> engine.abort(rid)
+    lora(op, ...)   --queue+cond--> engine.load_lora / unload_lora -> sink.lora_done
     stop()          --flag+cond---> abort all, drain          -> sink.stopped
                                     engine.step()             -> sink.outputs(deltas, report)
 """
@@ -44,12 +45,18 @@ class LoopSink(Protocol):
 
     def stopped(self) -> None: ...
 
+    def lora_done(self, token: Any, names: list[str], exc: Exception | None) -> None:
+        """A LoRA load or unload finished (exc None) or was refused; names: the adapters
+        loaded now."""
+        ...
+
 
 @dataclass
 class _Command:
-    kind: str  # "add" | "abort"
+    kind: str  # "add" | "abort" | "load_lora" | "unload_lora"
     request: EngineRequest | None = None
     request_id: str = ""
+    lora: tuple[str, str] = ("", "")  # (name, path) of a LoRA command
     token: Any = None  # handed back to the sink with the answer (the caller's stream)
 
 
@@ -78,6 +85,15 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._commands.append(_Command("abort", request_id=request_id))
+            self._cond.notify()
+
+    def lora(self, op: str, name: str, path: str = "", token: Any = None) -> None:
+        """op "load" or "unload" an adapter between steps; the answer goes to
+        sink.lora_done(token, ...)."""
+        if op not in ("load", "unload"):
+            raise ValueError(f"lora op must be load or unload, got {op!r}")
+        with self._cond:
+            self._commands.append(_Command(f"{op}_lora", lora=(name, path), token=token))
             self._cond.notify()
 
     def stop(self) -> None:
@@ -133,6 +149,8 @@ class EngineLoop:
                     continue
                 self._live_ids.add(rid)
                 admitted.append(cmd)
+            elif cmd.kind in ("load_lora", "unload_lora"):
+                self._apply_lora(cmd)
             else:
                 self.engine.abort(cmd.request_id)
         if admitted:
@@ -143,6 +161,18 @@ class EngineLoop:
                 self.sink.admitted(cmd.request.request_id, cmd.token, waiting)
             with self._cond:
                 self._num_queued_adds -= len(admitted)
+
+    def _apply_lora(self, cmd: _Command) -> None:
+        name, path = cmd.lora
+        try:
+            if cmd.kind == "load_lora":
+                self.engine.load_lora(name, path)
+            else:
+                self.engine.unload_lora(name)
+        except InvalidParameterError as exc:
+            self.sink.lora_done(cmd.token, self.engine.lora_names(), exc)
+            return
+        self.sink.lora_done(cmd.token, self.engine.lora_names(), None)
 
     def _step(self) -> None:
         num_steps = self.engine.stats.num_steps

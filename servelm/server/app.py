@@ -49,6 +49,7 @@ class ServerState:
     idempotency: IdempotencyStore
     draining: bool = False
     num_inflight: int = 0
+    lora_metrics: object = None  # servelm.lora.metrics.LoraMetrics
     started: float = field(default_factory=time.monotonic)
 
     async def drain(self, timeout: float) -> bool:
@@ -138,6 +139,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async_engine.observer = metrics.observe_step
     state = ServerState(config, async_engine, metrics,
                         IdempotencyStore(config.idempotency_ttl_s, config.idempotency_max_entries))
+    _observe_loras(state)
     serving = OpenAIServing(state)
 
     @asynccontextmanager
@@ -196,15 +198,26 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list",
-                             "data": [_model_card(config, async_engine, state)]})
+        cards = [_model_card(config, async_engine, state)]
+        cards += [_lora_card(config, state, name) for name in async_engine.lora_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
+        if model_id in async_engine.lora_names and model_id != config.served_model_name:
+            return JSONResponse(_lora_card(config, state, model_id))
         if model_id != config.served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist", param="model",
                            code="model_not_found")
         return JSONResponse(_model_card(config, async_engine, state))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await serving.load_lora_adapter(request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await serving.unload_lora_adapter(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -239,6 +252,28 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app.include_router(dashboard_router(state))
     app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
     return app
+
+
+def _observe_loras(state: ServerState) -> None:
+    """Per-adapter series beside the server's own, fed by the same step observer."""
+    from servelm.lora.metrics import LoraMetrics
+
+    client = state.async_engine
+    lora = state.lora_metrics = LoraMetrics(state.metrics.registry)
+    observe = client.observer
+
+    def observer(report, deltas) -> None:
+        observe(report, deltas)
+        lora.observe_step(report)
+
+    client.observer = observer
+
+
+def _lora_card(config: ServerConfig, state: ServerState, name: str) -> dict:
+    """A LoRA adapter as /v1/models lists it: its base model is its parent."""
+    return {"id": name, "object": "model", "created": int(
+        time.time() - (time.monotonic() - state.started)), "owned_by": "servelm",
+        "root": name, "parent": config.served_model_name}
 
 
 def _model_card(config: ServerConfig, engine: StreamRouter, state: ServerState) -> dict:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -64,12 +64,15 @@ class Generation:
 
     def __init__(self, async_engine: AsyncEngine, base_id: str, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, timeout_s: float | None,
-                 client_param: Callable[[str | None], str | None] = lambda p: p):
+                 client_param: Callable[[str | None], str | None] = lambda p: p,
+                 lora_name: str | None = None):
         self.async_engine = async_engine
         self.client_param = client_param  # engine parameter name -> the field the client sent
         self.base_id = base_id
         self.n = params.n
-        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, arrival_time=arrival)
+        self.lora_name = lora_name  # a LoRA adapter every prompt runs with (None: the base)
+        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, arrival_time=arrival,
+                                       lora_name=lora_name)
                          for i, ids in enumerate(prompts)]
         self._prompt_index = {r.request_id: i for i, r in enumerate(self.requests)}
         self.arrival = arrival
@@ -211,6 +214,7 @@ class Prepared:
     prompt_texts: list[str | None]
     timeout_s: float | None
     arrival: float
+    lora_name: str | None = None  # the request's `model` named a loaded LoRA adapter
 
 
 class OpenAIServing:
@@ -297,7 +301,7 @@ class OpenAIServing:
             exc.param = req.client_param(exc.param)
             raise APIError.from_invalid(exc) from None
         return Prepared(kind, body, req, params, prompts, texts,
-                        self._timeout(request), arrival)
+                        self._timeout(request), arrival, self._lora_name(req.model))
 
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
@@ -432,6 +436,30 @@ class OpenAIServing:
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens,
                                                              skip_special_tokens=False)})
 
+    # -- LoRA adapters at run time (vLLM's routes and bodies) ------------------------------
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await read_json_object(request, self.config.max_body_bytes)
+        name, path = _lora_fields(body, ("lora_name", "lora_path"))
+        await self._lora_call(self.state.async_engine.load_lora(name, path))
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await read_json_object(request, self.config.max_body_bytes)
+        (name,) = _lora_fields(body, ("lora_name",), optional=("lora_int_id", "lora_path"))
+        await self._lora_call(self.state.async_engine.unload_lora(name))
+        logger.info("LoRA adapter %r unloaded (requests using it run to their end)", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _lora_call(self, call) -> None:
+        try:
+            await call
+        except InvalidParameterError as exc:
+            raise APIError.from_invalid(exc) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
+
     async def _small_request(self, request: Request, schema):
         body = await read_json_object(request, self.config.max_body_bytes)
         return self._validate(schema, body)
@@ -442,11 +470,20 @@ class OpenAIServing:
             req = schema.model_validate(body)
         except ValidationError as exc:
             raise APIError.from_validation(exc) from None
-        if req.model is not None and req.model != self.config.served_model_name:
+        if req.model is not None and req.model != self.config.served_model_name \
+                and req.model not in self.state.async_engine.lora_names:
+            adapters = self.state.async_engine.lora_names
+            also = f" and the LoRA adapters {', '.join(adapters)}" if adapters else ""
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                           f"`{self.config.served_model_name}`", param="model",
+                           f"`{self.config.served_model_name}`{also}", param="model",
                            code="model_not_found")
         return req
+
+    def _lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        if model is None or model == self.config.served_model_name:
+            return None
+        return model
 
     # -- chat output parsing ---------------------------------------------------------------
 
@@ -473,8 +510,8 @@ class OpenAIServing:
         prefix = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}[p.kind]
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
-                         p.timeout_s, p.request.client_param)
-        name = self.config.served_model_name
+                         p.timeout_s, p.request.client_param, p.lora_name)
+        name = p.lora_name or self.config.served_model_name
         if p.kind == "completion":
             fmt: Formatter = CompletionFormatter(
                 self.tokenizer, base_id, name, gen.num_choices, p.request.echo, p.prompts,
@@ -663,6 +700,9 @@ class OpenAIServing:
         if gen.logged:
             return
         gen.logged = True
+        if gen.lora_name is not None and self.state.lora_metrics is not None:
+            self.state.lora_metrics.record_request(gen.lora_name, gen.num_prompt_tokens,
+                                                   gen.num_completion_tokens)
         record = {
             "request_id": gen.base_id,
             "endpoint": p.kind,
@@ -678,6 +718,25 @@ class OpenAIServing:
         }
         request_logger.info(json.dumps(record, ensure_ascii=False))
         self.state.metrics.record_request(gen, p.kind, gen.status, bool(p.request.stream))
+
+
+def _lora_fields(body: dict[str, Any], required: tuple[str, ...],
+                 optional: tuple[str, ...] = ()) -> list[str]:
+    """The string fields of a load/unload body; a missing, mistyped or unknown field is a
+    400 naming it."""
+    for key in body:
+        if key not in required and key not in optional and key != "load_inplace":
+            raise APIError(400, f"unknown field {key!r}", param=key, code="unsupported_field")
+    if body.get("load_inplace"):
+        raise APIError(400, "load_inplace is not supported: unload the adapter, then load it",
+                       param="load_inplace", code="unsupported_field")
+    out = []
+    for key in required:
+        value = body.get(key)
+        if not isinstance(value, str) or not value:
+            raise APIError(400, f"{key} must be a non-empty string", param=key)
+        out.append(value)
+    return out
 
 
 def best_of(choices: list[ChoiceState], num_candidates: int, n: int,
