@@ -556,6 +556,9 @@ class EngineArgs:
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
     # (servelm/runner/deterministic.py, docs/determinism.md). CPU, float32, dense models.
     deterministic: bool = False
+    # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
+    # (servelm/runner/deterministic.py, docs/determinism.md). CPU, float32, dense models.
+    deterministic: bool = False
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
     kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
@@ -682,6 +685,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--engine-seed", dest="seed", type=int, default=d("seed"),
                    help="seed of the stream unseeded requests sample from")
     g.add_argument("--threads", dest="num_threads", type=int, default=d("num_threads"))
+    g.add_argument("--deterministic", action="store_true", default=d("deterministic"),
+                   help="batch-invariant kernels: the same request gives the same tokens and "
+                        "logprobs whatever the batch, chunking, prefix-cache hits, preemption "
+                        "or speculation (CPU, float32, dense models; docs/determinism.md)")
     g.add_argument("--deterministic", action="store_true", default=d("deterministic"),
                    help="batch-invariant kernels: the same request gives the same tokens and "
                         "logprobs whatever the batch, chunking, prefix-cache hits, preemption "

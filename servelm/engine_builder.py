@@ -157,7 +157,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     lora_manager, lora_slots = _build_lora(args, config, model, dtype, device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
                          proposer, cpu_decode=cpu_choice.decode, grammars=grammars,
-                         lora=lora_manager)
+                         lora=lora_manager, deterministic=args.deterministic)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
 

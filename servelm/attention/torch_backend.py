@@ -11,6 +11,12 @@ head commutes with both products, so no dequantized copy of the context is made.
 prompt attends the codes it just stored, not its float K/V, so its output does not depend on
 whether its keys came from this step or from the cache (prefix hits, chunking, preemption).
 
+Deterministic mode (`deterministic=True`, the engine's --deterministic): every query token,
+prefill or decode, is one row of the C++ paged kernel over the cache, attending positions
+0 .. its own (its K/V is stored first). A row's result then depends on its position and the
+cached K/V only: not on the batch, the chunk it came in or whether its context was computed
+in this step or came from the prefix cache. Variants (window, softcap) and MLA are refused.
+
 Two attention variants are taken per call (`supports_variants`): a sliding window (`window`
 keys, a query's own included: key positions (q - window, q]) and tanh soft-capping of the
 scores (Gemma 2). A step that uses either runs its decodes on the gathered path, not the C++
@@ -40,6 +46,9 @@ class TorchAttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int64
     # Sliding-window masks, built on first use per window size: window -> (decode, prefills)
     window_masks: dict = field(default_factory=dict)
+    # Deterministic mode: one kernel row per query token (its table, positions + 1)
+    row_tables: torch.Tensor | None = None  # [T, max_blocks]
+    row_seq_lens: torch.Tensor | None = None  # [T] int64
 
 
 class TorchAttentionBackend:
@@ -54,8 +63,20 @@ class TorchAttentionBackend:
         # CPU, fp32/bf16/fp8 cache: decodes read the paged blocks in place (C++); else None.
         # decode_kernel_mode: `--cpu-kernels attention=MODE`; None: the engine build's choice.
         self.decode_kernel = decode_kernel_for(kv_cache.k, decode_kernel_mode)
+        self.deterministic = False
+        self.deterministic_steps = 0  # forward calls on the per-row path (tests check it ran)
+
+    def set_deterministic(self) -> None:
+        """Every token through the per-row kernel from now on (see the module doc)."""
+        if self.decode_kernel is None:
+            raise ValueError("deterministic mode needs servelm's C++ paged attention kernel "
+                             "(CPU, float32/bfloat16/fp8 cache, head_dim a multiple of 16, "
+                             "--cpu-kernels attention not 'torch')")
+        self.deterministic = True
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        if self.deterministic:
+            return self._row_metadata(batch)
         bs = batch.block_size
         device = batch.slot_mapping.device
         nd = batch.num_decodes
@@ -91,6 +112,8 @@ class TorchAttentionBackend:
 
         window: attend only the last `window` positions (0: all); softcap: scores ->
         softcap * tanh(scores / softcap) before the softmax (0: off)."""
+        if self.deterministic:
+            return self._forward_rows(layer, q, k, v, batch, window, softcap)
         if window or softcap:
             return self._forward_variant(layer, q, k, v, batch, window, softcap)
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
@@ -111,6 +134,29 @@ class TorchAttentionBackend:
                 outs.append(self._prefill(q[s:e], _gather(k_cache, slots), _gather(v_cache, slots),
                                           meta.prefill_masks[j], *scales))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- deterministic mode: one kernel row per query token ---------------------------------
+
+    @staticmethod
+    def _row_metadata(batch: ForwardBatch) -> TorchAttentionMetadata:
+        qsl = batch.query_start_loc
+        lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(batch.num_seqs)])
+        tables = batch.block_tables[:batch.num_seqs].repeat_interleave(lens, dim=0)
+        return TorchAttentionMetadata(None, None, [], [], row_tables=tables,
+                                      row_seq_lens=batch.positions + 1)
+
+    def _forward_rows(self, layer, q, k, v, batch: ForwardBatch, window: int,
+                      softcap: float) -> torch.Tensor:
+        if window or softcap:
+            raise ValueError("deterministic mode does not support sliding-window or "
+                             "soft-capped attention")
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        self.kv_cache.store(layer, batch.slot_mapping, k, v)  # before any row reads them
+        meta: TorchAttentionMetadata = batch.attn_metadata
+        self.deterministic_steps += 1
+        return self.decode_kernel(q, k_cache, v_cache, meta.row_tables, meta.row_seq_lens,
+                                  self.kv_cache.block_size, self.scale,
+                                  *self.kv_cache.layer_scales(layer)).to(q.dtype)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale=None,
                 v_scale=None) -> torch.Tensor:
@@ -161,6 +207,8 @@ class TorchAttentionBackend:
         up-projection). Prefill chunks attend explicitly: expand(entries [C, L+R]) ->
         (k [C, H, Dk], v [C, H, Dv]) from the chunk's context and itself; q_prefill
         [Tp, H, Dk] -> [Tp, H, Dv]."""
+        if self.deterministic:
+            raise ValueError("deterministic mode does not support multi-head latent attention")
         cache = self.kv_cache.k[layer]  # [num_slots, 1, L+R]
         cache.index_copy_(0, batch.slot_mapping, entry.unsqueeze(1).to(cache.dtype))
         entry = entry.to(cache.dtype)

@@ -4,7 +4,9 @@
     layer_ops.cpp         rms_norm, add_rms_norm, rotary_, silu_and_mul: fused float32 layer ops
     quant_gemm.cpp        int4_gemm, int8_gemm: weight-only quantized matmuls, float32 activations
     decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
-    vec16.h               16-lane vectors and exp shared by both
+    det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
+                          deterministic mode (one fixed-order sum per output element)
+    vec16.h               16-lane vectors, exp and fma shared by all
 
 Owns: compiling the sources once per machine (torch.utils.cpp_extension: a C++ compiler and
 ninja, `-O3 -march=native`, OpenMP) into $SERVELM_HOME/torch_extensions, under a name that
@@ -38,7 +40,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "load", "mode",
            "ops_for_mode"]
 _DIR = Path(__file__).parent
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
+            "det_gemm.cpp")
 _HEADERS = ("vec16.h",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()

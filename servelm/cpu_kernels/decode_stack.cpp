@@ -14,7 +14,8 @@
 //   ... final: add_rms_norm(x, residual, norm)
 //
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
-// panels) or int8 (int8_gemm on panels).
+// panels), int8 (int8_gemm on panels) or batch-invariant float (det_linear, deterministic
+// mode, where the runner sends prefill chunks through the stack too: one row per token).
 // Every op is reached through the dispatcher's typed handles (no boxing), so the results are
 // the eager path's, bit for bit. servelm/runner/cpu_decode.py builds it and decides when a
 // step may take it (CPU, float32, all sequences decoding one token).
@@ -52,11 +53,14 @@ struct Ops {
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int8_gemm");
+  c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> det_linear =
+      find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::det_linear");
 };
 
 // kPacked: servelm/layers/linear.py's PackedLinear (oneDNN's packed float weight), called
-// boxed: its schema's C++ types differ between torch versions.
-enum LinearKind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3 };
+// boxed: its schema's C++ types differ between torch versions. kDet: deterministic mode's
+// DetLinear (servelm/layers/det_linear.py, det_gemm.cpp).
+enum LinearKind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4 };
 
 struct Linear {
   int64_t kind = kFloat, n = 0, group = 0, k_padded = 0;
@@ -99,7 +103,7 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int j = 0; j < 4; ++j) {
         Linear& l = *lins[j];
         l.kind = m[4 * j], l.n = m[4 * j + 1], l.group = m[4 * j + 2], l.k_padded = m[4 * j + 3];
-        TORCH_CHECK(l.kind >= kFloat && l.kind <= kPacked, "DecodeStack: unknown linear kind ",
+        TORCH_CHECK(l.kind >= kFloat && l.kind <= kDet, "DecodeStack: unknown linear kind ",
                     l.kind);
         if (l.kind == kPacked && !mkldnn_linear_)
           mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
@@ -162,6 +166,9 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   at::Tensor linear(const Linear& l, const at::Tensor& x) {
+    if (l.kind == kDet)
+      return ops_.det_linear.call(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias)
+                                                           : c10::nullopt, l.n);
     if (l.kind == kFloat) return at::linear(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
     if (l.kind == kPacked) {  // as PackedLinear.forward: (x, w, bias, "none", [], "")
       torch::jit::Stack stack{x, l.a, l.bias.defined() ? c10::IValue(l.bias) : c10::IValue(),
@@ -191,9 +198,9 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // RMSNorm over each head's D values (Qwen3's q_norm / k_norm), as RMSNorm.forward does for
-  // a [T, H, D] input: the fused kernel where the rows are contiguous, else torch's.
+  // a [T, H, D] view: copied to contiguous rows, then the fused kernel.
   at::Tensor head_norm(const at::Tensor& t, const at::Tensor& w) {
-    if (t.is_contiguous()) return ops_.rms_norm.call(t, w, eps_);
+    if (t.stride(-1) == 1) return ops_.rms_norm.call(t.contiguous(), w, eps_);
     return at::rms_norm(t, {t.size(-1)}, w, eps_);
   }
 

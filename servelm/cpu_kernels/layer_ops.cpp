@@ -50,21 +50,29 @@ void rms_norm_rows(const at::Tensor& x, const float* residual, const at::Tensor&
     for (int64_t r = begin; r < end; ++r) {
       const float* src = px + r * n;
       float* orow = po + r * n;
-      float squares = 0.0f;
+      // Sixteen lanes of fused squares, then the lanes in order, then the tail: a fixed
+      // order per row length, whatever the row's address or the batch (deterministic mode
+      // relies on it; an omp simd reduction leaves the order to the compiler).
+      f32x16 lanes = f32x16{};
+      int64_t i = 0;
       if (residual != nullptr) {
         const float* rr = residual + r * n;
         float* sr = sum + r * n;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; ++i) {
-          const float v = src[i] + rr[i];
-          sr[i] = v;
-          squares += v * v;
+        for (; i + 16 <= n; i += 16) {
+          const f32x16 v = load16(src + i) + load16(rr + i);
+          store16(sr + i, v);
+          lanes = fma16(v, v, lanes);
         }
+        for (int64_t j = i; j < n; ++j) sr[j] = src[j] + rr[j];
         src = sr;
       } else {
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; ++i) squares += src[i] * src[i];
+        for (; i + 16 <= n; i += 16) {
+          const f32x16 v = load16(src + i);
+          lanes = fma16(v, v, lanes);
+        }
       }
+      float squares = lane_sum(lanes);
+      for (; i < n; ++i) squares = std::fma(src[i], src[i], squares);
       const float inv = 1.0f / std::sqrt(squares / float(n) + feps);
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) orow[i] = src[i] * inv * pw[i];

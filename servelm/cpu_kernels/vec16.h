@@ -4,7 +4,10 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace servelm_cpu {
@@ -25,6 +28,27 @@ inline f32x16 load16(const bf16* p) {
 }
 inline f32x16 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+
+// *p in every lane (one load-broadcast; splat(x) would add x to a zero vector first).
+inline f32x16 broadcast16(const float* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_set1_ps(*p);
+#else
+  return splat(*p);
+#endif
+}
+
+// a * b + c rounded once, in every lane: spelled out rather than left to the compiler's
+// contraction, so kernels whose results must not move (det_gemm.cpp) say what they compute.
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  f32x16 r;
+  for (int i = 0; i < 16; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 
 // float8 e4m3fn codes (an fp8 KV cache): 1 sign, 4 exponent (bias 7), 3 mantissa bits.
 struct fp8_e4m3 {

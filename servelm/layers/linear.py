@@ -29,6 +29,14 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [], "")
 
+    def dense_weight(self) -> torch.Tensor:
+        """The plain weight [N, K] back from oneDNN's blocked copy (deterministic mode
+        repacks it for its own kernel): the identity's rows through the layer. Exact: each
+        output is one product 1 * w plus products with 0."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        out = torch.ops.mkldnn._linear_pointwise(eye, self.packed_weight, None, "none", [], "")
+        return out.t().contiguous()
+
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of a loaded float model by a PackedLinear; a tied output head

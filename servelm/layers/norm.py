@@ -18,7 +18,12 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         weight = self.scale()
         ops = fused_ops(x)
-        if ops is not None and x.is_contiguous():  # one pass instead of ~8 ops
+        if ops is not None and residual is None and x.stride(-1) == 1:
+            # One pass instead of ~8 ops; a strided view (q/k norms over heads split from
+            # the qkv projection) is copied first: torch's rms_norm of a strided input may
+            # sum a row in an order that depends on the shape (deterministic mode).
+            return ops.rms_norm(x.contiguous(), weight, self.eps)
+        if ops is not None and x.is_contiguous():
             if residual is None:
                 return ops.rms_norm(x, weight, self.eps)
             if residual.is_contiguous() and residual.dtype == x.dtype:

@@ -10,10 +10,16 @@ Speculative verifications (a few query tokens after a context) ride along as one
 per token (see `maybe_run`); a draft model's steps (servelm/spec/draft.py) take a stack of
 their own, early-exit drafts the target's first N layers.
 
+In deterministic mode (the backend's `deterministic`, set by the runner for --deterministic)
+the stack takes every step, prefill chunks included, as one row per token (the verification
+form above at any length): prefill, decode, verification and recompute then run one per-row
+algorithm, the linears are DetLinear (batch-invariant, servelm/layers/det_linear.py) and a
+row's bits do not depend on the batch it came in.
+
 Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
 with a float32 or fp8 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
 linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized layer on servelm's
-C++ kernels (Int4Linear / Int8Linear with kernel "cpu"). Steps with a prefill chunk and other
+C++ kernels (Int4Linear / Int8Linear with kernel "cpu"), or a DetLinear. Steps with a prefill chunk and other
 models run eagerly, as before.
 
 The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
@@ -34,7 +40,7 @@ from servelm.runner.forward_batch import ForwardBatch
 
 PART = "decode"  # of CpuKernelChoice
 MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
-_KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED = 0, 1, 2, 3
+_KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED, _KIND_DET = 0, 1, 2, 3, 4
 
 
 class CpuDecodeStack:
@@ -72,7 +78,12 @@ class CpuDecodeStack:
         over the chunk. Fresh prompts and longer chunks (prefill) run eagerly."""
         if not fb.num_seqs:
             return None
-        if fb.num_decodes == fb.num_seqs:
+        if self.backend.deterministic:  # every step, every token one row
+            qsl = fb.query_start_loc
+            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(fb.num_seqs)])
+            tables = fb.block_tables[:fb.num_seqs].repeat_interleave(lens, dim=0)
+            seq_lens = fb.positions + 1
+        elif fb.num_decodes == fb.num_seqs:
             tables, seq_lens = fb.block_tables, torch.tensor(fb.seq_lens, dtype=torch.long)
         else:
             qsl, ctx = fb.query_start_loc, fb.context_lens
@@ -127,12 +138,15 @@ def _rotary_forward():
 
 
 def _linear_kind(m: nn.Module) -> int | None:
+    from servelm.layers.det_linear import DetLinear
     from servelm.layers.linear import PackedLinear
     from servelm.quant.int4_linear import Int4Linear
     from servelm.quant.int8_linear import Int8Linear
 
     if type(m) is PackedLinear:
         return _KIND_PACKED
+    if type(m) is DetLinear:
+        return _KIND_DET
     if type(m) is nn.Linear:
         ok = m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
         return _KIND_FLOAT if ok else None
@@ -150,6 +164,9 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     bias = none if m.bias is None else m.bias.detach().float().contiguous()
     if kind == _KIND_FLOAT:
         return [m.weight.detach(), none, bias], [kind, m.out_features, 0, m.in_features]
+    if kind == _KIND_DET:
+        bias = none if m.bias is None else m.bias
+        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
         bias = none if m.bias is None else m.bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]

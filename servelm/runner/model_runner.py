@@ -21,6 +21,7 @@ from servelm.core.contract import (PromptLogprobs, SampledToken, SpecOutcome, St
 from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
 from servelm.runner.cpu_decode import CpuDecodeStack
+from servelm.runner.deterministic import enable_deterministic
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
@@ -65,7 +66,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
                  graphs=None, proposer=None, cpu_decode: str = "auto", grammars=None,
-                 lora=None):
+                 lora=None, deterministic: bool = False):
         self.model = model
         self.lora = lora  # servelm.lora.manager.LoraManager, or None (LoRA off)
         self.grammars = grammars  # servelm.structured.GrammarMasks, or None (no tokenizer)
@@ -80,6 +81,11 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._pooled: dict[int, torch.Tensor] = {}  # seq_id -> sum of prompt hidden states
         self.state = RunnerState(on_forget=self._forget)
+        # --deterministic: batch-invariant linears and per-row attention (runner/
+        # deterministic.py), before the decode stack is built from the model's layers.
+        self.deterministic = deterministic
+        if deterministic:
+            enable_deterministic(model, model_config, backend, device, graphs)
         # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
         # cpu_decode: its mode, the engine option's `decode` part (auto | kernel | torch).
         self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend, mode=cpu_decode)

@@ -1,0 +1,87 @@
+"""DetLinear: the batch-invariant float32 linear of deterministic mode (CPU).
+
+oneDNN's and MKL's GEMMs choose their blocking and K split by the number of rows, so a
+token's output row changes in the last bits with the batch it lands in (a prefill chunk of
+M tokens, a decode batch of B sequences). DetLinear's kernel (cpu_kernels/det_gemm.cpp)
+sums every output element in one fixed order, so a row's result is the same bits at any M,
+at any place in the batch and at any thread count. It costs about what oneDNN's packed
+GEMM does at decode sizes (it is faster below ~16 rows, up to ~1.3x slower at hundreds).
+
+Owns: packing a float weight once into the kernel's panels, and `make_deterministic(model)`,
+which swaps every float linear of a model (nn.Linear, PackedLinear, a tied head) for one.
+Never: runs anywhere but the CPU in float32 (the caller refuses other configurations).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servelm import cpu_kernels
+
+
+class DetLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        ops = cpu_kernels.load()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_weight", ops.det_pack(weight.detach().float()))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.servelm_cpu.det_linear(x, self.packed_weight, self.bias,
+                                                self.out_features)
+
+
+def _weight_of(m: nn.Module) -> torch.Tensor | None:
+    """The float weight [N, K] of a linear layer servelm builds, or None if not one."""
+    from servelm.layers.linear import PackedLinear
+
+    if type(m) is nn.Linear:
+        return m.weight
+    if type(m) is PackedLinear:  # oneDNN's blocked copy; its plain rows come back by reorder
+        return m.dense_weight()
+    return None
+
+
+def make_deterministic(model: nn.Module) -> int:
+    """Replace every float linear of `model` (and a tied output head: model.lm_head None)
+    by a DetLinear; returns how many. Raises ValueError naming a layer it cannot take
+    (quantized linears, MoE experts), so deterministic mode never silently runs an
+    M-dependent kernel."""
+    from servelm.layers.moe import Experts
+
+    for name, m in model.named_modules():
+        if isinstance(m, Experts):
+            raise ValueError(f"deterministic mode does not support mixture-of-experts layers "
+                             f"({name}): the expert matmuls group tokens by batch")
+    targets = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            weight = _weight_of(child)
+            if weight is not None:
+                if weight.device.type != "cpu" or weight.dtype != torch.float32:
+                    raise ValueError("deterministic mode runs float32 on the CPU; layer "
+                                     f"{name} is {weight.dtype} on {weight.device}")
+                targets.append((parent, name, child, weight))
+            elif _is_linear_like(child):
+                raise ValueError(f"deterministic mode takes float linears only; {name} is a "
+                                 f"{type(child).__name__} (quantized models are not covered)")
+    for parent, name, child, weight in targets:
+        setattr(parent, name, DetLinear(weight, child.bias))
+    count = len(targets)
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
+        model.lm_head = DetLinear(model.embed_tokens.weight, None)
+        count += 1
+    return count
+
+
+def _is_linear_like(m: nn.Module) -> bool:
+    from servelm.quant.quantized_linear import QuantizedLinear
+
+    return isinstance(m, QuantizedLinear) or (isinstance(m, nn.Linear) and type(m) is not nn.Linear)
+
+
+def det_linear_calls() -> int:
+    """det_linear kernel calls in this process so far (tests check the kernel ran)."""
+    return int(cpu_kernels.load().det_linear_calls())
