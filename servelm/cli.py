@@ -20,7 +20,7 @@ from servelm.protocol import InvalidParameterError, SamplingParams
 # Sub-packages that register their own sub-commands.
 _SUBCOMMAND_MODULES = ["servelm.loader.cli", "servelm.bench.cli", "servelm.planner.cli",
                        "servelm.server.cli", "servelm.quant.cli", "servelm.evals.cli",
-                       "servelm.sim.cli", "servelm.router.cli"]
+                       "servelm.sim.cli", "servelm.router.cli", "servelm.doctor.cli"]
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -273,7 +273,9 @@ class ServerMetrics:
             self.recorder.add_step(StepRecord(
                 now, report.step_s, report.last_num_seqs, report.last_num_tokens,
                 report.last_max_prefill_chunk, sum(len(d.token_ids) for d in deltas),
-                report.num_waiting_requests, bw, fl))
+                report.num_waiting_requests, bw, fl,
+                report.num_used_blocks / report.num_total_blocks
+                if report.num_total_blocks else 0.0))
         if report.num_preemptions > self._num_preemptions_seen:
             self.preemptions.inc(report.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = report.num_preemptions

@@ -36,3 +36,7 @@ class ServerConfig:
     # thinking in tags (None: the output is all content).
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
+    # Observability (docs/observability.md): each finished request's record appended to this
+    # JSON-lines file (`servelm doctor --log`), and OpenTelemetry spans sent over OTLP/HTTP.
+    request_log: str | None = None
+    otlp_traces_endpoint: str | None = None

@@ -58,6 +58,8 @@ def dashboard_router(state) -> APIRouter:
     recorder = state.metrics.recorder
     if recorder.max_num_batched_tokens is None:
         recorder.max_num_batched_tokens = step_budget(state.async_engine)
+    if getattr(state.config, "request_log", None):
+        recorder.open_log(state.config.request_log)
 
     @router.get("/dashboard/data")
     async def data(request: Request) -> Response:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
 RECORD_VERSION = 1
+KV_FULL = 0.9  # a pool this full turns new requests away (the scheduler keeps a reserve)
 
 
 class StepRecord(NamedTuple):
@@ -33,6 +34,7 @@ class StepRecord(NamedTuple):
     num_waiting: int  # requests waiting after the step
     bandwidth_util: float | None
     compute_util: float | None
+    kv_usage: float = 0.0  # used / total KV blocks after the step
 
     @property
     def start(self) -> float:
@@ -66,6 +68,9 @@ class RequestRecord:
     client_blocked_s: float = 0.0  # awaiting socket writes (a slow reader)
     gc_s: float = 0.0  # front-end GC pauses during the request
     max_chunk_waited: int = 0  # largest other sequence's prefill chunk in a step before TTFT
+    behind_chunks_s: float = 0.0  # of arrival -> first token, in steps with such a chunk
+    max_kv_usage_waited: float = 0.0  # highest KV usage seen between arrival and first token
+    queue_kv_full_s: float = 0.0  # of its queue time, in steps that left the KV pool >= 90% full
     num_steps_before_first_token: int = 0
     num_waiting_at_arrival: int = 0
     max_num_batched_tokens: int | None = None  # the engine's step budget, when known
@@ -135,9 +140,18 @@ class Recorder:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.gc = gc_monitor()
         self._lock = threading.Lock()
-        self._log = open(log_path, "a", buffering=1, encoding="utf-8") if log_path else None
+        self._log = None
+        if log_path:
+            self.open_log(log_path)
         self.num_requests = 0
         self.listeners: list = []  # called with each finished RequestRecord (tracing)
+
+    def open_log(self, path: str) -> None:
+        """Append each finished request's record to `path` (JSON lines)."""
+        try:
+            self._log = open(path, "a", buffering=1, encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"request_log: cannot open {path}: {exc.strerror}") from None
 
     def add_step(self, step: StepRecord) -> None:
         with self._lock:
@@ -209,8 +223,12 @@ def build_record(recorder: Recorder, request_id: str, *, endpoint: str, status: 
     rec.num_cached_tokens = timings.num_cached_tokens
     rec.num_preemptions = timings.num_preemptions
     if timings.first_scheduled_time is not None:
-        rec.queue_s = max(0.0, timings.first_scheduled_time - (submitted or arrival))
+        scheduled = timings.first_scheduled_time
+        rec.queue_s = max(0.0, scheduled - (submitted or arrival))
         rec.prefill_s = timings.prefill_time
+        rec.queue_kv_full_s = sum(
+            min(s.end, scheduled) - max(s.start, arrival)
+            for s in recorder.steps_between(arrival, scheduled) if s.kv_usage >= KV_FULL)
     rec.ttft_s = timings.ttft_s
     rec.e2e_s = timings.e2e_s
     first, last = timings.first_token_time, timings.last_token_time
@@ -222,8 +240,10 @@ def build_record(recorder: Recorder, request_id: str, *, endpoint: str, status: 
         window = recorder.steps_between(arrival, first)
         rec.num_steps_before_first_token = len(window)
         # A chunk larger than this request's own uncached prompt was someone else's.
-        others = [s.max_chunk for s in window if s.max_chunk > own]
-        rec.max_chunk_waited = max(others, default=0)
+        others = [s for s in window if s.max_chunk > own]
+        rec.max_chunk_waited = max((s.max_chunk for s in others), default=0)
+        rec.behind_chunks_s = sum(min(s.end, first) - max(s.start, arrival) for s in others)
+        rec.max_kv_usage_waited = max((s.kv_usage for s in window), default=0.0)
         if stream_stats is not None:
             written = stream_stats.first_write_after(first)
             if written is not None:
