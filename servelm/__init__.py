@@ -1,5 +1,9 @@
 """servelm: an LLM inference serving system (paged KV cache, continuous batching, OpenAI API)."""
 
+import time as _time
+
+IMPORTS_STARTED = _time.time()  # servelm/startup.py: where a process's `imports` stage begins
+
 # Importing servelm writes nothing to the environment: the `servelm` command applies its
 # environment defaults (servelm/own_env.py) when it starts.
 from servelm.protocol import InvalidParameterError, RequestOutput, SamplingParams

@@ -556,14 +556,14 @@ class EngineArgs:
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
     # (servelm/runner/deterministic.py, docs/determinism.md). CPU, float32, dense models.
     deterministic: bool = False
-    # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
-    # (servelm/runner/deterministic.py, docs/determinism.md). CPU, float32, dense models.
-    deterministic: bool = False
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
     kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
     # "attention=torch,decode=kernel" (servelm/cpu_kernels/choice.py).
     cpu_kernels: str = "auto"
+    # Keep a float model's finished parameters under $SERVELM_HOME/prepared and read them
+    # back on the next start instead of dequantizing the checkpoint (servelm/loader/prepared.py).
+    prepared_weights_cache: bool = True
     # Speculative decoding (servelm/spec/): None = off; "ngram" or "draft".
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
@@ -583,7 +583,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
         if not isinstance(self.lora_modules, tuple):  # argparse: a list, or None
-            object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+            mods = self.lora_modules
+            object.__setattr__(self, "lora_modules",
+                               (mods,) if isinstance(mods, str) else tuple(mods or ()))
         self.lora_adapters()
 
     @property
@@ -689,10 +691,6 @@ def add_engine_cli_args(parser) -> None:
                    help="batch-invariant kernels: the same request gives the same tokens and "
                         "logprobs whatever the batch, chunking, prefix-cache hits, preemption "
                         "or speculation (CPU, float32, dense models; docs/determinism.md)")
-    g.add_argument("--deterministic", action="store_true", default=d("deterministic"),
-                   help="batch-invariant kernels: the same request gives the same tokens and "
-                        "logprobs whatever the batch, chunking, prefix-cache hits, preemption "
-                        "or speculation (CPU, float32, dense models; docs/determinism.md)")
     g.add_argument("--quantization", default=d("quantization"), choices=quant_method_names(),
                    help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
                         "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'fp8' is W8A8 "
@@ -708,6 +706,10 @@ def add_engine_cli_args(parser) -> None:
                         "'attention=torch,decode=kernel' (parts: attention, decode, "
                         "layer_ops, quant; default %(default)s). The start-up log (-v) says "
                         "which path each part took")
+    g.add_argument("--no-prepared-weights-cache", dest="prepared_weights_cache",
+                   action="store_false", default=d("prepared_weights_cache"),
+                   help="load the checkpoint every start instead of the float parameters "
+                        "prepared at the last one ($SERVELM_HOME/prepared; docs/server.md)")
     lo = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", dest="lora_modules", action="append", default=None,
                     metavar="NAME=PATH",

@@ -11,14 +11,15 @@ import time
 
 import torch
 
-from servelm import cpu_kernels
+from servelm import cpu_kernels, startup
 from servelm.attention import get_backend_class
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
 from servelm.layers.linear import can_pack, pack_linears
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from servelm.loader import (iter_weights, load_model_config, load_tokenizer, prepared,
+                            resolve_model)
 from servelm.models import get_model_class
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
@@ -31,11 +32,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_model(config: ModelConfig, weights, dtype: torch.dtype,
-                device: torch.device, quantization: str | None = None) -> torch.nn.Module:
+                device: torch.device, quantization: str | None = None,
+                prepared_key: str | None = None) -> torch.nn.Module:
     """Build on the meta device (no throwaway init), then fill from the checkpoint.
 
     quantization: a `servelm.quant` method name; its layers quantize once loading is done.
+    prepared_key: the prepared-weights cache entry (servelm/loader/prepared.py) to read the
+    finished float parameters from instead of `weights`, or to write once they are loaded.
     """
+    timer = startup.timer()
     quant = None
     if quantization is not None:
         from servelm.quant import get_quant_method
@@ -46,15 +51,26 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     extra = {} if quant is None else {"quant": quant}
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, None, **extra)
-    model = model.to_empty(device=device).to(dtype)
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.materialize(device)
-    model.load_weights((name, t.to(dtype)) for name, t in weights)
+    if quant is not None or device.type != "cpu":
+        prepared_key = None
+    with timer.stage("weights_read"):
+        state = None if prepared_key is None else prepared.load(prepared_key)
+        if state is not None:
+            model.load_state_dict(state, strict=True, assign=True)
+            timer.note("weights_read", "prepared-weights cache")
+        else:
+            model = model.to_empty(device=device).to(dtype)
+            model.load_weights((name, t.to(dtype)) for name, t in weights)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.materialize(device)
+    if state is None and prepared_key is not None and prepared.cacheable(model):
+        timer.add("weights_cache", prepared.save(prepared_key, model))
     if quant is not None:
         model.process_weights_after_loading()
     elif can_pack(device, dtype):
-        pack_linears(model)
+        with timer.stage("weights_pack"):
+            pack_linears(model)
     return model.eval()
 
 
@@ -68,9 +84,16 @@ def bind_attention(model: torch.nn.Module, backend) -> None:
 def build_engine(args: EngineArgs) -> Engine:
     """Resolve the model (cached name, GGUF file or HF directory) and assemble an engine."""
     start = time.monotonic()
+    timer = startup.begin_engine()
     source = resolve_model(args.model)
-    config = load_model_config(source)
-    tokenizer = load_tokenizer(source)
+    with timer.stage("config"):
+        config = load_model_config(source)
+    with timer.stage("tokenizer"):
+        tokenizer = load_tokenizer(source)
+    key = None
+    if args.quantization is None and args.prepared_weights_cache:
+        key = prepared.prepared_key(source, get_model_class(config.architecture),
+                                    _DTYPES[args.dtype])
     checkpoint = None
     if source.kind == "hf":
         from servelm.quant.checkpoint import read_quantized_checkpoint
@@ -89,18 +112,30 @@ def build_engine(args: EngineArgs) -> Engine:
         weights = iter_gguf_quantized_weights(source.path, config)
     else:
         weights = iter_weights(source, config)
-    engine = assemble_engine(args, config, weights, tokenizer, source.name)
-    logger.info("engine ready in %.1fs", time.monotonic() - start)
+    engine = assemble_engine(args, config, weights, tokenizer, source.name,
+                             prepared_key=None if checkpoint is not None else key)
+    with timer.stage("warmup"):
+        startup.warm_up(engine)
+    timer.add("engine_other", time.monotonic() - start - sum(
+        v for k, v in timer.stages.items() if k not in ("interpreter", "imports")))
+    logger.info("engine ready in %.1fs (start-up: %s)", time.monotonic() - start,
+                timer.summary())
     return engine
 
 
 def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
-                    name: str = "") -> Engine:
+                    name: str = "", prepared_key: str | None = None) -> Engine:
     """Engine from a config and a weights iterator (tests pass in-memory checkpoints)."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     cpu_choice = args.cpu_kernel_choice()
     cpu_kernels.configure(cpu_choice)  # before the model: its layers read it as they build
+    if torch.device(args.device).type == "cpu" and str(cpu_choice) != "torch":
+        with startup.timer().stage("kernels"):
+            try:
+                cpu_kernels.load()  # built once per machine; a failure is reported where used
+            except Exception:  # noqa: BLE001 - 'auto' falls back to torch, 'kernel' raises later
+                pass
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()
@@ -115,7 +150,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                          f"{config.max_position_embeddings} positions")
     cache_config = args.cache_config()
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
-    model = build_model(config, weights, dtype, device, args.quantization)
+    model = build_model(config, weights, dtype, device, args.quantization, prepared_key)
     kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
     spec_config = args.speculative_config()
     draft = None
@@ -128,7 +163,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         per_target = KVCache.bytes_per_block(config, cache_config.block_size, kv_dtype)
         per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
         num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
-    kv_cache = KVCache(config, num_blocks, cache_config.block_size, kv_dtype, device)
+    with startup.timer().stage("kv_alloc"):
+        kv_cache = KVCache(config, num_blocks, cache_config.block_size, kv_dtype, device)
     backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
@@ -148,7 +184,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         graphs = CudaGraphRunner(model, backend, args.max_num_seqs,
                                  -(-min(max_model_len, num_blocks * cache_config.block_size)
                                    // cache_config.block_size), device)
-        logger.info("CUDA graphs captured in %.1fs", graphs.capture())
+        with startup.timer().stage("graph_capture"):
+            logger.info("CUDA graphs captured in %.1fs", graphs.capture())
     grammars = None
     if tokenizer is not None:  # structured outputs need the vocabulary's strings
         from servelm.structured import GrammarMasks, compiler_for

@@ -55,6 +55,9 @@ class CoreInfo(msgspec.Struct):
     device_type: str
     speculative: bool
     lora_names: list[str] = []  # LoRA adapters loaded at start-up (--lora)
+    # servelm/startup.py: the core's start-up stages (seconds) and their notes
+    startup_stages: dict[str, float] = msgspec.field(default_factory=dict)
+    startup_notes: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 
+from servelm import startup
 from servelm.core import codec
 from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInfo, Fatal,
                                 Hello, LoadLora, LoraResult, Outputs, Ready, Rejected, Shutdown,
@@ -67,6 +68,7 @@ def describe_engine(engine) -> CoreInfo:
         num_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
         dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         device_type=args.device.split(":")[0], speculative=engine.speculator is not None,
+        startup_stages=dict(startup.timer().stages), startup_notes=dict(startup.timer().notes),
         lora_names=engine.lora_names())
 
 

@@ -115,7 +115,12 @@ class RotaryEmbedding(nn.Module):
         if scaling is not None and scaling.get("rope_type") in ("yarn", "longrope"):
             scaling = {**scaling, "_factor": _yarn_factor(scaling, max_position)}
         self._args = (self.rotary_dim, max_position, theta, scaling)
-        cos, sin = self._table(None)  # on the meta device when built there
+        if torch.empty(()).device.type == "meta":  # built on the meta device: materialize()
+            # fills the tables (computing them here would run meta decompositions, which
+            # import torch._dynamo: seconds of every start-up)
+            cos = sin = torch.empty(max_position, self.rotary_dim // 2)
+        else:
+            cos, sin = self._table(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -47,9 +47,12 @@ _TOKEN_USER_DEFINED = 4
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: Path) -> GGUFReader:
-    # Parsing the metadata (50k-entry vocab arrays) takes a moment; config, weights and
-    # tokenizer are each asked for separately, so share one memory-mapped reader per file.
-    return GGUFReader(path, "r")
+    # Parsing the metadata (50k-entry vocab arrays) takes seconds: it is done once per file
+    # and kept under $SERVELM_HOME/index (servelm/loader/gguf_index.py), and config, weights
+    # and tokenizer share one memory-mapped view of it per process.
+    from servelm.loader.gguf_index import open_indexed
+
+    return open_indexed(path)
 
 
 def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:

@@ -51,7 +51,11 @@ class DecoderLM(nn.Module):
                              f"for the {self.family or config.architecture} family (float only)")
         self.config = config
         self.quant = None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (empty) weight: nn.Embedding would otherwise draw normal_ init, which
+        # on the meta device imports torch._dynamo (1.5 s of every start-up).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.requires_grad_(False)
         self.embed_scale = 1.0  # Gemma multiplies the embedding by sqrt(hidden)
         self.layers = nn.ModuleList()

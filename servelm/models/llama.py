@@ -95,7 +95,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.quant = quant
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (empty) weight: nn.Embedding would otherwise draw normal_ init, which
+        # on the meta device imports torch._dynamo (1.5 s of every start-up).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.requires_grad_(False)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)

@@ -14,6 +14,9 @@ import logging
 import os
 import socket
 import sys
+import time
+
+from servelm import startup
 
 
 def add_parser(subparsers) -> None:
@@ -115,9 +118,6 @@ def add_parser(subparsers) -> None:
                    help="run the engine core (scheduler + model) in its own process "
                         "(default; a slow client or a busy event loop never delays a step) or "
                         "on a thread of the HTTP process")
-    g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
-                   help="one JSON line per finished request on stderr (logger "
-                        "servelm.requests)")
     g.add_argument("--request-log", default=d("request_log"), metavar="FILE",
                    help="append each finished request's timing record (queue, prefill, "
                         "stalls, client) to FILE as JSON lines, for `servelm doctor --log`")
@@ -125,6 +125,9 @@ def add_parser(subparsers) -> None:
                    help="send OpenTelemetry spans per request (front end, queue, prefill, "
                         "decode, stream) to this OTLP/HTTP endpoint, e.g. "
                         "http://127.0.0.1:4318/v1/traces (needs servelm[otel]; default: off)")
+    g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per finished request on stderr (logger "
+                        "servelm.requests)")
     add_engine_cli_args(p)
     p.set_defaults(func=handler)
 
@@ -170,12 +173,7 @@ def handler(args) -> int:
 
         _setup_request_log(args.log_requests)
         return serve_data_parallel(args, _serve_argv())
-    import uvicorn
-
     from servelm.config import engine_args_from_cli
-    from servelm.engine_builder import build_engine
-    from servelm.server.app import build_app
-    from servelm.server.draining_server import DrainingServer, uvicorn_options
 
     _setup_request_log(args.log_requests)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -183,23 +181,36 @@ def handler(args) -> int:
     sock.bind((args.host, args.port))  # fail before the slow model load if the port is taken
     engine_args = engine_args_from_cli(args)
     if args.engine_core == "process":
-        engine = _start_core(engine_args)
+        engine, built = _start_core(engine_args)
         if engine is None:
             return 1
     else:
-        engine = build_engine(engine_args)
+        from servelm.engine_builder import build_engine
+
+        engine, built = build_engine(engine_args), time.time()
+    import uvicorn
+
+    from servelm.server.app import build_app
+    from servelm.server.draining_server import DrainingServer, uvicorn_options
+
     config = server_config_from_cli(args, engine.model_name or args.model)
     app = build_app(engine, config)
     app.state.servelm.metrics.recorder.max_num_batched_tokens = \
         engine_args.max_num_batched_tokens  # the doctor's advice on the chunk budget
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+
+    def ready_message() -> str:
+        record = _startup_record(built)
+        startup.export_metrics(app.state.servelm.metrics.registry, record)
+        return (f"[servelm] serving {config.served_model_name} at http://{shown}:{port}/v1 "
+                f"(ready {record['ready_s']:.1f} s after start: {startup.timer().summary()})")
+
     server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5,
                                            **uvicorn_options(app.state.servelm)),
                             state=app.state.servelm, drain_timeout=config.drain_timeout,
-                            ready_message=f"[servelm] serving {config.served_model_name} at "
-                                          f"http://{shown}:{port}/v1")
+                            ready_message=ready_message)
     if args.engine_core == "process":
         def core_died(cause: str) -> None:
             # In-flight requests have failed with the cause; exit non-zero so that a
@@ -218,13 +229,48 @@ def _serve_argv() -> list[str]:
     return argv[argv.index("serve") + 1:] if "serve" in argv else argv
 
 def _start_core(engine_args):
-    """The engine core in its own process, or None (the reason printed) if it fails."""
-    from servelm.core.client import CoreClient, CoreStartError
-    from servelm.loader import load_tokenizer, resolve_model
+    """(the engine core in its own process, when it was ready), or (None, 0) with the
+    reason printed if it fails. The front end's own start-up work (its tokenizer, the HTTP app's imports) runs on a thread
+    while the core builds its engine."""
+    from concurrent.futures import ThreadPoolExecutor
 
+    from servelm.core.client import CoreClient, CoreStartError
+
+    timer = startup.timer()
+    spawned = time.time()
+    timer.add("frontend_start", spawned - (startup.process_start_time() or spawned))
     try:
-        tokenizer = load_tokenizer(resolve_model(engine_args.model))
-        return CoreClient.spawn(engine_args, tokenizer)
+        with ThreadPoolExecutor(1, thread_name_prefix="servelm-frontend") as pool:
+            tokenizer = pool.submit(_frontend_work, engine_args.model)
+            client = CoreClient.spawn(engine_args)
+            ready = time.time()
+            client.tokenizer = tokenizer.result()
     except (CoreStartError, ValueError, OSError) as exc:
         print(f"[servelm] the engine core failed to start: {exc}", file=sys.stderr, flush=True)
-        return None
+        return None, 0.0
+    stages, notes = client.info.startup_stages, client.info.startup_notes
+    for name, seconds in stages.items():
+        timer.add(name, seconds, notes.get(name))
+    timer.add("core_spawn", (ready - spawned) - sum(stages.values()))
+    return client, ready
+
+
+def _frontend_work(model: str):
+    """The front end's tokenizer, and the modules serving needs imported (off the path)."""
+    import uvicorn  # noqa: F401
+
+    import servelm.server.app  # noqa: F401
+    from servelm.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(model))
+
+
+def _startup_record(built: float) -> dict:
+    """The start-up record once listening: `frontend_ready` closes the stages, which then
+    sum to ready_s (process start to now)."""
+    timer = startup.timer()
+    now = time.time()
+    timer.add("frontend_ready", now - built)
+    started = startup.process_start_time()
+    return {"ready_s": round(now - started if started is not None else timer.total, 4),
+            **timer.as_dict()}

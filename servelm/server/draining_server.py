@@ -119,7 +119,7 @@ def uvicorn_options(state) -> dict[str, Any]:
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state, drain_timeout: float,
-                 ready_message: str = ""):
+                 ready_message=""):
         super().__init__(config)
         self.state = state  # ServerState
         self.drain_timeout = drain_timeout
@@ -134,7 +134,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started and self.ready_message:
-            print(self.ready_message, file=sys.stderr, flush=True)
+            message = self.ready_message  # a string, or a callable made when listening
+            print(message() if callable(message) else message, file=sys.stderr, flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         # Runs in the main thread's signal handler: only schedule work on the loop.

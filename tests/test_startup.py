@@ -1,0 +1,50 @@
+"""Start-up stages (servelm/startup.py): the timer, the process start time, the lazily zeroed
+KV pool (a real server's stages: tests/server/test_startup_stages.py)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from servelm import startup
+
+
+def test_timer_stages_sum_and_refuse_unknown_names():
+    t = startup.StartupTimer()
+    t.add("config", 0.25)
+    t.add("config", 0.25)
+    with t.stage("kv_alloc", note="lazy"):
+        time.sleep(0.01)
+    t.add("warmup", -1.0)  # clock noise never makes a stage negative
+    assert t.stages["config"] == 0.5 and t.stages["warmup"] == 0.0
+    assert 0.01 <= t.stages["kv_alloc"] < 1.0
+    assert t.total == pytest.approx(0.5 + t.stages["kv_alloc"])
+    assert t.summary().startswith("config 0.50, kv_alloc 0.01") and "(lazy)" in t.summary()
+    with pytest.raises(ValueError, match="unknown start-up stage 'weights'"):
+        t.add("weights", 1.0)
+
+
+def test_process_start_time_is_this_process_start():
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; from servelm import startup; "
+                          "print(startup.process_start_time(), time.time())"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    started, now = float(out[0]), float(out[1])
+    assert before - 0.05 <= started <= now  # clock ticks are 10 ms
+
+
+def test_kv_pool_is_zero_writable_and_lazily_backed():
+    from servelm.runner.kv_cache import _zeros
+
+    t0 = time.monotonic()
+    pool = _zeros((8, 1 << 20, 4, 16), torch.float32, "cpu")  # 2 GiB, untouched
+    assert time.monotonic() - t0 < 0.2
+    assert pool.is_contiguous() and pool.dtype == torch.float32
+    layer = pool[5]
+    del pool
+    layer[123, 2] = 7.0
+    assert float(layer.sum()) == 7.0 * 16 and float(layer[0].abs().sum()) == 0.0
+    fp8 = _zeros((2, 8), torch.float8_e4m3fn, "cpu")
+    assert fp8.float().abs().sum() == 0
