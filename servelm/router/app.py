@@ -45,6 +45,7 @@ class RouterConfig:
     policy: str = "round_robin"
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 2**20
+    otlp_traces_endpoint: str | None = None  # a span per request, its context passed on
 
 
 class RouterMetrics:
@@ -183,6 +184,7 @@ class Router:
         replicas.on_change = lambda rep, ok: (None if ok else
                                              self.metrics.ejections.labels(rep.url).inc())
         self.client: httpx.AsyncClient | None = None
+        self.tracing = None  # servelm.tracing.Tracing, when traces are configured
 
     def pick(self, route: RouteRequest, prompt: list[int] | None, salt, headers,
              exclude: Replica | None = None) -> tuple[Replica | None, int]:
@@ -230,6 +232,27 @@ class Router:
         if not isinstance(body, dict):
             body = {}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        span = None
+        if self.tracing is not None:  # the replica's spans become children of the router's
+            span = self.tracing.tracer.start_span(
+                f"router {request.method} {path}", context=self.tracing.extract(headers),
+                kind=self.tracing.trace.SpanKind.SERVER)
+            headers = {k: v for k, v in headers.items()
+                       if k.lower() not in ("traceparent", "tracestate")}
+            headers.update(self.tracing.inject(span))
+        try:
+            response = await self._forward(request, path, raw, body, headers, span)
+        except BaseException:
+            if span is not None:
+                span.end()
+            raise
+        if span is not None and not isinstance(response, StreamingResponse):
+            span.set_attribute("http.response.status_code", response.status_code)
+            span.end()
+        return response
+
+    async def _forward(self, request: Request, path: str, raw: bytes, body: dict, headers,
+                       span) -> Response:
         tokens = _estimate_tokens(body)
         is_stream = bool(body.get("stream"))
         prompt = None
@@ -266,8 +289,10 @@ class Router:
         out_headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _DROP_RESPONSE}
         out_headers["x-servelm-replica"] = replica.url
+        if span is not None:
+            span.set_attribute("servelm.replica", replica.url)
         if is_stream:
-            return StreamingResponse(self._relay(replica, upstream, work),
+            return StreamingResponse(self._relay(replica, upstream, work, span),
                                      status_code=upstream.status_code, headers=out_headers)
         try:
             content = await upstream.aread()
@@ -335,7 +360,8 @@ class Router:
             return replica, None, f"HTTP {resp.status_code}"
         return replica, resp, ""
 
-    async def _relay(self, replica: Replica, upstream: httpx.Response, tokens: int):
+    async def _relay(self, replica: Replica, upstream: httpx.Response, tokens: int,
+                     span=None):
         done = False
         try:
             async for chunk in upstream.aiter_raw():
@@ -353,11 +379,23 @@ class Router:
         finally:
             self._done(replica, tokens)
             await upstream.aclose()
+            if span is not None:
+                span.end()
 
 
 def build_router_app(replicas: ReplicaSet, policy: RoutingPolicy,
-                     config: RouterConfig | None = None, tokenizer=None) -> FastAPI:
-    router = Router(replicas, policy, config or RouterConfig(), tokenizer)
+                     config: RouterConfig | None = None, tokenizer=None,
+                     tracing=None) -> FastAPI:
+    """`tracing`: a servelm.tracing.Tracing (tests); else one for
+    config.otlp_traces_endpoint when set. Without either, a client's traceparent header is
+    passed to the replica unchanged."""
+    config = config or RouterConfig()
+    router = Router(replicas, policy, config, tokenizer)
+    if tracing is None and config.otlp_traces_endpoint:
+        from servelm.tracing import Tracing
+
+        tracing = Tracing("servelm-router", config.otlp_traces_endpoint)
+    router.tracing = tracing
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

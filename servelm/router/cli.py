@@ -42,6 +42,10 @@ def add_parser(subparsers) -> None:
                    help="bearer token for probing the replicas' /metrics (clients' own keys "
                         "are passed through unchanged)")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send an OpenTelemetry span per request to this OTLP/HTTP endpoint "
+                        "and pass its context to the replica (needs servelm[otel]; without "
+                        "it a client's traceparent header goes through unchanged)")
     p.add_argument("--model", default=None,
                    help="the replicas' model (name, .gguf or HF directory): its tokenizer turns "
                         "text prompts into the token ids prefix_affinity looks up (without "
@@ -62,7 +66,9 @@ def handler(args) -> int:
 
         tokenizer = load_tokenizer(resolve_model(args.model))
     app = build_router_app(replicas, make_policy(args.policy),
-                           RouterConfig(args.policy, args.request_timeout), tokenizer)
+                           RouterConfig(args.policy, args.request_timeout,
+                                        otlp_traces_endpoint=args.otlp_traces_endpoint),
+                           tokenizer)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

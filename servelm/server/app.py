@@ -28,6 +28,7 @@ import servelm
 from servelm.engine.async_engine import AsyncEngine, StreamRouter
 from servelm.server.errors import APIError, error_response
 from servelm.server.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS, dashboard_router
+from servelm.tracing import install_from_config as install_tracing
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
 from servelm.server.server_config import ServerConfig
@@ -250,6 +251,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"version": servelm.__version__})
 
     app.include_router(dashboard_router(state))
+    install_tracing(app, state)  # --otlp-traces-endpoint; inside the API-key check
     app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
     return app
 

@@ -371,6 +371,7 @@ class ServerMetrics:
         done = time.monotonic()
         stats = current_stream_stats() if stream else None
         submitted = getattr(gen, "submitted", None)
+        trace_id = trace_id or self.recorder.trace_id()
         for i, r in enumerate(gen.requests):
             timings = gen.timings.get(r.request_id)
             num_out = sum(len(c.token_ids) for c in gen.choices[i * gen.n:(i + 1) * gen.n])

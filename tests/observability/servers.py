@@ -96,7 +96,8 @@ def word_tokenizer(vocab_size: int = 1000, stall_word: str | None = None,
 def fake_server(*, step_s: float = 0.002, per_token_s: float = 0.0, num_blocks: int = 512,
                 block_size: int = 4, max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                 max_model_len: int = 4096, prefix_caching: bool = False, sndbuf=None,
-                write_buffer_high=None, tokenizer=None, **config) -> Uvicorn:
+                write_buffer_high=None, tokenizer=None, setup=None, **config) -> Uvicorn:
+    """`setup(app)` runs on the built app before it serves (e.g. to install tracing)."""
     from servelm.config import SchedulerConfig
     from servelm.engine.block_manager import BlockManager
     from servelm.engine.engine import Engine
@@ -108,8 +109,10 @@ def fake_server(*, step_s: float = 0.002, per_token_s: float = 0.0, num_blocks: 
                     SchedulerConfig(max_num_batched_tokens, max_num_seqs, True),
                     max_model_len, 1000, (1,))
     config.setdefault("served_model_name", "fake")
-    return Uvicorn(build_app(engine, ServerConfig(**config)), sndbuf=sndbuf,
-                   write_buffer_high=write_buffer_high)
+    app = build_app(engine, ServerConfig(**config))
+    if setup is not None:
+        setup(app)
+    return Uvicorn(app, sndbuf=sndbuf, write_buffer_high=write_buffer_high)
 
 
 def metrics(url: str, headers=None) -> dict[str, float]:

@@ -145,6 +145,7 @@ class Recorder:
             self.open_log(log_path)
         self.num_requests = 0
         self.listeners: list = []  # called with each finished RequestRecord (tracing)
+        self.trace_id = lambda: None  # the current request's trace id (servelm.tracing)
 
     def open_log(self, path: str) -> None:
         """Append each finished request's record to `path` (JSON lines)."""
