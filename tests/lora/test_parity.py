@@ -119,3 +119,29 @@ def test_base_batches_take_the_usual_path(base_hf, tmp_path):
     assert engine.runner.lora.num_lora_steps == 0
     if stack is not None:
         assert stack.steps > before
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_families_match_peft(tmp_path, arch):
+    from tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model(arch, seed=4)
+    peft_model = save_adapter(hf, tmp_path / "ad", r=8, targets=ALL_TARGETS, seed=9)
+    engine = make_tiny_engine(hf, lora_modules=(f"ad={tmp_path / 'ad'}",))
+    ours = lora_logits(engine, PROMPT, "ad")
+    ref = hf_logits(peft_model, PROMPT)
+    assert (ref - hf_logits(hf, PROMPT)).abs().max() > 0.1
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_adapters_ride_on_quantized_base_weights(base_hf, tmp_path):
+    """int8 weight-only base: the adapter's change of the logits is PEFT's (the base
+    projection keeps its own kernel; the product is added to its output)."""
+    peft_model = save_adapter(base_hf, tmp_path / "ad", r=8, targets=ALL_TARGETS, seed=3)
+    engine = make_tiny_engine(base_hf, quantization="int8",
+                              lora_modules=(f"ad={tmp_path / 'ad'}",))
+    delta = lora_logits(engine, PROMPT, "ad") - lora_logits(engine, PROMPT, None)
+    ref = hf_logits(peft_model, PROMPT) - hf_logits(base_hf, PROMPT)
+    assert ref.abs().max() > 0.1
+    assert (delta - ref).abs().max() < 0.1 * ref.abs().max()
+    assert engine.runner.lora.num_lora_steps == 1
