@@ -73,7 +73,8 @@ class ServerState:
 class AuthMiddleware:
     """Bearer-token check on the decoded path before routing, so no spelling of a path
     (`//v1/models`, `/V1/models`, `/health/../v1/models`, %-escapes) reaches a route without
-    the key; only the exact path /health is public."""
+    the key; only the exact paths in PUBLIC_PATHS are public (/health, and the dashboard's
+    page and script, which hold no data)."""
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
         self.app = app

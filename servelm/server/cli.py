@@ -42,7 +42,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the name clients use in `model` (default: the model's name)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   help="require 'Authorization: Bearer KEY' on every route but /health and the "
+                        "dashboard page "
                         "(default: $SERVELM_API_KEY)")
     g.add_argument("--max-n", type=int, default=d("max_n"), help="largest n accepted")
     g.add_argument("--max-queue", type=int, default=d("max_queue"),
