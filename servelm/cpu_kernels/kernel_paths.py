@@ -15,22 +15,29 @@ _QUANT_KERNELS = {"cpu": "panels", "aten": "aten", "triton": "triton", None: "at
 
 def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
                  device: torch.device) -> dict[str, str]:
-    """{part: path}: attention kernel|torch, decode stack|eager, layer_ops fused|torch,
-    quant panels|aten|triton|... (none: no quantized linears)."""
+    """{part: path}: attention kernel|rows|torch, decode stack|eager, layer_ops fused|torch,
+    quant panels|aten|triton|... (none: no quantized linears); in deterministic mode also
+    linear=det (attention=rows: every token one row of the paged kernel)."""
+    from servelm.layers.det_linear import DetLinear
     from servelm.layers.fused_cpu import fused_ops
     from servelm.quant.quantized_linear import QuantizedLinear
 
-    if hasattr(backend, "decode_kernel"):
+    if getattr(backend, "deterministic", False):
+        attention = "rows"
+    elif hasattr(backend, "decode_kernel"):
         attention = "kernel" if backend.decode_kernel is not None else "torch"
     else:
         attention = type(backend).__name__
     probe = torch.empty(0, dtype=dtype, device=device)
     quant = sorted({_QUANT_KERNELS.get(getattr(m, "kernel", None), type(m).__name__)
                     for m in model.modules() if isinstance(m, QuantizedLinear)})
-    return {"attention": attention,
-            "decode": "stack" if cpu_stack is not None else "eager",
-            "layer_ops": "fused" if fused_ops(probe) is not None else "torch",
-            "quant": "+".join(quant) or "none"}
+    paths = {"attention": attention,
+             "decode": "stack" if cpu_stack is not None else "eager",
+             "layer_ops": "fused" if fused_ops(probe) is not None else "torch",
+             "quant": "+".join(quant) or "none"}
+    if any(isinstance(m, DetLinear) for m in model.modules()):
+        paths["linear"] = "det"
+    return paths
 
 
 def describe(paths: dict[str, str]) -> str:

@@ -1,0 +1,136 @@
+"""Conformance on the default model (SmolLM2-135M-Instruct from its GGUF, float32): with
+--deterministic each case's tokens and logprobs are bitwise its reference's under batching,
+chunking, a warm prefix cache, preemption and n-gram speculation, in process and through the
+engine core process; without it the divergence rate is reported."""
+
+import asyncio
+import random
+
+import pytest
+
+from determinism_harness import (Output, Scenario, check_perturbed, diverged, fillers,
+                                 make_cases, reference, run_scenario, write_report)
+from servelm.config import EngineArgs
+from servelm.layers.det_linear import det_linear_calls
+from servelm.protocol import EngineRequest
+
+MAX_TOKENS = 16
+SCENARIOS = [
+    Scenario("batch-24", {}, num_others=20, spread=6),
+    Scenario("chunk-random", {"max_num_batched_tokens": random.Random(2).randint(17, 90)},
+             num_others=8, spread=4),
+    Scenario("prefix-warm", {}, num_others=8, share_prefix=True, warm=True),
+    Scenario("preemption", {"num_blocks": 14}, num_others=8, spread=3),
+    Scenario("spec-ngram", {"speculative_method": "ngram", "num_speculative_tokens": 4,
+                            "spec_adaptive": False}, num_others=5, spread=3),
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(default_model_path):
+    return str(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_path):
+    """The default model's config and float weights, read once for every engine here."""
+    from servelm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+
+    source = resolve_model(model_path)
+    config = load_model_config(source)
+    weights = list(iter_weights(source, config))
+    return config, weights, load_tokenizer(source)
+
+
+def _factory(loaded, **fixed):
+    from servelm.engine_builder import assemble_engine
+
+    config, weights, tokenizer = loaded
+
+    def make(**kw):
+        args = EngineArgs(model="default", **{"kv_cache_memory": 256 * 2**20, **fixed, **kw})
+        return assemble_engine(args, config, iter(weights), tokenizer, "default")
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def cases(loaded):
+    return make_cases(loaded[0].vocab_size, num_greedy=2, num_sampled=2, max_tokens=MAX_TOKENS,
+                      seed=3)
+
+
+@pytest.fixture(scope="module")
+def det_reference(loaded, cases):
+    return reference(_factory(loaded, deterministic=True), cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.name)
+def test_default_model_deterministic_under_perturbation(loaded, cases, det_reference, sc):
+    calls = det_linear_calls()
+    got, perturbed = run_scenario(_factory(loaded, deterministic=True), cases, sc,
+                                  loaded[0].vocab_size)
+    assert det_linear_calls() > calls
+    check_perturbed(sc, perturbed)
+    assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
+
+
+async def _through_core(args: EngineArgs, tokenizer, cases, others) -> dict[str, Output]:
+    """Every case and other request submitted at once to an engine core process (they
+    batch there); the cases' outputs."""
+    from servelm.core.client import CoreClient
+
+    client = CoreClient.spawn(args, tokenizer)
+    client.start(asyncio.get_running_loop())
+    try:
+        requests = [EngineRequest(c.name, list(c.prompt), c.params) for c in cases]
+        requests += [EngineRequest(f"other{i}", p, sp) for i, (p, sp) in enumerate(others)]
+        random.Random(0).shuffle(requests)
+        streams = [client.submit([r]) for r in requests]
+        outputs = {r.request_id: Output() for r in requests}
+
+        async def drain(stream):
+            while True:
+                deltas = await stream.get()
+                if not deltas:
+                    return
+                for d in deltas:
+                    assert d.error is None, d.error
+                    outputs[d.request_id].token_ids += d.token_ids
+                    for lp in d.logprobs or []:
+                        outputs[d.request_id].logprobs.append(
+                            (lp.token_id, lp.logprob, tuple(lp.top)))
+
+        await asyncio.gather(*(drain(s) for s in streams))
+    finally:
+        client.stop()
+    return {c.name: outputs[c.name] for c in cases}
+
+
+@pytest.mark.slow
+def test_default_model_deterministic_through_the_engine_core_process(model_path, loaded, cases,
+                                                                    det_reference):
+    args = EngineArgs(model=model_path, deterministic=True, kv_cache_memory=256 * 2**20,
+                      max_num_batched_tokens=64)
+    others = fillers(cases, loaded[0].vocab_size, 12, seed=5)
+    got = asyncio.run(_through_core(args, loaded[2], cases, others))
+    assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
+
+
+@pytest.mark.slow
+def test_default_model_divergence_without_deterministic_is_reported(loaded, cases):
+    make = _factory(loaded)
+    ref = reference(make, cases)
+    rows, tokens, logprobs = {}, 0, 0
+    for sc in SCENARIOS:
+        got, _ = run_scenario(make, cases, sc, loaded[0].vocab_size)
+        rows[sc.name] = diverged(ref, got)
+        tokens += len(rows[sc.name]["tokens"])
+        logprobs += len(rows[sc.name]["logprobs"])
+    total = len(cases) * len(SCENARIOS)
+    write_report("default-model", {"model": "SmolLM2-135M-Instruct (GGUF, float32)",
+                                   "scenarios": rows, "summary": {
+                                       "case_runs": total,
+                                       "token_divergence_rate": tokens / total,
+                                       "logprob_divergence_rate": logprobs / total}})
