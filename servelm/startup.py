@@ -38,9 +38,10 @@ import contextlib
 import os
 import time
 
-STAGES = ("interpreter", "imports", "config", "tokenizer", "weights_read", "weights_pack",
-          "weights_cache", "kernels", "kv_alloc", "graph_capture", "warmup", "engine_other",
-          "frontend_start", "core_spawn", "frontend_ready")
+# In the order they happen (with the engine core in its own process, frontend_start first).
+STAGES = ("frontend_start", "interpreter", "imports", "config", "tokenizer", "kernels",
+          "weights_read", "weights_cache", "weights_pack", "kv_alloc", "graph_capture",
+          "warmup", "engine_other", "core_spawn", "frontend_ready")
 
 
 def process_start_time() -> float | None:

@@ -352,6 +352,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_calibrate_parser(bench_sub)
     from servelm.bench.multiturn import add_parser as add_multiturn_parser  # `bench multiturn`
     add_multiturn_parser(bench_sub)
+    from servelm.bench.coldstart import add_parser as add_coldstart_parser  # `bench coldstart`
+    add_coldstart_parser(bench_sub)
     return bench
 
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from servelm.planner.batch import BatchJob, plan_batch
 from servelm.planner.calibration import BANDWIDTH_FLAGS, Calibration, load_calibration
@@ -232,7 +233,21 @@ def _run_offload(a):
 
 
 def _run_coldstart(a):
-    return plan_coldstart(_deployment(a), get_tier(a.tier))
+    plan = plan_coldstart(_deployment(a), get_tier(a.tier))
+    if a.measured is None:
+        return plan
+    import json
+
+    from servelm.planner.coldstart import compare_coldstart, measured_stages
+
+    try:
+        record = json.loads(Path(a.measured).read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanInputError("--measured", f"cannot read {a.measured}: {exc}") from None
+    try:
+        return compare_coldstart(plan, *measured_stages(record, a.measured_run))
+    except ValueError as exc:
+        raise PlanInputError("--measured", str(exc).removeprefix("--measured: ")) from None
 
 
 def _run_fleet(a):
@@ -349,6 +364,11 @@ def _add_what_if_subcommands(sub) -> None:
     _hw_flags(p)
     p.add_argument("--tier", default="nvme", help=f"weights source: {', '.join(TIERS)}")
     _bandwidth_flags(p, *_TIER_BANDWIDTH_FLAGS)
+    p.add_argument("--measured", default=None, metavar="FILE",
+                   help="a `servelm bench coldstart` JSON: its measured stages next to the "
+                        "planned ones")
+    p.add_argument("--measured-run", choices=("warm_median", "cold"), default="warm_median",
+                   help="with --measured: the warm runs' median or the cold-cache run")
 
     p = _register(sub, "fleet", "GPUs and replicas for a request rate and SLOs", _run_fleet)
     _hw_flags(p)

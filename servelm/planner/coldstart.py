@@ -8,6 +8,7 @@ Never: models download from a hub (servelm loads from local paths or a registry 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from servelm.planner.chain import Chain, PlanResult
@@ -91,3 +92,64 @@ def plan_coldstart(d: Deployment, tier: Tier) -> ColdStartPlan:
         runtime_init_s=init, warmup_s=warm, graph_capture_s=graphs, total_s=total,
         total_overlapped_s=overlapped,
     )
+
+
+# Each planned stage and the measured start-up stages (servelm/startup.py) it stands for.
+MEASURED_STAGES: dict[str, tuple[str, ...]] = {
+    "storage_read_s": ("weights_read", "weights_cache"),
+    "host_to_gpu_s": (),  # inside weights_read on a GPU (the copy follows the read)
+    "runtime_init_s": ("frontend_start", "interpreter", "imports", "config", "tokenizer",
+                       "kernels", "kv_alloc", "engine_other", "core_spawn", "frontend_ready"),
+    "warmup_s": ("warmup",),
+    "graph_capture_s": ("graph_capture",),
+}
+
+
+@dataclass(frozen=True)
+class ColdStartComparison(ColdStartPlan):
+    """The plan with a measured start-up (`servelm bench coldstart` JSON) stage by stage."""
+
+    table_key = "stages"
+    measured_ready_s: float = 0.0
+    measured_unplanned_s: float = 0.0
+
+
+def measured_stages(record: dict, which: str = "warm_median") -> tuple[dict, float]:
+    """(stages_s, ready_s) of a `servelm bench coldstart` record: its warm median or its cold
+    run. Raises ValueError naming what is missing."""
+    if record.get("kind") != "coldstart":
+        raise ValueError("--measured: not a `servelm bench coldstart` record (kind "
+                         f"{record.get('kind')!r})")
+    part = record.get(which)
+    if not part or "stages_s" not in part:
+        raise ValueError(f"--measured: the record has no {which!r} stages")
+    return dict(part["stages_s"]), float(part["ready_s"])
+
+
+def compare_coldstart(plan: ColdStartPlan, stages: dict[str, float],
+                      ready_s: float) -> ColdStartComparison:
+    rows, covered = [], set()
+    for planned, names in MEASURED_STAGES.items():
+        got = [n for n in names if n in stages]
+        covered.update(got)
+        rows.append({"stage": planned, "planned_s": round(getattr(plan, planned), 3),
+                     "measured_s": round(sum(stages[n] for n in got), 3) if got else "-",
+                     "measured_as": " + ".join(got) if got else "-"})
+    unplanned = {n: s for n, s in stages.items() if n not in covered}
+    for name, seconds in unplanned.items():
+        rows.append({"stage": name, "planned_s": "-", "measured_s": round(seconds, 3),
+                     "measured_as": "not in the plan"})
+    rows.append({"stage": "total_s", "planned_s": round(plan.total_s, 3),
+                 "measured_s": round(ready_s, 3), "measured_as": "ready_s"})
+    notes = plan.notes + (
+        "measured: a `servelm bench coldstart` record (stages from the server's "
+        "servelm_startup_stage_seconds, summing to its ready_s); '-' where this machine has "
+        "no such stage (no GPU: no host-to-GPU copy, no CUDA graphs).",)
+    if unplanned:
+        notes += (f"measured but not planned: {', '.join(sorted(unplanned))} "
+                  f"({sum(unplanned.values()):.2f} s).",)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
+              if f.name not in ("table", "notes")}
+    return ColdStartComparison(**{**fields, "notes": notes}, table=tuple(rows),
+                               measured_ready_s=round(ready_s, 4),
+                               measured_unplanned_s=round(sum(unplanned.values()), 4))
