@@ -149,6 +149,16 @@ def server_info(cfg: EndpointConfig) -> dict[str, Any]:
                     info[key] = resp.json()
             except (httpx.HTTPError, ValueError):
                 pass
+        try:  # a servelm server's start-up stages (servelm/startup.py), from /metrics
+            resp = client.get(base + "/metrics")
+            if resp.status_code == 200:
+                from servelm.bench.coldstart import parse_stages
+
+                stages, ready = parse_stages(resp.text)
+                if ready is not None:
+                    info["startup"] = {"ready_s": ready, "stages_s": stages}
+        except httpx.HTTPError:
+            pass
     if isinstance(info.get("models"), dict):  # keep the ids, not every field
         info["models"] = [m.get("id") for m in info["models"].get("data", [])
                           if isinstance(m, dict)]

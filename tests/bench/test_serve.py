@@ -144,6 +144,11 @@ def test_against_servelm_serve(servelm_server, tmp_path):
     assert res["num_input_tokens"] == res["workload"]["num_input_tokens"]
     assert "warning" not in res
     assert MODEL in res["server"]["models"] and res["server"]["version"]
+    startup = res["server"]["startup"]  # the server's start-up stages, from its /metrics
+    assert startup["ready_s"] > 0 and {"imports", "weights_read", "warmup"} <= set(
+        startup["stages_s"])
+    assert sum(startup["stages_s"].values()) == pytest.approx(startup["ready_s"], rel=0.05,
+                                                              abs=0.1)
 
 
 @pytest.mark.slow
