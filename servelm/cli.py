@@ -18,9 +18,15 @@ from servelm.own_env import apply_defaults
 from servelm.protocol import InvalidParameterError, SamplingParams
 
 # Sub-packages that register their own sub-commands.
-_SUBCOMMAND_MODULES = ["servelm.loader.cli", "servelm.bench.cli", "servelm.planner.cli",
-                       "servelm.server.cli", "servelm.quant.cli", "servelm.evals.cli",
-                       "servelm.sim.cli", "servelm.router.cli", "servelm.doctor.cli"]
+# The command each module registers: `servelm CMD ...` imports only CMD's module (building
+# every parser imports FastAPI, numpy and the planner: a second of every `servelm serve`
+# start); help and an unknown command build them all.
+_SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
+                "plan": "servelm.planner.cli", "serve": "servelm.server.cli",
+                "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
+                "sim": "servelm.sim.cli", "router": "servelm.router.cli",
+                "doctor": "servelm.doctor.cli"}
+_SUBCOMMAND_MODULES = list(_SUBCOMMANDS.values())
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -113,7 +119,8 @@ def _stream_reply(llm, messages: list[dict], params: SamplingParams) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line parser; with `argv` naming a command, only that command's."""
     parser = argparse.ArgumentParser(prog="servelm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    for name in _SUBCOMMAND_MODULES:
+    command = next((a for a in (argv or []) if not a.startswith("-")), None)
+    modules = [_SUBCOMMANDS[command]] if command in _SUBCOMMANDS else _SUBCOMMAND_MODULES
+    if command in ("generate", "chat"):
+        modules = []
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -145,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     apply_defaults()  # before any sub-command loads torch (libgomp reads them then)
-    args = build_parser().parse_args(argv)
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[servelm] %(message)s", stream=sys.stderr)
     try:
