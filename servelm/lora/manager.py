@@ -99,6 +99,7 @@ class LoraManager:
         self.slot_ranks = [0] * max_loras
         self.num_lora_steps = 0  # forwards run with adapter rows (tests, metrics)
         self.num_rows = 0  # adapter rows computed so far
+        self.num_gathered_steps = 0  # of the LoRA forwards, those on the CPU's gathered path
 
     @property
     def slot_bytes(self) -> int:
@@ -179,6 +180,7 @@ class LoraManager:
             hidden = model(fb.input_ids, fb.positions, fb)
         self.num_lora_steps += 1
         self.num_rows += fb.lora.num_rows
+        self.num_gathered_steps += fb.lora.row_slots is not None
         return hidden
 
     @contextmanager

@@ -76,9 +76,15 @@ def test_logits_match_peft_and_merged(base_hf, tmp_path, case):
     torch.testing.assert_close(lora_logits(engine, PROMPT, None), base, atol=2e-4, rtol=1e-4)
 
 
-def test_mixed_batch_matches_solo(base_hf, tmp_path):
+@pytest.mark.parametrize("gather", [False, True], ids=["per-group", "gathered"])
+def test_mixed_batch_matches_solo(base_hf, tmp_path, monkeypatch, gather):
     """8 adapters (different ranks and targets) and base requests in one batch: each request's
-    greedy output equals its output alone; adapters change outputs."""
+    greedy output equals its output alone; adapters change outputs. `gathered`: decode steps
+    take the CPU's gathered path (servelm/lora/segmented.py), as with many adapters."""
+    from servelm.lora import segmented
+
+    if gather:
+        monkeypatch.setattr(segmented, "GATHER_MIN_GROUPS", 2)
     specs = []
     for i in range(8):
         targets = ALL_TARGETS if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"]
@@ -97,6 +103,7 @@ def test_mixed_batch_matches_solo(base_hf, tmp_path):
                 for o in llm.generate(prompts, greedy, lora=names, use_tqdm=False)]
     assert together == solo
     assert engine.runner.lora.num_lora_steps > steps_before
+    assert (engine.runner.lora.num_gathered_steps > 0) == gather
     base = llm.generate(prompts[:8], greedy, use_tqdm=False)
     changed = sum(b.outputs[0].token_ids != s for b, s in zip(base, solo[:8]))
     assert changed >= 6  # adapters really change greedy outputs

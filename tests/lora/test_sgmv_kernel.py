@@ -86,3 +86,37 @@ def test_segmented_lora_kernel_path_matches_torch_path():
     torch.testing.assert_close(kernel_out.cpu(), torch_out, atol=1e-4, rtol=1e-4)
     assert torch.equal(torch_out[1], base[1])  # the base row is untouched
     assert not torch.equal(torch_out[0], base[0])
+
+
+def test_cpu_gathered_path_matches_per_group_path():
+    """Many one-row groups (decode over many adapters) take the gathered path on the CPU;
+    it equals the per-group loop."""
+    from servelm.lora.segmented import GATHER_MIN_GROUPS, add_lora, build_lora_batch
+
+    gen = torch.Generator().manual_seed(8)
+    num_slots, max_rank, sizes, n_in = GATHER_MIN_GROUPS + 4, 8, [16, 8, 8], 24
+    ranks = [1 + i % max_rank for i in range(num_slots)]
+    present = [[(i + j) % 3 != 0 for j in range(3)] for i in range(num_slots)]
+    a = torch.zeros(num_slots, 3 * max_rank, n_in)
+    bs = [torch.zeros(num_slots, s, max_rank) for s in sizes]
+    for slot, r in enumerate(ranks):
+        for j in range(3):
+            if present[slot][j]:
+                a[slot, j * max_rank:j * max_rank + r] = torch.randn(r, n_in, generator=gen)
+                bs[j][slot, :, :r] = torch.randn(sizes[j], r, generator=gen)
+    num_rows = num_slots + 6
+    rows = [(i, 1, None if i % 7 == 3 else (i * 5) % num_slots) for i in range(num_rows)]
+    x = torch.randn(num_rows, n_in, generator=gen)
+    base = torch.randn(num_rows, sum(sizes), generator=gen)
+    gathered = build_lora_batch(rows, ranks, "cpu")
+    assert gathered.row_slots is not None
+    looped = build_lora_batch(rows, ranks, "cpu")
+    looped.row_slots = None
+    outs = []
+    for batch in (gathered, looped):
+        out = base.clone()
+        add_lora(x, out, batch, a, bs, [0, 16, 24], present, max_rank)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][3], base[3])  # a base row
+    assert not torch.equal(outs[0][0], base[0])
