@@ -33,12 +33,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_model(config: ModelConfig, weights, dtype: torch.dtype,
                 device: torch.device, quantization: str | None = None,
-                prepared_key: str | None = None) -> torch.nn.Module:
+                prepared_key: str | None = None,
+                deterministic: bool = False) -> torch.nn.Module:
     """Build on the meta device (no throwaway init), then fill from the checkpoint.
 
     quantization: a `servelm.quant` method name; its layers quantize once loading is done.
     prepared_key: the prepared-weights cache entry (servelm/loader/prepared.py) to read the
     finished float parameters from instead of `weights`, or to write once they are loaded.
+    deterministic: leave the float linears unpacked (the runner repacks them as DetLinear).
     """
     timer = startup.timer()
     quant = None
@@ -68,7 +70,7 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
         timer.add("weights_cache", prepared.save(prepared_key, model))
     if quant is not None:
         model.process_weights_after_loading()
-    elif can_pack(device, dtype):
+    elif can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"):
             pack_linears(model)
     return model.eval()
@@ -150,7 +152,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                          f"{config.max_position_embeddings} positions")
     cache_config = args.cache_config()
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
-    model = build_model(config, weights, dtype, device, args.quantization, prepared_key)
+    model = build_model(config, weights, dtype, device, args.quantization, prepared_key,
+                        args.deterministic)
     kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
     spec_config = args.speculative_config()
     draft = None

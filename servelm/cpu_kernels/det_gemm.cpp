@@ -25,7 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -99,20 +99,11 @@ void panel_rows(const float* x, int64_t K, const float* packed, const float* bia
 at::Tensor det_pack(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
               "det_pack: w must be a float32 CPU [N, K] tensor");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNR - 1) / kNR;
-  at::Tensor packed = at::zeros({P, K, kNR}, wc.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < std::min(kNR, N - p * kNR); ++j) {
-        const float* row = src + (p * kNR + j) * K;
-        float* col = dst + p * K * kNR + j;
-        for (int64_t k = 0; k < K; ++k) col[k * kNR] = row[k];
-      }
-  });
-  return packed;
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  return at::constant_pad_nd(w, {0, 0, 0, P * kNR - N})
+      .view({P, kNR, K})
+      .transpose(1, 2)
+      .contiguous();
 }
 
 // x [..., K] float32, packed from det_pack, bias [N] or None -> [..., N].
