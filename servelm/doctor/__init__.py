@@ -38,6 +38,8 @@ from servelm.server.dashboard.records import KV_FULL, RequestRecord
 
 METRICS = ("ttft", "e2e", "latency")
 MIN_REQUESTS = 20
+MIN_EXCESS_S, MIN_RATIO = 0.010, 1.5  # a tail closer to the median than this is not broken
+MIN_SCORE = 0.1  # below this share of the tail's excess a suspect is not named as the cause
 MIN_STALL_S = 0.005  # a host or client delay shorter than this is noise, not a signature
 SUSPECTS = ("queueing", "long_prefill", "preemption", "prefix_cache", "host", "slow_client")
 
@@ -87,11 +89,21 @@ class Diagnosis:
     suspects: list[Suspect] = field(default_factory=list)
 
     @property
+    def is_broken(self) -> bool:
+        """The tail stands out from the median by both a ratio and a margin."""
+        return self.pq - self.p50 >= MIN_EXCESS_S and self.pq >= MIN_RATIO * self.p50
+
+    @property
+    def is_explained(self) -> bool:
+        return self.is_broken and self.top is not None and self.top.score >= MIN_SCORE
+
+    @property
     def top(self) -> Suspect | None:
         return self.suspects[0] if self.suspects else None
 
     def to_dict(self) -> dict:
         return {"metric": self.metric, "quantile": self.quantile,
+                "broken_tail": self.is_broken, "explained": self.is_explained,
                 "num_requests": self.num_requests, "num_tail": self.num_tail,
                 "p50_s": self.p50, "p_tail_s": self.pq,
                 "suspects": [s.to_dict() for s in self.suspects]}
@@ -101,6 +113,13 @@ class Diagnosis:
         lines = [f"{self.metric} over {self.num_requests} requests: p50 {_ms(self.p50)}, "
                  f"{q} {_ms(self.pq)} ({self.pq / max(self.p50, 1e-9):.1f}x); "
                  f"tail: the {self.num_tail} slowest", ""]
+        if not self.is_broken:
+            lines += [f"The tail is within {MIN_EXCESS_S * 1000:.0f} ms or {MIN_RATIO:g}x of the "
+                      "median: there is no broken tail to explain.", ""]
+        elif not self.is_explained:
+            lines += [f"No suspect explains {_pct(MIN_SCORE)} of the tail's excess: the tail may "
+                      "be the workload's own spread (longer outputs, varied prompts) or a cause "
+                      "outside the server (the network, a proxy, the client's clock).", ""]
         for i, s in enumerate(self.suspects, 1):
             lines.append(f"{i}. {s.name:<13} explains {100 * s.score:4.0f}% of the tail's "
                          f"excess  (signature: tail {100 * s.tail_share:.0f}%, "

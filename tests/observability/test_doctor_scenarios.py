@@ -25,14 +25,17 @@ STEP_S, PER_TOKEN_S = 0.002, 2e-5
 pytestmark = pytest.mark.timeout(180)
 
 
-def _doctor(capsys, *args: str) -> dict:
-    """The doctor's JSON; its text report is printed (shown with -s or on failure)."""
+def _doctor(capsys, *args: str, fault: bool = True) -> dict:
+    """The doctor's JSON; its text report is printed (shown with -s or on failure). With a
+    fault injected the tail must be broken and explained."""
     capsys.readouterr()
     assert servelm_main(["doctor", *args]) == 0
     text = capsys.readouterr().out
     assert servelm_main(["doctor", *args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     print(text)
+    if fault:
+        assert out["broken_tail"] and out["explained"], text
     return out
 
 
@@ -153,7 +156,7 @@ def _slow_reader(port: int, body: bytes, read_every_s: float, done: list) -> Non
     data = b""
     while b"[DONE]" not in data[-64:]:
         time.sleep(read_every_s)
-        chunk = sock.recv(512)
+        chunk = sock.recv(256)
         if not chunk:
             break
         data += chunk
@@ -164,7 +167,7 @@ def _slow_reader(port: int, body: bytes, read_every_s: float, done: list) -> Non
 def test_slow_reader_is_named_slow_client(capsys):
     s = fake_server(step_s=STEP_S, per_token_s=PER_TOKEN_S, tokenizer=word_tokenizer(),
                     sndbuf=4096, write_buffer_high=2048)
-    body = json.dumps({"model": "fake", "prompt": "w5 w6 w7 w8", "max_tokens": 120,
+    body = json.dumps({"model": "fake", "prompt": "w5 w6 w7 w8", "max_tokens": 200,
                        "ignore_eos": True, "stream": True}).encode()
     done: list[int] = []
     try:
@@ -217,3 +220,18 @@ def test_doctor_refuses_bad_input(capsys, tmp_path):
     assert "at least 20" in capsys.readouterr().err
     assert servelm_main(["doctor", "--log", str(few), "--quantile", "2"]) == 2
     assert "quantile" in capsys.readouterr().err
+
+
+def test_no_fault_names_no_cause(capsys):
+    """Steady short requests with nothing wrong: no suspect is named as the cause."""
+    s = fake_server(step_s=STEP_S, per_token_s=PER_TOKEN_S)
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            for i in range(60):
+                _complete(c, _short(i), 8)
+        out = _doctor(capsys, "--url", s.url, fault=False)
+    finally:
+        s.stop()
+    assert not out["explained"], out["suspects"][0]
+    if not out["broken_tail"]:  # the usual case: p99 a few ms above the median
+        assert out["p_tail_s"] - out["p50_s"] < 0.010 or out["p_tail_s"] < 1.5 * out["p50_s"]
