@@ -198,6 +198,8 @@ def _read_header(file: str) -> dict[str, TensorInfo]:
                 raise ValueError(f"tensor {name!r} lies outside the file's data "
                                  f"({start}..{end} of {data_bytes} bytes)")
             out[name] = TensorInfo(dtype, shape, (start, end))
+    except OSError as exc:
+        raise LoraAdapterError(f"{file} cannot be read: {exc}", WEIGHTS_FILE) from None
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise LoraAdapterError(f"{file} is not a valid safetensors file: {exc}",
                                WEIGHTS_FILE) from None

@@ -81,6 +81,10 @@ def test_corrupt_and_missing_files(good, config, tmp_path):
     (bad / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(LoraAdapterError, match="not a valid safetensors"):
         read_adapter(str(bad), config, 16)
+    (bad / "adapter_model.safetensors").unlink()
+    (bad / "adapter_model.safetensors").mkdir()  # unreadable as a file
+    with pytest.raises(LoraAdapterError, match="cannot be read"):
+        read_adapter(str(bad), config, 16)
     (bad / "adapter_config.json").write_text("{not json")
     with pytest.raises(LoraAdapterError, match="not valid JSON"):
         read_adapter(str(bad), config, 16)
