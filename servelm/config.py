@@ -27,7 +27,11 @@ _FAMILY_BY_MODEL_TYPE = {
     "qwen3": "qwen3",
 }
 # GGUF general.architecture -> servelm family (the rest keep their GGUF name, as above).
-_FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                        "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# llama.cpp renormalises the top-k routing weights per architecture (its files carry no flag
+# unless `{arch}.expert_weights_norm` is written): Mixtral and Qwen3-MoE do, Qwen2-MoE not.
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 _SANDWICH_NORM_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -240,8 +244,11 @@ class ModelConfig:
         num_heads = meta("attention.head_count")
         key_len = meta("attention.key_length", hidden // num_heads)
         tokens = get("tokenizer.ggml.tokens", None) or []
+        family = _FAMILY_BY_GGUF_ARCH.get(arch, arch)
+        if arch == "llama" and meta("expert_count", 0):
+            family = "mixtral"  # llama.cpp writes Mixtral as llama with experts
         return cls(
-            architecture=_FAMILY_BY_GGUF_ARCH.get(arch, arch),
+            architecture=family,
             vocab_size=len(tokens) or meta("vocab_size"),
             hidden_size=hidden,
             intermediate_size=meta("feed_forward_length", 4 * hidden),
@@ -258,7 +265,7 @@ class ModelConfig:
             name=name or str(get("general.name", "") or ""),
             source=source,
             gguf_weight_type=_main_weight_type(tensor_types),
-            **_gguf_moe_mla(meta, key_len),
+            **{**_gguf_moe_mla(meta, key_len), **_gguf_moe_routing(arch, get, tensor_types)},
             **extra,
         )
 
@@ -435,6 +442,24 @@ def _gguf_moe_mla(meta: Callable[[str, Any], int], key_len: int) -> dict[str, in
         "qk_nope_head_dim": key_len - rope_dim if kv_lora else 0,
         "v_head_dim": meta("attention.value_length", key_len) if kv_lora else 0,
     }
+
+
+def _gguf_moe_routing(arch: str, get: Callable[[str, Any], Any],
+                      tensor_types: dict[str, str]) -> dict[str, Any]:
+    """Routing details of a MoE file that `_gguf_moe_mla` (shapes only) leaves out."""
+    if not get(f"{arch}.expert_count", 0):
+        return {}
+    out: dict[str, Any] = {}
+    norm = get(f"{arch}.expert_weights_norm", None)
+    if norm is not None or arch in _GGUF_NORM_TOPK:
+        out["norm_topk_prob"] = bool(_GGUF_NORM_TOPK.get(arch) if norm is None else norm)
+    shared_ff = get(f"{arch}.expert_shared_feed_forward_length", None)
+    if shared_ff:  # Qwen2-MoE: one shared expert of its own width
+        out["shared_expert_intermediate_size"] = int(shared_ff)
+    out["has_shared_expert_gate"] = "blk.0.ffn_gate_inp_shexp.weight" in tensor_types
+    if (scale := get(f"{arch}.expert_weights_scale", None)) is not None:
+        out["routed_scaling_factor"] = float(scale)
+    return out
 
 
 def _main_weight_type(tensor_types: dict[str, str]) -> str:

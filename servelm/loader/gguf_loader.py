@@ -127,7 +127,16 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Routed experts stacked in one tensor [experts, out, in]: one HF tensor per expert each.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                   "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -137,15 +146,25 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}  # carried in ModelConfig.rope_scaling 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name(gguf_name: str, expert: int | None = None) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a stacked expert
+    tensor `blk.3.ffn_up_exps.weight` with expert=5 -> `model.layers.3.mlp.experts.5.up_proj
+    .weight`."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is not None and match.group(2) in _EXPERT_TENSORS and expert is not None:
+        layer, kind, suffix = match.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
     if match is None or match.group(2) not in _LAYER_TENSORS:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
     layer, kind, suffix = match.groups()
     return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+
+
+def _is_expert_stack(gguf_name: str) -> bool:
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    return match is not None and match.group(2) in _EXPERT_TENSORS
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -174,6 +193,10 @@ def _model_tensors(path: Path, config: ModelConfig):
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
+        if _is_expert_stack(tensor.name):  # the experts' names: hf_name(name, expert=e)
+            seen.add(tensor.name)
+            yield tensor.name, tensor, None
+            continue
         name = hf_name(tensor.name)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -184,9 +207,18 @@ def _model_tensors(path: Path, config: ModelConfig):
             heads = config.num_kv_heads
         seen.add(name)
         yield name, tensor, heads
-    missing = set(hf_weight_names(config)) - seen
-    if missing:
-        raise ValueError(f"{path.name} lacks weights the config needs, e.g. {sorted(missing)[:3]}")
+    # The dense families' full list; a MoE model's own load checks every parameter is filled.
+    if config.num_experts == 0:
+        missing = set(hf_weight_names(config)) - seen
+        if missing:
+            raise ValueError(f"{path.name} lacks weights the config needs, e.g. "
+                             f"{sorted(missing)[:3]}")
+
+
+def _per_expert(name: str, weights: np.ndarray):
+    """A stacked [experts, out, in] array as (HF name, one expert's [out, in])."""
+    for e in range(weights.shape[0]):
+        yield hf_name(name, expert=e), weights[e]
 
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,10 +228,10 @@ def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         weight = dequantize(tensor.data, tensor.tensor_type)
         if heads is not None:
             weight = unpermute_rotary(weight, heads)
-        # F32 tensors come back as views of the read-only memory map: copy those only.
-        if not weight.flags.writeable:
-            weight = weight.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        parts = _per_expert(name, weight) if _is_expert_stack(name) else [(name, weight)]
+        for part_name, part in parts:
+            # F32 tensors come back as views of the read-only memory map: copy those only.
+            yield part_name, torch.from_numpy(np.array(part, dtype=np.float32))
 
 
 def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -222,6 +254,9 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tup
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's ne is [in, out]
             yield name, GGUFBlocks(tensor.tensor_type.name,
                                    torch.from_numpy(np.array(data, dtype=np.uint8)), shape)
+        elif _is_expert_stack(name):  # 3-D: the experts' float values, one by one
+            for part_name, part in _per_expert(name, data):
+                yield part_name, torch.from_numpy(np.array(part, dtype=np.float32))
         else:
             yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 

@@ -1,0 +1,154 @@
+"""Mixture-of-experts GGUF files (Mixtral as llama.cpp writes it, Qwen2-MoE, Qwen3-MoE),
+written here with gguf-py's GGUFWriter from tiny random transformers checkpoints: stacked
+expert tensors, shared experts and their gate, q/k biases and norms. Tensor names come from
+gguf-py's own TensorNameMap (llama.cpp's table), not from the loader's; the reference is the
+transformers model holding the values the file stores."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from servelm.config import EngineArgs, ModelConfig
+from tiny_families import make_tiny_family_model
+
+# family -> (gguf arch, llama.cpp's per-arch routing renormalisation)
+ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _permute(w, n_head):  # llama.cpp's q/k row order for llama-arch files
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _stored(array, qtype):
+    return dequantize(quantize(array, qtype), qtype) if qtype != Q.F32 else array
+
+
+def _write(path, family, model):
+    """The file llama.cpp's converter writes for `model`; the model's parameters are set to
+    the values the file holds (Q8_0 experts), so the two compute the same function."""
+    arch = ARCHS[family]
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if family == "mixtral":
+        w.add_feed_forward_length(cfg.intermediate_size)
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_eos_token_id(0)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            array = tensor.numpy().astype(np.float32)
+            base, suffix = name.rsplit(".", 1)
+            if base.endswith("mlp.experts") and suffix in ("gate_up_proj", "down_proj"):
+                # transformers 5 stacks the experts ([E, 2I, H] gate|up, [E, H, I]);
+                # llama.cpp keeps gate, up and down stacks of their own.
+                inter = array.shape[1] // 2
+                parts = ({"gate_proj": array[:, :inter], "up_proj": array[:, inter:]}
+                         if suffix == "gate_up_proj" else {"down_proj": array})
+                for proj, part in parts.items():
+                    gname = name_map.get_name(f"{base}.{proj}")
+                    w.add_tensor(f"{gname}.weight", quantize(np.ascontiguousarray(part), Q.Q8_0),
+                                 raw_dtype=Q.Q8_0)
+                    parts[proj] = _stored(np.ascontiguousarray(part), Q.Q8_0)
+                merged = (np.concatenate([parts["gate_proj"], parts["up_proj"]], axis=1)
+                          if suffix == "gate_up_proj" else parts["down_proj"])
+                tensor.copy_(torch.from_numpy(merged))
+                continue
+            if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+                heads = (cfg.num_attention_heads if base.endswith("q_proj")
+                         else cfg.num_key_value_heads)
+                array = _permute(array, heads)
+            w.add_tensor(f"{name_map.get_name(base)}.{suffix}", array, raw_dtype=Q.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def moe_file(request, tmp_path_factory):
+    family = request.param
+    model = make_tiny_family_model(family, seed=7)
+    path = tmp_path_factory.mktemp(family) / f"tiny-{family}.gguf"
+    _write(path, family, model)
+    return family, model, path
+
+
+def test_config_from_metadata_equals_the_checkpoints(moe_file):
+    from servelm.loader import load_model_config, resolve_model
+
+    family, model, path = moe_file
+    got = load_model_config(resolve_model(str(path)))
+    want = ModelConfig.from_hf_config(model.config.to_dict())
+    assert got.architecture == want.architecture == family
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "has_shared_expert_gate",
+                  "norm_topk_prob", "attention_bias", "qk_norm", "vocab_size",
+                  "tie_word_embeddings", "moe_topk_method", "routed_scaling_factor"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.rope_theta == pytest.approx(want.rope_theta)
+
+
+def test_logits_and_greedy_match_transformers(moe_file):
+    from servelm.engine_builder import build_engine
+    from servelm.protocol import EngineRequest, SamplingParams
+
+    family, model, path = moe_file
+    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
+                                     prepared_weights_cache=False))
+    prompt = [5, 17, 33, 2, 101, 7, 250, 64, 9]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    from tiny_models import prefill_logits
+
+    ours = prefill_logits(engine, prompt)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # 12 greedy steps, the engine's against transformers' own generate
+    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                 ignore_eos=True)))
+    out = []
+    while engine.has_unfinished:
+        out += [t for d in engine.step() for t in d.token_ids]
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == gen
+
+
+def test_a_per_expert_file_is_refused_by_name(tmp_path):
+    """Old-style files with one tensor per expert (blk.N.ffn_gate.E.weight) are not read as
+    something else: the loader names the tensor it cannot place."""
+    from servelm.loader.gguf_loader import hf_name
+
+    with pytest.raises(ValueError, match="blk.0.ffn_gate.3.weight"):
+        hf_name("blk.0.ffn_gate.3.weight")
+    assert hf_name("blk.2.ffn_down_exps.weight", expert=5) == \
+        "model.layers.2.mlp.experts.5.down_proj.weight"
