@@ -113,8 +113,12 @@ class GCMonitor:
             self._start = None
 
     def paused_between(self, start: float, end: float) -> float:
-        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in list(self.pauses)
-                   if b > start and a < end)
+        total = 0.0
+        for a, b in reversed(list(self.pauses)[-256:]):  # recent pauses; the newest last
+            if b <= start:
+                break
+            total += max(0.0, min(b, end) - max(a, start))
+        return total
 
 
 
@@ -159,9 +163,17 @@ class Recorder:
             self.steps.append(step)
 
     def steps_between(self, start: float, end: float) -> list[StepRecord]:
+        """Steps overlapping [start, end], oldest first. Steps arrive in order, so this walks
+        back from the newest only as far as `start` (a request's lifetime, not the window)."""
+        out = []
         with self._lock:
-            steps = list(self.steps)
-        return [s for s in steps if s.end > start and s.start < end]
+            for s in reversed(self.steps):
+                if s.end <= start:
+                    break
+                if s.start < end:
+                    out.append(s)
+        out.reverse()
+        return out
 
     def waiting_at(self, t: float) -> int:
         """Requests waiting after the last step that ended before `t`."""
