@@ -36,7 +36,9 @@ from typing import Callable
 
 from servelm.server.dashboard.records import KV_FULL, RequestRecord
 
-METRICS = ("ttft", "e2e", "latency")
+METRICS = ("ttft", "tpot", "e2e", "latency")
+# A tail of TPOT is made in the decode steps: only what acts on them is a suspect there.
+TPOT_SUSPECTS = ("long_prefill", "preemption")
 MIN_REQUESTS = 20
 MIN_EXCESS_S, MIN_RATIO = 0.010, 1.5  # a tail closer to the median than this is not broken
 MIN_SCORE = 0.1  # below this share of the tail's excess a suspect is not named as the cause
@@ -50,11 +52,14 @@ class DoctorInputError(ValueError):
 
 def metric_value(rec: RequestRecord, metric: str) -> float | None:
     """ttft: as the client saw it (engine TTFT + the delay until the token was written);
-    e2e: arrival to last token; latency: arrival to the front end's last byte."""
+    tpot: first to last token over the tokens after the first; e2e: arrival to last token;
+    latency: arrival to the front end's last byte."""
     if metric == "ttft":
         if rec.ttft_s is None:
             return None
         return rec.ttft_s + (rec.delivery_lag_s or 0.0)
+    if metric == "tpot":
+        return rec.tpot_s
     if metric == "e2e":
         return rec.e2e_s
     if metric == "latency":
@@ -91,7 +96,8 @@ class Diagnosis:
     @property
     def is_broken(self) -> bool:
         """The tail stands out from the median by both a ratio and a margin."""
-        return self.pq - self.p50 >= MIN_EXCESS_S and self.pq >= MIN_RATIO * self.p50
+        margin = MIN_EXCESS_S / 10 if self.metric == "tpot" else MIN_EXCESS_S  # per token
+        return self.pq - self.p50 >= margin and self.pq >= MIN_RATIO * self.p50
 
     @property
     def is_explained(self) -> bool:
@@ -114,7 +120,8 @@ class Diagnosis:
                  f"{q} {_ms(self.pq)} ({self.pq / max(self.p50, 1e-9):.1f}x); "
                  f"tail: the {self.num_tail} slowest", ""]
         if not self.is_broken:
-            lines += [f"The tail is within {MIN_EXCESS_S * 1000:.0f} ms or {MIN_RATIO:g}x of the "
+            margin = MIN_EXCESS_S / 10 if self.metric == "tpot" else MIN_EXCESS_S
+            lines += [f"The tail is within {margin * 1000:g} ms or {MIN_RATIO:g}x of the "
                       "median: there is no broken tail to explain.", ""]
         elif not self.is_explained:
             lines += [f"No suspect explains {_pct(MIN_SCORE)} of the tail's excess: the tail may "
@@ -223,6 +230,10 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
     w = _Window(records, metric, quantile, min_tail)
     budget = max_num_batched_tokens or next(
         (r.max_num_batched_tokens for r in records if r.max_num_batched_tokens), None)
+    if metric == "tpot":
+        out = _tpot_suspects(w, budget, _qname(quantile))
+        out.sort(key=lambda s: (-s.score, -s.tail_share))
+        return Diagnosis(metric, quantile, len(w.records), len(w.tail), w.p50, w.pq, out)
     q = _qname(quantile)
     label = f"requests above {q} {metric.upper() if metric == 'ttft' else metric}"
     out = []
@@ -337,6 +348,44 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
 
     out.sort(key=lambda s: (-s.score, -s.tail_share))
     return Diagnosis(metric, quantile, len(w.records), len(w.tail), w.p50, w.pq, out)
+
+
+def _per_token(r: RequestRecord, seconds: float) -> float:
+    return seconds / max(1, r.num_output_tokens - 1)
+
+
+def _tpot_suspects(w: _Window, budget: int | None, q: str) -> list[Suspect]:
+    """TPOT's tail: decode steps slowed by other sequences' prefill chunks, or a sequence
+    preempted mid-decode (its wait and recompute land between two of its tokens)."""
+    label = f"requests above {q} TPOT"
+    threshold = max(256, int(4 * w.body_median(_uncached)))
+    stalled = lambda r: r.decode_max_chunk >= threshold  # noqa: E731
+    in_prefill = lambda r: _per_token(r, r.decode_prefill_s)  # noqa: E731
+    score, ts, bs = _explained(w, stalled, in_prefill)
+    body_p90 = int(_quantile([_uncached(r) for r in w.body], 0.9)) if w.body else 0
+    suggest = _suggest_budget(budget, body_p90)
+    hit = [r for r in w.tail if stalled(r)]
+    out = [Suspect(
+        "long_prefill", score, ts, bs,
+        f"{_pct(ts)} of {label} decoded through steps holding a prefill chunk of more than "
+        f"{threshold:,} tokens (largest {max((r.decode_max_chunk for r in hit), default=0):,}); "
+        f"such steps cost them {_ms(median(in_prefill(r) for r in hit) if hit else 0.0)} a "
+        f"token (body {_ms(w.body_median(in_prefill))}); chunk budget "
+        f"{f'{budget:,}' if budget else 'unknown'}",
+        f"lower the chunk budget to {suggest:,} (--max-num-batched-tokens): each long prompt "
+        "then stalls the streams for shorter steps" if budget is None or suggest < budget else
+        "route long prompts to their own replicas (or disaggregate prefill)")]
+    preempted = lambda r: r.num_preemptions > 0  # noqa: E731
+    excess = lambda r: w.excess(r) if preempted(r) else 0.0  # noqa: E731
+    score, ts, bs = _explained(w, preempted, excess)
+    out.append(Suspect(
+        "preemption", score, ts, bs,
+        f"{_pct(ts)} of {label} were preempted while decoding "
+        f"({sum(r.num_preemptions for r in w.tail)} preemptions among them): their wait and "
+        "recompute fall between two of their tokens (attributed whole: it is not measured "
+        "apart)",
+        "give the KV cache more memory (--kv-cache-memory) or lower --max-num-seqs"))
+    return out
 
 
 __all__ = ["Diagnosis", "DoctorInputError", "METRICS", "SUSPECTS", "Suspect", "diagnose",

@@ -112,6 +112,25 @@ def test_long_prompt_among_streams_is_named_long_prefill(capsys, tmp_path):
     assert "chunk budget 2,048" in top["evidence"] and "--max-num-batched-tokens" in top["advice"]
 
 
+def test_long_prompt_stalls_streams_tpot(capsys):
+    """The same fault seen in TPOT: streams decoding through a long prompt's chunks."""
+    s = fake_server(step_s=STEP_S, per_token_s=PER_TOKEN_S, max_num_batched_tokens=2048,
+                    num_blocks=4096, max_model_len=16384)
+    try:
+        until = time.monotonic() + 3.5
+        streams = [_loop(s.url, until, lambda i, k=k: _short(i * 4 + k), 48, 0.01, stream=True)
+                   for k in range(4)]
+        long_ = _loop(s.url, until, lambda i: _short(i, 6000), 1, 0.6)
+        for t in streams + [long_]:
+            t.join(60)
+        out = _doctor(capsys, "--url", s.url, "--metric", "tpot")
+    finally:
+        s.stop()
+    top = out["suspects"][0]
+    assert top["name"] == "long_prefill", out["suspects"]
+    assert top["tail_share"] >= 0.6
+
+
 def test_tiny_kv_pool_is_named_preemption(capsys):
     s = fake_server(step_s=STEP_S, per_token_s=PER_TOKEN_S, num_blocks=40, max_num_seqs=8,
                     max_num_batched_tokens=256)

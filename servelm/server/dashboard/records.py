@@ -71,6 +71,8 @@ class RequestRecord:
     behind_chunks_s: float = 0.0  # of arrival -> first token, in steps with such a chunk
     max_kv_usage_waited: float = 0.0  # highest KV usage seen between arrival and first token
     queue_kv_full_s: float = 0.0  # of its queue time, in steps that left the KV pool >= 90% full
+    decode_max_chunk: int = 0  # largest prefill chunk in a step between first and last token
+    decode_prefill_s: float = 0.0  # of its decode time, in steps that also computed a prefill
     num_steps_before_first_token: int = 0
     num_waiting_at_arrival: int = 0
     max_num_batched_tokens: int | None = None  # the engine's step budget, when known
@@ -265,6 +267,11 @@ def build_record(recorder: Recorder, request_id: str, *, endpoint: str, status: 
             rec.decode_s = last - first
             if num_output_tokens > 1:
                 rec.tpot_s = rec.decode_s / (num_output_tokens - 1)
+            # The steps that made its tokens after the first (each ends with one of them).
+            decoding = [s for s in recorder.steps_between(first, last)
+                        if s.end > first + 1e-6 and s.max_chunk > 0]
+            rec.decode_max_chunk = max((s.max_chunk for s in decoding), default=0)
+            rec.decode_prefill_s = sum(min(s.end, last) - max(s.start, first) for s in decoding)
     return rec
 
 
