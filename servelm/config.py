@@ -28,7 +28,14 @@ _FAMILY_BY_MODEL_TYPE = {
 }
 # GGUF general.architecture -> servelm family (the rest keep their GGUF name, as above).
 _FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                        "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                        "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+# Which layers `{arch}.attention.sliding_window` covers, by architecture, as llama.cpp
+# decides (its files do not say): every layer, or (Gemma) a fixed pattern.
+_GGUF_SLIDING_LAYERS = {
+    "phi3": lambda i: True,
+    "gemma2": lambda i: i % 2 == 0,
+    "gemma3": lambda i: (i + 1) % 6 != 0,
+}
 # llama.cpp renormalises the top-k routing weights per architecture (its files carry no flag
 # unless `{arch}.expert_weights_norm` is written): Mixtral and Qwen3-MoE do, Qwen2-MoE not.
 _GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -262,6 +269,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_types,
             attention_bias="blk.0.attn_q.bias" in tensor_types,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_types,
+            **_gguf_sliding_window(arch, get, meta("block_count")),
             name=name or str(get("general.name", "") or ""),
             source=source,
             gguf_weight_type=_main_weight_type(tensor_types),
@@ -442,6 +450,22 @@ def _gguf_moe_mla(meta: Callable[[str, Any], int], key_len: int) -> dict[str, in
         "qk_nope_head_dim": key_len - rope_dim if kv_lora else 0,
         "v_head_dim": meta("attention.value_length", key_len) if kv_lora else 0,
     }
+
+
+def _gguf_sliding_window(arch: str, get: Callable[[str, Any], Any],
+                         num_layers: int) -> dict[str, Any]:
+    """sliding_window and layer_types of a file; a window on an architecture whose sliding
+    layers are not known here is refused, never run as full attention."""
+    window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
+    if not window:
+        return {}
+    if arch not in _GGUF_SLIDING_LAYERS:
+        raise ValueError(f"{arch}.attention.sliding_window ({window}) is not supported in "
+                         f"GGUF files of architecture {arch!r} (load the HF checkpoint)")
+    slides = [_GGUF_SLIDING_LAYERS[arch](i) for i in range(num_layers)]
+    types = () if all(slides) else tuple("sliding_attention" if x else "full_attention"
+                                         for x in slides)
+    return {"sliding_window": window, "layer_types": types}
 
 
 def _gguf_moe_routing(arch: str, get: Callable[[str, Any], Any],

@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from servelm.config import ModelConfig
-from servelm.loader.hf_loader import hf_weight_names
+from servelm.loader.hf_loader import _LLAMA_NAMED, hf_weight_names
 from servelm.loader.tokenizer import Tokenizer, end_of_generation_ids
 
 __all__ = [
@@ -96,6 +96,21 @@ def _rope_scaling(reader: GGUFReader, meta) -> dict[str, Any] | None:
         if (orig := meta("rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(orig)
         return scaling
+    # Phi-3 LongRoPE: per-frequency divisors below and beyond the original context as
+    # tensors, the attention factor and that context as keys.
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        missing = {"rope_factors_long.weight", "rope_factors_short.weight"} - set(factors)
+        orig = meta("rope.scaling.original_context_length")
+        if missing or orig is None:
+            raise ValueError(f"LongRoPE factors without {sorted(missing) or ['rope.scaling.original_context_length']}")
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
+                   **{f"{k}_factor": [float(x) for x in np.asarray(
+                       factors[f"rope_factors_{k}.weight"].data).ravel()]
+                      for k in ("long", "short")}}
+        if (attn := meta("rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = float(attn)
+        return scaling
     # Llama 3.x files carry no scaling keys: the converter bakes the llama3 rule into a
     # `rope_freqs` tensor (one divisor per rotary frequency), which llama.cpp applies as is.
     for tensor in reader.tensors:
@@ -134,6 +149,8 @@ _LAYER_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Where an architecture's checkpoint keeps projections fused (Phi-3: qkv_proj, gate_up_proj).
+_ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Routed experts stacked in one tensor [experts, out, in]: one HF tensor per expert each.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
@@ -142,24 +159,26 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SKIPPED_TENSORS = {"rope_freqs.weight"}  # carried in ModelConfig.rope_scaling instead
+# carried in ModelConfig.rope_scaling instead
+_SKIPPED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str, expert: int | None = None) -> str:
+def hf_name(gguf_name: str, expert: int | None = None, arch: str = "") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a stacked expert
     tensor `blk.3.ffn_up_exps.weight` with expert=5 -> `model.layers.3.mlp.experts.5.up_proj
-    .weight`."""
+    .weight`; arch: the file's architecture, for the projections it keeps fused."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match is not None and match.group(2) in _EXPERT_TENSORS and expert is not None:
         layer, kind, suffix = match.groups()
         return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    table = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+    if match is None or match.group(2) not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    return f"model.layers.{layer}.{table[kind]}.{suffix}"
 
 
 def _is_expert_stack(gguf_name: str) -> bool:
@@ -188,7 +207,8 @@ def _model_tensors(path: Path, config: ModelConfig):
     """(HF name, GGUF tensor, heads of its rotary permutation or None) for every tensor the
     model takes; raises at the end if the config needs one the file lacks."""
     reader = _reader(path)
-    permuted = _get(reader, "general.architecture") == "llama"  # qwen2/qwen3 use neox rotary
+    arch = _get(reader, "general.architecture")
+    permuted = arch == "llama"  # qwen2/qwen3/phi3 use neox rotary
     seen: set[str] = set()
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
@@ -197,7 +217,7 @@ def _model_tensors(path: Path, config: ModelConfig):
             seen.add(tensor.name)
             yield tensor.name, tensor, None
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch=arch)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         heads = None
@@ -207,8 +227,9 @@ def _model_tensors(path: Path, config: ModelConfig):
             heads = config.num_kv_heads
         seen.add(name)
         yield name, tensor, heads
-    # The dense families' full list; a MoE model's own load checks every parameter is filled.
-    if config.num_experts == 0:
+    # The Llama-named families' full list; the other families' own load checks that every
+    # parameter is filled.
+    if config.architecture in _LLAMA_NAMED:
         missing = set(hf_weight_names(config)) - seen
         if missing:
             raise ValueError(f"{path.name} lacks weights the config needs, e.g. "
