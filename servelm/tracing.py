@@ -27,8 +27,13 @@ def _otel():
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SimpleSpanProcessor,
+        )
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
     except ImportError as exc:
         raise ValueError("otlp_traces_endpoint: tracing needs OpenTelemetry: pip install "
                          "'servelm[otel]'") from exc
@@ -50,7 +55,9 @@ class Tracing:
             if not endpoint or not endpoint.startswith(("http://", "https://")):
                 raise ValueError("otlp_traces_endpoint must be an http(s) URL such as "
                                  f"http://127.0.0.1:4318/v1/traces, got {endpoint!r}")
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
             processor = Batch(OTLPSpanExporter(endpoint=endpoint))
         else:
             processor = Simple(exporter)
@@ -80,7 +87,7 @@ class Tracing:
         span, _ = root
         ctx = self.trace.set_span_in_context(span)
         now_mono, now_unix = time.monotonic(), time.time()
-        t = lambda s: _ns(s, now_mono, now_unix)  # noqa: E731
+        t = lambda s: _ns(s, now_mono, now_unix)
         span.set_attribute("servelm.request_id", rec.request_id)
         a = rec.arrival
         marks = {"host": (a, a + (rec.host_s or 0.0))}
@@ -121,7 +128,7 @@ class Tracing:
                     step.set_attribute("servelm.step.num_seqs", s.num_seqs)
                     step.end(end_time=t(min(s.end, end)))
             child.end(end_time=t(max(start, end)))
-        return None
+        return
 
 
 class TracingMiddleware:

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Callable
 
 from servelm.server.dashboard.records import KV_FULL, RequestRecord
 
@@ -241,10 +241,10 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
     # Queueing behind a burst: arrivals around this one, within about a median latency
     # either side (a burst is what lands faster than the server turns requests around).
     span = max(0.025, w.p50)
-    arrivals = lambda r: w.arrivals_around(r, span)  # noqa: E731
+    arrivals = lambda r: w.arrivals_around(r, span)
     body_arrivals = w.body_median(arrivals)
-    burst = lambda r: arrivals(r) >= max(3, 3 * body_arrivals)  # noqa: E731
-    queue = lambda r: r.queue_s or 0.0  # noqa: E731
+    burst = lambda r: arrivals(r) >= max(3, 3 * body_arrivals)
+    queue = lambda r: r.queue_s or 0.0
     score, ts, bs = _explained(w, burst, queue)
     out.append(Suspect(
         "queueing", score, ts, bs,
@@ -261,10 +261,10 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
     body_prompt = w.body_median(_uncached)
     threshold = max(256, int(4 * body_prompt))
     long_own = max(256, int(4 * w.body_median(lambda r: r.num_prompt_tokens)))
-    behind_long = lambda r: r.max_chunk_waited >= threshold  # noqa: E731
-    own_long = lambda r: r.num_prompt_tokens >= long_own  # noqa: E731
-    long_chunk = lambda r: behind_long(r) or own_long(r)  # noqa: E731
-    prefilling = lambda r: r.behind_chunks_s + ((r.prefill_s or 0.0) if own_long(r) else 0.0)  # noqa: E731
+    behind_long = lambda r: r.max_chunk_waited >= threshold
+    own_long = lambda r: r.num_prompt_tokens >= long_own
+    long_chunk = lambda r: behind_long(r) or own_long(r)
+    prefilling = lambda r: r.behind_chunks_s + ((r.prefill_s or 0.0) if own_long(r) else 0.0)
     score, ts, bs = _explained(w, long_chunk, prefilling)
     hit = [r for r in w.tail if behind_long(r)]
     own = [r for r in w.tail if own_long(r)]
@@ -291,10 +291,10 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
         "(or disaggregate prefill)"))
 
     # Preemption / a KV pool too small: waiting for blocks, or recomputing after losing them.
-    kv_wait = lambda r: r.queue_kv_full_s + (  # noqa: E731
+    kv_wait = lambda r: r.queue_kv_full_s + (
         (r.prefill_s or 0.0) + (r.prefill_wait_s or 0.0) if r.num_preemptions else 0.0)
     kv_pressed = lambda r: r.num_preemptions > 0 or \
-        r.queue_kv_full_s >= max(MIN_STALL_S, 0.5 * w.excess(r))  # noqa: E731
+        r.queue_kv_full_s >= max(MIN_STALL_S, 0.5 * w.excess(r))
     score, ts, bs = _explained(w, kv_pressed, kv_wait)
     num_pre = sum(r.num_preemptions for r in w.tail)
     out.append(Suspect(
@@ -308,8 +308,8 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
 
     # Prefix-cache misses or evictions.
     body_cached = w.body_median(_cached_share)
-    missed = lambda r: _cached_share(r) <= body_cached - 0.3  # noqa: E731
-    own_prefill = lambda r: r.prefill_s or 0.0  # noqa: E731
+    missed = lambda r: _cached_share(r) <= body_cached - 0.3
+    own_prefill = lambda r: r.prefill_s or 0.0
     score, ts, bs = _explained(w, missed, own_prefill)
     out.append(Suspect(
         "prefix_cache", score, ts, bs,
@@ -320,9 +320,9 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
         "routing (servelm router --policy prefix_affinity), or fewer distinct long prefixes"))
 
     # Host-side stalls on the front end.
-    host = lambda r: (r.host_s or 0.0) + r.gc_s + (r.delivery_lag_s or 0.0)  # noqa: E731
+    host = lambda r: (r.host_s or 0.0) + r.gc_s + (r.delivery_lag_s or 0.0)
     base = w.body_median(host)
-    stalled = lambda r: host(r) - base >= max(MIN_STALL_S, 0.25 * w.excess(r))  # noqa: E731
+    stalled = lambda r: host(r) - base >= max(MIN_STALL_S, 0.25 * w.excess(r))
     score, ts, bs = _explained(w, stalled, host)
     out.append(Suspect(
         "host", score, ts, bs,
@@ -335,9 +335,9 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
         "logging, GC of large objects) and move it off the loop"))
 
     # A slow client holding the stream.
-    blocked = lambda r: r.client_blocked_s  # noqa: E731
+    blocked = lambda r: r.client_blocked_s
     base = w.body_median(blocked)
-    slow = lambda r: blocked(r) - base >= max(MIN_STALL_S, 0.25 * w.excess(r))  # noqa: E731
+    slow = lambda r: blocked(r) - base >= max(MIN_STALL_S, 0.25 * w.excess(r))
     score, ts, bs = _explained(w, slow, blocked)
     out.append(Suspect(
         "slow_client", score, ts, bs,
@@ -359,8 +359,8 @@ def _tpot_suspects(w: _Window, budget: int | None, q: str) -> list[Suspect]:
     preempted mid-decode (its wait and recompute land between two of its tokens)."""
     label = f"requests above {q} TPOT"
     threshold = max(256, int(4 * w.body_median(_uncached)))
-    stalled = lambda r: r.decode_max_chunk >= threshold  # noqa: E731
-    in_prefill = lambda r: _per_token(r, r.decode_prefill_s)  # noqa: E731
+    stalled = lambda r: r.decode_max_chunk >= threshold
+    in_prefill = lambda r: _per_token(r, r.decode_prefill_s)
     score, ts, bs = _explained(w, stalled, in_prefill)
     body_p90 = int(_quantile([_uncached(r) for r in w.body], 0.9)) if w.body else 0
     suggest = _suggest_budget(budget, body_p90)
@@ -375,8 +375,8 @@ def _tpot_suspects(w: _Window, budget: int | None, q: str) -> list[Suspect]:
         f"lower the chunk budget to {suggest:,} (--max-num-batched-tokens): each long prompt "
         "then stalls the streams for shorter steps" if budget is None or suggest < budget else
         "route long prompts to their own replicas (or disaggregate prefill)")]
-    preempted = lambda r: r.num_preemptions > 0  # noqa: E731
-    excess = lambda r: w.excess(r) if preempted(r) else 0.0  # noqa: E731
+    preempted = lambda r: r.num_preemptions > 0
+    excess = lambda r: w.excess(r) if preempted(r) else 0.0
     score, ts, bs = _explained(w, preempted, excess)
     out.append(Suspect(
         "preemption", score, ts, bs,
@@ -388,5 +388,12 @@ def _tpot_suspects(w: _Window, budget: int | None, q: str) -> list[Suspect]:
     return out
 
 
-__all__ = ["Diagnosis", "DoctorInputError", "METRICS", "SUSPECTS", "Suspect", "diagnose",
-           "metric_value"]
+__all__ = [
+    "METRICS",
+    "SUSPECTS",
+    "Diagnosis",
+    "DoctorInputError",
+    "Suspect",
+    "diagnose",
+    "metric_value",
+]

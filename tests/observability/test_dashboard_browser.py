@@ -9,14 +9,12 @@ kept in the test report's captured output.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-
 from live_server import MODEL, LiveServer
 
 CHROMIUM = "/usr/bin/chromium"
@@ -118,7 +116,7 @@ def test_dashboard_live_in_browser(server, tmp_path):
     try:
         driver.get(f"{server.url}/dashboard?interval=300&window=120#key={KEY}")
         _wait(lambda: load.num_done >= 4, 120, "the first requests")
-        state = lambda: driver.execute_script("return window.servelmDashboard")  # noqa: E731
+        state = lambda: driver.execute_script("return window.servelmDashboard")
         _wait(lambda: state()["polls"] >= 3, 60, "the page's first polls")
         assert "#key" not in driver.current_url  # the key left the address bar
         points = int(driver.find_element("id", "c-requests").get_attribute("data-points"))

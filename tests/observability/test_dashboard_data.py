@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from servers import fake_server, metrics
 
 from servelm.cli import main as servelm_main
-from servers import fake_server, metrics
 
 KEY = "k-data"
 AUTH = {"Authorization": f"Bearer {KEY}"}

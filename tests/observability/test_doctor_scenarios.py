@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-
 from servers import fake_server, word_tokenizer
+
 from servelm.cli import main as servelm_main
 
 STEP_S, PER_TOKEN_S = 0.002, 2e-5

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from servers import Uvicorn, fake_server, metrics
 
 KEY = "fleet-key"

@@ -8,11 +8,10 @@ import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is in the test extra")
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from servers import Uvicorn, fake_server
 
-from servers import Uvicorn, fake_server  # noqa: E402
-from servelm.tracing import TracingMiddleware, Tracing, install  # noqa: E402
+from servelm.tracing import Tracing, TracingMiddleware, install
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
