@@ -49,3 +49,11 @@ def test_router_dashboard_merges_replicas(fleet):
     assert len(d["replicas"]) == 2 and all(r["reachable"] for r in d["replicas"])
     assert {s["replica"] for s in d["slowest"]} == {r.url for r in replicas}
     assert d["router"]["replicas_serving"] == 2
+
+
+def test_doctor_on_the_router_asks_for_a_replica(fleet, capsys):
+    from servelm.cli import main as servelm_main
+
+    router, _ = fleet
+    assert servelm_main(["doctor", "--url", router.url, "--api-key", KEY]) == 2
+    assert "one replica" in capsys.readouterr().err
