@@ -28,7 +28,8 @@ _FAMILY_BY_MODEL_TYPE = {
 }
 # GGUF general.architecture -> servelm family (the rest keep their GGUF name, as above).
 _FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                        "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+                        "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+                        "gemma2": "gemma2", "gemma3": "gemma3_text"}
 # Which layers `{arch}.attention.sliding_window` covers, by architecture, as llama.cpp
 # decides (its files do not say): every layer, or (Gemma) a fixed pattern.
 _GGUF_SLIDING_LAYERS = {
@@ -270,6 +271,7 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_types,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_types,
             **_gguf_sliding_window(arch, get, meta("block_count")),
+            **_gguf_gemma(arch, get, hidden, num_heads, key_len, meta("block_count")),
             name=name or str(get("general.name", "") or ""),
             source=source,
             gguf_weight_type=_main_weight_type(tensor_types),
@@ -466,6 +468,26 @@ def _gguf_sliding_window(arch: str, get: Callable[[str, Any], Any],
     types = () if all(slides) else tuple("sliding_attention" if x else "full_attention"
                                          for x in slides)
     return {"sliding_window": window, "layer_types": types}
+
+
+def _gguf_gemma(arch: str, get: Callable[[str, Any], Any], hidden: int, num_heads: int,
+                head_dim: int, num_layers: int) -> dict[str, Any]:
+    """Gemma 2/3 as llama.cpp reads their files: GeGLU, the soft-caps as keys, the
+    attention scaled by 1/sqrt(head_dim) but 1/sqrt(hidden/heads) in the 27B models (46 and
+    62 layers: query_pre_attn_scalar is not in the file), sliding layers' rope base 10,000
+    unless the file names one."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    big = num_layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
+        "final_logit_softcapping": float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+        "query_pre_attn_scalar": float(hidden // num_heads if big else head_dim),
+    }
+    if arch == "gemma3":
+        out["rope_local_theta"] = float(get(f"{arch}.rope.freq_base_swa", 10000.0))
+    return out
 
 
 def _gguf_moe_routing(arch: str, get: Callable[[str, Any], Any],

@@ -150,7 +150,14 @@ _LAYER_TENSORS = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Where an architecture's checkpoint keeps projections fused (Phi-3: qkv_proj, gate_up_proj).
-_ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                       "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+# llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w (ggml multiplies by the weight);
+# the model takes w, as the HF checkpoint has it.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 # Routed experts stacked in one tensor [experts, out, in]: one HF tensor per expert each.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
@@ -204,8 +211,9 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _model_tensors(path: Path, config: ModelConfig):
-    """(HF name, GGUF tensor, heads of its rotary permutation or None) for every tensor the
-    model takes; raises at the end if the config needs one the file lacks."""
+    """(HF name, GGUF tensor, heads of its rotary permutation or None, a constant to subtract
+    from its values) for every tensor the model takes; raises at the end if the config needs
+    one the file lacks."""
     reader = _reader(path)
     arch = _get(reader, "general.architecture")
     permuted = arch == "llama"  # qwen2/qwen3/phi3 use neox rotary
@@ -215,7 +223,7 @@ def _model_tensors(path: Path, config: ModelConfig):
             continue
         if _is_expert_stack(tensor.name):  # the experts' names: hf_name(name, expert=e)
             seen.add(tensor.name)
-            yield tensor.name, tensor, None
+            yield tensor.name, tensor, None, 0.0
             continue
         name = hf_name(tensor.name, arch=arch)
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -226,7 +234,8 @@ def _model_tensors(path: Path, config: ModelConfig):
         elif permuted and ".attn_k." in tensor.name:
             heads = config.num_kv_heads
         seen.add(name)
-        yield name, tensor, heads
+        shift = 1.0 if arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight") else 0.0
+        yield name, tensor, heads, shift
     # The Llama-named families' full list; the other families' own load checks that every
     # parameter is filled.
     if config.architecture in _LLAMA_NAMED:
@@ -244,11 +253,13 @@ def _per_expert(name: str, weights: np.ndarray):
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 CPU tensor [out, in]) for every tensor in the file."""
-    for name, tensor, heads in _model_tensors(path, config):
+    for name, tensor, heads, shift in _model_tensors(path, config):
         # dequantize returns numpy shape order (ggml's ne reversed): [out, in] like torch.
         weight = dequantize(tensor.data, tensor.tensor_type)
         if heads is not None:
             weight = unpermute_rotary(weight, heads)
+        if shift:
+            weight = weight - shift
         parts = _per_expert(name, weight) if _is_expert_stack(name) else [(name, weight)]
         for part_name, part in parts:
             # F32 tensors come back as views of the read-only memory map: copy those only.
@@ -264,13 +275,15 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tup
     """
     from servelm.quant.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
-    for name, tensor, heads in _model_tensors(path, config):
+    for name, tensor, heads, shift in _model_tensors(path, config):
         is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
         # Blocks: [out, blocks_per_row * block_bytes] uint8; floats: [out, in] float32.
         data = np.asarray(tensor.data) if is_blocks else dequantize(tensor.data,
                                                                    tensor.tensor_type)
         if heads is not None:
             data = unpermute_rotary(data, heads)
+        if shift:  # norms: floats, never blocks
+            data = data - shift
         if is_blocks:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's ne is [in, out]
             yield name, GGUFBlocks(tensor.tensor_type.name,

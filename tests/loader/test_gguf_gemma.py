@@ -1,0 +1,117 @@
+"""Gemma 2 and Gemma 3 GGUF files as llama.cpp's converter writes them (norm weights stored
+as 1 + w, soft-caps as keys, no query_pre_attn_scalar, sliding layers by llama.cpp's fixed
+pattern, Gemma 3's local rope base and linear-scaled global rope), from tiny transformers
+checkpoints with gguf-py's writer and name map: the same config, logits and greedy tokens."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from servelm.config import EngineArgs, ModelConfig
+from tiny_families import make_tiny_family_model
+
+_GEMMA3_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def _model(family):
+    if family == "gemma2":  # the file cannot carry another attention scale than head_dim's
+        return make_tiny_family_model("gemma2", seed=2, query_pre_attn_scalar=16)
+    return make_tiny_family_model("gemma3", seed=2, query_pre_attn_scalar=16,
+                                  num_hidden_layers=6, layer_types=_GEMMA3_TYPES)
+
+
+def _write(path, family, model):
+    cfg = model.config
+    arch = family
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    if family == "gemma2":
+        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        full = cfg.rope_parameters["full_attention"]
+        w.add_rope_freq_base(float(full["rope_theta"]))
+        w.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_eos_token_id(0)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        array = tensor.numpy().astype(np.float32)
+        if name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp's converter for Gemma
+        w.add_tensor(f"{name_map.get_name(base)}.{suffix}", array, raw_dtype=Q.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma_file(request, tmp_path_factory):
+    family = request.param
+    model = _model(family)
+    path = tmp_path_factory.mktemp(family) / f"tiny-{family}.gguf"
+    _write(path, family, model)
+    return family, model, path
+
+
+def test_config_from_metadata(gemma_file):
+    from servelm.loader import load_model_config, resolve_model
+
+    family, model, path = gemma_file
+    got = load_model_config(resolve_model(str(path)))
+    want = ModelConfig.from_hf_config(model.config.to_dict())
+    for field in ("architecture", "num_layers", "hidden_size", "head_dim", "num_kv_heads",
+                  "hidden_act", "sliding_window", "layer_types", "attn_logit_softcapping",
+                  "final_logit_softcapping", "query_pre_attn_scalar", "qk_norm",
+                  "tie_word_embeddings", "rope_local_theta"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.rope_theta == pytest.approx(want.rope_theta)
+    if family == "gemma3":
+        assert got.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_logits_and_greedy_match_transformers(gemma_file):
+    """24 tokens: past the window of 8 on the sliding layers."""
+    from servelm.engine_builder import build_engine
+    from servelm.protocol import EngineRequest, SamplingParams
+    from tiny_models import prefill_logits
+
+    family, model, path = gemma_file
+    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
+                                     prepared_weights_cache=False))
+    prompt = [(11 * i + 5) % 384 for i in range(24)]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(engine, prompt), ref, atol=1e-4, rtol=1e-4)
+    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                 ignore_eos=True)))
+    out = []
+    while engine.has_unfinished:
+        out += [t for d in engine.step() for t in d.token_ids]
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == gen
