@@ -200,9 +200,10 @@ class LoraManager:
 
         def hook(module, args, out):
             x = args[0]
-            add_lora(x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1]), batch, lin.a,
-                     lin.bs, lin.offsets, lin.present, max_rank)
-            return out
+            flat = out.reshape(-1, out.shape[-1])  # out itself when contiguous, else a copy
+            add_lora(x.reshape(-1, x.shape[-1]), flat, batch, lin.a, lin.bs, lin.offsets,
+                     lin.present, max_rank)
+            return flat.view(out.shape)
 
         return hook
 
