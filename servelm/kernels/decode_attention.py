@@ -17,6 +17,14 @@ An fp8 cache (codes times a scale per KV head) is read as it is: a program serve
 head, so K's scale multiplies the scores and V's the partial output, both scalars, and no
 dequantized tile is formed.
 
+Batch-invariant splits (`split_len` > 0, for a deterministic mode): every split is
+`split_len` keys, fixed in key positions, and the caller launches enough of them for the
+longest sequence (`fixed_num_splits`). A sequence's splits, and so its partial sums, are then
+the same whatever else is in the batch; the extra splits of a short sequence are empty and
+stage 2 adds them in split order (a sequential loop, not a tree whose shape would follow the
+number of splits), each adding exactly zero. The default (0) sizes splits from `num_splits`,
+which the heuristic picks from the batch: faster, but a row's bits follow its batch.
+
 Owns the two kernels, the split heuristic and the torch reference. Never writes the cache.
 """
 
@@ -32,6 +40,11 @@ from servelm.kernels.store_kv import check_kv_scales, dequantize_kv
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
+
+
+def fixed_num_splits(max_seq_len: int, split_len: int) -> int:
+    """Splits of `split_len` keys covering the longest sequence (batch-invariant mode)."""
+    return max(1, triton.cdiv(max_seq_len, split_len))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -52,7 +65,7 @@ def _decode_partial_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        KV_FP8: tl.constexpr):
+        KV_FP8: tl.constexpr, SPLIT_LEN: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,7 +81,10 @@ def _decode_partial_kernel(
     row_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT_LEN > 0:  # batch-invariant: fixed key positions
+        split_len = SPLIT_LEN
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     lse_ptrs = partial_lse_ptr + b * stride_lb + heads * stride_lh + split
@@ -111,7 +127,7 @@ def _decode_reduce_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SEQUENTIAL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -125,9 +141,20 @@ def _decode_reduce_kernel(
                    mask=split_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
+    if SEQUENTIAL:  # split 0, then 1, ...: the same sums for any number of empty splits
+        denom = 0.0
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(NUM_SPLITS):
+            w_s = tl.exp2(tl.load(partial_lse_ptr + b * stride_lb + h * stride_lh + s) - m)
+            p_s = tl.load(partial_out_ptr + b * stride_pb + h * stride_ph + s * stride_ps + dims,
+                          mask=dim_ok, other=0.0)
+            denom += w_s
+            acc += w_s * p_s
+        out = acc / tl.where(denom > 0, denom, 1.0)
+    else:
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -136,10 +163,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                      scale: float, num_splits: int, out: torch.Tensor | None = None,
                      block_n: int = 64, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, split_len: int = 0) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_slots, K, D]; block_tables: [B, max_blocks];
     seq_lens: [B] (keys to read, the new token's included) -> out: [B, H, D].
-    k_scale, v_scale: [K] float32 for an fp8 cache (float caches take none)."""
+    k_scale, v_scale: [K] float32 for an fp8 cache (float caches take none).
+    split_len > 0: batch-invariant splits of that many keys (a multiple of block_n);
+    num_splits must then cover the longest sequence (fixed_num_splits)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if out is None:
@@ -148,6 +177,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
     group = num_heads // num_kv_heads
+    if split_len:
+        if split_len % block_n:
+            raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}")
+        if int(seq_lens.max()) > num_splits * split_len:
+            raise ValueError(f"{num_splits} splits of {split_len} keys do not cover a "
+                             f"sequence of {int(seq_lens.max())}")
     partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
                               device=q.device)
     partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
@@ -163,13 +198,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=dot_t, DOT_PRECISION=precision, KV_FP8=is_fp8)
+        DOT_DTYPE=dot_t, DOT_PRECISION=precision, KV_FP8=is_fp8, SPLIT_LEN=split_len)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d)
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        SEQUENTIAL=split_len > 0)
     return out
 
 
