@@ -39,7 +39,8 @@ _GGUF_SLIDING_LAYERS = {
 }
 # llama.cpp renormalises the top-k routing weights per architecture (its files carry no flag
 # unless `{arch}.expert_weights_norm` is written): Mixtral and Qwen3-MoE do, Qwen2-MoE not.
-_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "deepseek2": False}
+_GGUF_SIGMOID_GATING = 2  # `{arch}.expert_gating_func`: 1 softmax, 2 sigmoid (DeepSeek-V3)
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 _SANDWICH_NORM_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -255,6 +256,9 @@ class ModelConfig:
         family = _FAMILY_BY_GGUF_ARCH.get(arch, arch)
         if arch == "llama" and meta("expert_count", 0):
             family = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+        elif arch == "deepseek2":  # V2 and V3 share llama.cpp's architecture; V3 gates by sigmoid
+            sigmoid = get(f"{arch}.expert_gating_func", 1) == _GGUF_SIGMOID_GATING
+            family = "deepseek_v3" if sigmoid else "deepseek_v2"
         return cls(
             architecture=family,
             vocab_size=len(tokens) or meta("vocab_size"),
@@ -505,6 +509,13 @@ def _gguf_moe_routing(arch: str, get: Callable[[str, Any], Any],
     out["has_shared_expert_gate"] = "blk.0.ffn_gate_inp_shexp.weight" in tensor_types
     if (scale := get(f"{arch}.expert_weights_scale", None)) is not None:
         out["routed_scaling_factor"] = float(scale)
+    if arch == "deepseek2":  # DeepSeek's routing: V3 sigmoid + bias, V2 group-limited softmax
+        groups = int(get(f"{arch}.expert_group_count", 1) or 1)
+        sigmoid = get(f"{arch}.expert_gating_func", 1) == _GGUF_SIGMOID_GATING
+        out["moe_topk_method"] = ("noaux_tc" if sigmoid else
+                                  "group_limited_greedy" if groups > 1 else "greedy")
+        out["num_expert_groups"] = groups
+        out["num_topk_groups"] = int(get(f"{arch}.expert_group_used_count", groups) or groups)
     return out
 
 

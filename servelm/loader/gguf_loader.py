@@ -17,7 +17,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tokenizers
@@ -148,13 +148,22 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # multi-head latent attention (DeepSeek-V2/V3)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
 # Where an architecture's checkpoint keeps projections fused (Phi-3: qkv_proj, gate_up_proj).
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                       "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+                       "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
+                       "deepseek2": {f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj"
+                                     for p in ("gate", "up", "down")}}
 # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w (ggml multiplies by the weight);
 # the model takes w, as the HF checkpoint has it.
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
@@ -181,6 +190,8 @@ def hf_name(gguf_name: str, expert: int | None = None, arch: str = "") -> str:
     if match is not None and match.group(2) in _EXPERT_TENSORS and expert is not None:
         layer, kind, suffix = match.groups()
         return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
+    if match is not None and match.group(2) == "exp_probs_b":  # V3's routing bias
+        return f"model.layers.{match.group(1)}.mlp.gate.e_score_correction_bias"
     table = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
     if match is None or match.group(2) not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
@@ -218,8 +229,21 @@ def _model_tensors(path: Path, config: ModelConfig):
     arch = _get(reader, "general.architecture")
     permuted = arch == "llama"  # qwen2/qwen3/phi3 use neox rotary
     seen: set[str] = set()
+    split_kv_b: dict[str, dict[str, Any]] = {}
+    have_kv_b = any(".attn_kv_b." in t.name for t in reader.tensors)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
+            continue
+        kb = re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", tensor.name)
+        if kb is not None:  # newer converters split kv_b_proj into k_b (transposed) and v_b
+            if have_kv_b:
+                continue  # the file keeps kv_b too: read that
+            layer = split_kv_b.setdefault(kb[1], {})
+            layer[kb[2]] = tensor
+            if len(layer) == 2:
+                name = f"model.layers.{kb[1]}.self_attn.kv_b_proj.weight"
+                seen.add(name)
+                yield name, _joined_kv_b(layer["k"], layer["v"], config), None, 0.0
             continue
         if _is_expert_stack(tensor.name):  # the experts' names: hf_name(name, expert=e)
             seen.add(tensor.name)
@@ -243,6 +267,32 @@ def _model_tensors(path: Path, config: ModelConfig):
         if missing:
             raise ValueError(f"{path.name} lacks weights the config needs, e.g. "
                              f"{sorted(missing)[:3]}")
+
+
+class _Float32Tensor(NamedTuple):
+    """A tensor made here from the file's (what the iterators read of a ReaderTensor)."""
+
+    name: str
+    data: np.ndarray
+    tensor_type: Any
+    shape: tuple[int, ...]
+
+
+def _joined_kv_b(k_b, v_b, config: ModelConfig) -> _Float32Tensor:
+    """kv_b_proj [H*(Dn+Dv), L] from llama.cpp's k_b [H, L, Dn] (per head, transposed) and
+    v_b [H, Dv, L]."""
+    from gguf import GGMLQuantizationType
+
+    k = dequantize(k_b.data, k_b.tensor_type)  # [H, L, Dn]
+    v = dequantize(v_b.data, v_b.tensor_type)  # [H, Dv, L]
+    heads, rank = k.shape[0], k.shape[1]
+    if v.shape != (heads, config.v_head_dim, rank) or k.shape[2] != config.qk_nope_head_dim:
+        raise ValueError(f"{k_b.name} {k.shape} / {v_b.name} {v.shape} do not make a kv_b_proj "
+                         f"of {heads} heads x ({config.qk_nope_head_dim} + "
+                         f"{config.v_head_dim}) rows of {config.kv_lora_rank}")
+    joined = np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(-1, rank)
+    return _Float32Tensor(k_b.name, np.ascontiguousarray(joined, dtype=np.float32),
+                          GGMLQuantizationType.F32, tuple(joined.shape[::-1]))
 
 
 def _per_expert(name: str, weights: np.ndarray):
