@@ -10,6 +10,7 @@ that fault's suspect first.
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -23,6 +24,17 @@ from servelm.cli import main as servelm_main
 
 STEP_S, PER_TOKEN_S = 0.002, 2e-5
 pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_gc():
+    """The server, its clients and whatever earlier tests left share this process: freeze
+    what exists so a full collection of that heap does not stall a scenario (the doctor would
+    rightly name it: GC pauses count as host time). The injected fault must be the only one."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def _doctor(capsys, *args: str, fault: bool = True) -> dict:
