@@ -173,3 +173,39 @@ def test_dashboard_live_in_browser(server, tmp_path):
     finally:
         load.finish()
         driver.quit()
+
+
+def test_router_dashboard_in_browser():
+    """The router's page over two model-free replicas behind an API key."""
+    from servers import Uvicorn, fake_server, metrics
+
+    from servelm.router.app import build_router_app
+    from servelm.router.policies import make_policy
+    from servelm.router.replicas import ReplicaSet
+
+    replicas = [fake_server(api_key=KEY) for _ in range(2)]
+    router = Uvicorn(build_router_app(ReplicaSet([r.url for r in replicas], 0.2),
+                                      make_policy("round_robin")))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    driver = None
+    try:
+        with httpx.Client(base_url=router.url, headers=auth, timeout=30) as c:
+            for i in range(4):
+                assert c.post("/v1/completions", json={"model": "fake", "prompt": [9 + i] * 20,
+                                                       "max_tokens": 6}).status_code == 200
+        driver = _browser()
+        driver.get(f"{router.url}/dashboard?interval=300#key={KEY}")
+        _wait(lambda: driver.execute_script("return window.servelmDashboard.polls") >= 2, 60,
+              "the router page's polls")
+        assert driver.find_element("id", "replicas").text == "replicas 2/2 reporting"
+        total = sum(metrics(r.url, auth)["servelm_generation_tokens_total"] for r in replicas)
+        assert float(_shown(driver)["counters.generation_tokens"]) == total == 24
+        rows = int(driver.find_element("id", "waterfall").get_attribute("data-rows"))
+        assert rows == 4
+        assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    finally:
+        if driver is not None:
+            driver.quit()
+        router.stop()
+        for r in replicas:
+            r.stop()

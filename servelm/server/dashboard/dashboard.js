@@ -211,6 +211,11 @@
     document.getElementById("model").textContent = d.model || "";
     document.getElementById("window").textContent = String(d.window.seconds);
     document.getElementById("polls").textContent = String(state.polls);
+    if (d.replicas) {  // the router's view: how many replicas answered
+      const up = d.replicas.filter(r => r.reachable).length;
+      document.getElementById("replicas").textContent =
+        "replicas " + up + "/" + d.replicas.length + " reporting";
+    }
     setStatus(d.gauges.engine_alive === 0 ? "engine down" : "live", d.gauges.engine_alive !== 0);
     renderTiles(d);
     renderCharts(d);
