@@ -119,3 +119,46 @@ def test_trace_context_crosses_the_router(router_traced):
     assert len(hops) == 2
     assert all(f"{h.parent.span_id:016x}" == PARENT_ID for h in hops)
     assert {s.parent.span_id for s in roots} == {h.context.span_id for h in hops}
+
+
+def test_the_endpoint_flag_exports_over_otlp_http():
+    """`--otlp-traces-endpoint`: the standard OTLP/HTTP exporter posts the spans (protobuf) to
+    the collector; here a stand-in collector records what it receives."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    received = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    collector = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{collector.server_port}/v1/traces"
+    s = fake_server(otlp_traces_endpoint=endpoint)
+    try:
+        (mw,) = [m for m in s.app.user_middleware if m.cls is TracingMiddleware]
+        r = httpx.post(s.url + "/v1/completions", json=_body(False), timeout=30,
+                       headers={"traceparent": TRACEPARENT})
+        assert r.status_code == 200
+        tracing = mw.kwargs["tracing"]
+        assert tracing.provider.force_flush(10_000)
+    finally:
+        s.stop()
+        tracing.shutdown()
+        collector.shutdown()
+    assert received, "no spans reached the collector"
+    path, content_type, body = received[0]
+    assert path == "/v1/traces" and content_type == "application/x-protobuf"
+    payload = b"".join(b for _, _, b in received)
+    for name in (b"POST /v1/completions", b"queue", b"prefill step", b"decode"):
+        assert name in payload
+    assert bytes.fromhex(TRACE_ID) in payload
