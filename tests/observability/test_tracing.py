@@ -130,7 +130,7 @@ def test_the_endpoint_flag_exports_over_otlp_http():
     received = []
 
     class Collector(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
+        def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
             received.append((self.path, self.headers["Content-Type"], body))
             self.send_response(200)
@@ -156,7 +156,7 @@ def test_the_endpoint_flag_exports_over_otlp_http():
         tracing.shutdown()
         collector.shutdown()
     assert received, "no spans reached the collector"
-    path, content_type, body = received[0]
+    path, content_type, _ = received[0]
     assert path == "/v1/traces" and content_type == "application/x-protobuf"
     payload = b"".join(b for _, _, b in received)
     for name in (b"POST /v1/completions", b"queue", b"prefill step", b"decode"):
