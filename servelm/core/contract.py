@@ -105,6 +105,9 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     logprobs: list[Logprob]
 
 
+EXPERT_TOKENS_EVERY = 16  # steps between a runner's MoE expert-load snapshots
+
+
 class StepResult(msgspec.Struct, omit_defaults=True):
     """sampled: the step's new tokens in order; a speculating sequence has several, the
     first num_accepted of its drafts and the target's next token."""
@@ -115,6 +118,9 @@ class StepResult(msgspec.Struct, omit_defaults=True):
     embeddings: dict[int, list[float]] = {}  # seq_id -> pooled prompt hidden state
     forward_s: float = 0.0  # wall time of propose + model + sampling
     draft_s: float = 0.0  # of which the proposer took
+    # MoE models, every EXPERT_TOKENS_EVERY steps: tokens routed to each expert of each MoE
+    # layer since start-up ([layer][expert], cumulative); [] on the other steps
+    expert_tokens: list[list[int]] = []
 
 
 class StepReport(msgspec.Struct, omit_defaults=True):
@@ -146,6 +152,8 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     lora_num_resident: int = 0  # of which in a slot
     lora_num_loads: int = 0  # adapters copied into a slot so far
     lora_num_evictions: int = 0  # of which displaced another
+    # the runner's latest expert_tokens (StepResult), on the first report after it came
+    moe_expert_tokens: list[list[int]] = []
 
 
 class KVEvent(msgspec.Struct, array_like=True):

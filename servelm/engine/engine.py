@@ -113,6 +113,7 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
+        self._expert_tokens: list[list[int]] = []  # the runner's last MoE load snapshot
         self._pending: list[TokenDelta] = []  # deltas produced between steps (aborts)
         self._prompt_lps: dict[int, list] = {}  # seq_id -> prompt logprobs so far
         # The runner's knowledge, for the next StepDescription's deltas:
@@ -266,6 +267,8 @@ class Engine:
                 s.seq.timings.first_scheduled_time = start
         result: StepResult = self.runner.execute(self.describe(batch))
         now = self.clock()
+        if result.expert_tokens:
+            self._expert_tokens = result.expert_tokens  # the next report carries it
         shape = self._account(batch, now - start, result.spec, result.draft_s)
         if self.speculator is not None:  # the target's part of the step, and its tokens
             self.speculator.observe_step(now - start - result.draft_s, *shape)
@@ -483,7 +486,12 @@ class Engine:
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             prefix_cache_namespaces=cache.num_namespaces if cache else 0,
-            prefix_cache_bytes=cache.num_bytes if cache else 0, **self._lora_report())
+            prefix_cache_bytes=cache.num_bytes if cache else 0, **self._lora_report(),
+            moe_expert_tokens=self._take_expert_tokens())
+
+    def _take_expert_tokens(self) -> list[list[int]]:
+        tokens, self._expert_tokens = self._expert_tokens, []
+        return tokens
 
     def _lora_report(self) -> dict:
         lo = self.loras

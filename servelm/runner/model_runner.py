@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from servelm.config import CacheConfig, ModelConfig
-from servelm.core.contract import (PromptLogprobs, SampledToken, SpecOutcome, StepDescription,
-                                   StepResult)
+from servelm.core.contract import (EXPERT_TOKENS_EVERY, PromptLogprobs, SampledToken,
+                                   SpecOutcome, StepDescription, StepResult)
 from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
 from servelm.runner.cpu_decode import CpuDecodeStack
@@ -69,6 +69,10 @@ class ModelRunner:
                  lora=None, deterministic: bool = False):
         self.model = model
         self.lora = lora  # servelm.lora.manager.LoraManager, or None (LoRA off)
+        from servelm.layers.moe import Experts
+
+        self._experts = [m for m in model.modules() if isinstance(m, Experts)]
+        self._steps_since_expert_tokens = 0
         self.grammars = grammars  # servelm.structured.GrammarMasks, or None (no tokenizer)
         self.proposer = proposer  # servelm.spec proposer, when speculating
         self.graphs = graphs  # a captured CudaGraphRunner for decode steps, or None
@@ -141,8 +145,18 @@ class ModelRunner:
                             embeddings=embeddings)
         if spec:
             self._verify(spec, logits, proposals, result, masks)
+        self._report_expert_tokens(result)
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _report_expert_tokens(self, result: StepResult) -> None:
+        """Every EXPERT_TOKENS_EVERY steps, the MoE layers' cumulative tokens per expert."""
+        if not self._experts:
+            return
+        self._steps_since_expert_tokens += 1
+        if self._steps_since_expert_tokens >= EXPERT_TOKENS_EVERY:
+            self._steps_since_expert_tokens = 0
+            result.expert_tokens = [m.num_routed_tokens.tolist() for m in self._experts]
 
     def _propose(self, scheduled: list[RunnerScheduled]) -> tuple[dict, float]:
         asks = [s for s in scheduled if s.num_spec]

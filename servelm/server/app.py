@@ -142,6 +142,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     state = ServerState(config, async_engine, metrics,
                         IdempotencyStore(config.idempotency_ttl_s, config.idempotency_max_entries))
     _observe_loras(state)
+    _observe_experts(state)
     serving = OpenAIServing(state)
 
     @asynccontextmanager
@@ -255,6 +256,21 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     install_tracing(app, state)  # --otlp-traces-endpoint; inside the API-key check
     app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
     return app
+
+
+def _observe_experts(state: ServerState) -> None:
+    """A MoE model's expert load (servelm/server/moe_metrics.py), on the step observer."""
+    from servelm.server.moe_metrics import MoeMetrics
+
+    client = state.async_engine
+    moe = MoeMetrics(state.metrics.registry)
+    observe = client.observer
+
+    def observer(report, deltas) -> None:
+        observe(report, deltas)
+        moe.observe_step(report)
+
+    client.observer = observer
 
 
 def _observe_loras(state: ServerState) -> None:
