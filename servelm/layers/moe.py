@@ -81,6 +81,21 @@ class Experts(nn.Module):
         self.register_buffer("num_routed_tokens", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
 
+    def quantize_experts(self, quant) -> None:
+        """Each expert's two matrices as `quant`'s layers (int8 / int4 through servelm's
+        quantized GEMMs); the float stacks are dropped."""
+        self.q13 = nn.ModuleList(quant.from_float(self.w13.data[e], None)
+                                 for e in range(self.num_experts))
+        self.q2 = nn.ModuleList(quant.from_float(self.w2.data[e], None)
+                                for e in range(self.num_experts))
+        del self.w13, self.w2
+        self.w13 = self.w2 = None
+
+    def _expert(self, e: int, seg: torch.Tensor) -> torch.Tensor:
+        if self.w13 is None:
+            return self.q2[e](self.act_and_mul(self.q13[e](seg)))
+        return self.act_and_mul(seg @ self.w13[e].t()) @ self.w2[e].t()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k] -> sum_j weights[:, j] * expert_ids[:, j](x)."""
         t, k = ids.shape
@@ -94,9 +109,7 @@ class Experts(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                seg = rows[start:start + n]
-                h = self.act_and_mul(seg @ self.w13[e].t())
-                out[start:start + n] = h @ self.w2[e].t()
+                out[start:start + n] = self._expert(e, rows[start:start + n])
                 start += n
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)

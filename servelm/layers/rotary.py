@@ -117,7 +117,11 @@ class RotaryEmbedding(nn.Module):
         self._args = (self.rotary_dim, max_position, theta, scaling)
         if torch.empty(()).device.type == "meta":  # built on the meta device: materialize()
             # fills the tables (computing them here would run meta decompositions, which
-            # import torch._dynamo: seconds of every start-up)
+            # import torch._dynamo: seconds of every start-up); the frequencies are checked
+            # now, on the CPU, so that an unsupported rope type fails before any weight loads
+            if not (scaling and scaling.get("rope_type") == "longrope"):
+                with torch.device("cpu"):
+                    _inv_freq(self.rotary_dim, theta, scaling)
             cos = sin = torch.empty(max_position, self.rotary_dim // 2)
         else:
             cos, sin = self._table(None)

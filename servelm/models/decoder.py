@@ -39,18 +39,27 @@ class Placement(NamedTuple):
 Rule = tuple[str, Callable[[re.Match], Placement | None]]
 
 
+# weight-only methods built from float weights, per linear (servelm/quant/methods.py)
+_EXPERT_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256")
+
+
 class DecoderLM(nn.Module):
     family = ""  # for error messages
+    # Families whose linears a weight-only method (int8, int4) may quantize after loading
+    # (process_weights_after_loading); the others refuse a method by name.
+    quantizable = False
     # (regex over the HF name without "model.", -> Placement or None to skip), first match wins
     rules: tuple[Rule, ...] = ()
 
     def __init__(self, config: ModelConfig, quant=None):
         super().__init__()
-        if quant is not None:
+        if quant is not None and not (self.quantizable and quant.name in _EXPERT_METHODS):
             raise ValueError(f"quantization {getattr(quant, 'name', quant)!r} is not supported "
-                             f"for the {self.family or config.architecture} family (float only)")
+                             f"for the {self.family or config.architecture} family (float only"
+                             + (f"; {', '.join(_EXPERT_METHODS)} quantize it" if
+                                self.quantizable else "") + ")")
         self.config = config
-        self.quant = None
+        self.quant = quant
         # An explicit (empty) weight: nn.Embedding would otherwise draw normal_ init, which
         # on the meta device imports torch._dynamo (1.5 s of every start-up).
         self.embed_tokens = nn.Embedding(
@@ -88,7 +97,29 @@ class DecoderLM(nn.Module):
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def process_weights_after_loading(self) -> None:
-        pass
+        """With a quantization method: every linear of the layers (attention, dense and
+        shared MLPs) and every routed expert becomes the method's layer, and the LM head its
+        head method's; the MoE routers stay float (a routing decision is a discrete choice,
+        and they are a sliver of the weights)."""
+        if self.quant is None:
+            return
+        from servelm.layers.moe import MoE
+
+        for layer in self.layers:
+            for parent in list(layer.modules()):
+                if hasattr(parent, "quantize_experts"):
+                    parent.quantize_experts(self.quant)
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear:
+                        continue
+                    if isinstance(parent, MoE) and name in ("gate", "shared_gate"):
+                        continue
+                    bias = None if child.bias is None else child.bias.data
+                    setattr(parent, name, self.quant.from_float(child.weight.data, bias))
+        head = self.quant.lm_head_method()
+        if head is not None:
+            source = self.embed_tokens if self.lm_head is None else self.lm_head
+            self.lm_head = head.from_float(source.weight.data, None)
 
     # -- weights ---------------------------------------------------------------------------
 

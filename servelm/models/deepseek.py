@@ -118,6 +118,7 @@ class MLAttention(nn.Module):
 
 class DeepseekV2ForCausalLM(MixtralForCausalLM):
     family = "deepseek_v2"
+    quantizable = False  # the latent attention reads kv_b_proj's float weight (absorbed)
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         if not config.is_mla:

@@ -15,6 +15,7 @@ from servelm.models.decoder import (DecoderLayer, DecoderLM, GatedMLP, Placement
 
 class MixtralForCausalLM(DecoderLM):
     family = "mixtral"
+    quantizable = True  # int8 / int4 weight-only: attention, experts, head (decoder.py)
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         super().__init__(config, quant)
