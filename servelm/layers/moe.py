@@ -98,6 +98,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k] -> sum_j weights[:, j] * expert_ids[:, j](x)."""
+        if x.is_cuda and self.w13 is not None:  # the Triton grouped GEMMs
+            from servelm.kernels.fused_moe import Segments, fused_moe
+
+            seg = Segments(ids, self.num_experts)
+            self.num_routed_tokens += seg.counts
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.act_and_mul, seg)
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
