@@ -3,6 +3,7 @@
 Per layer and step: store_kv writes the new K/V into their slots; decodes (the first
 `num_decodes` sequences, one query each) go to the split-K decode kernel; prefill chunks go to
 the paged prefill/extend kernel, which reads cached prefix and new keys through the block table.
+MLA models (`forward_mla`) decode through the same split-K kernel in latent space.
 
     q: [T, H, D] = [ decode tokens (Bd) | prefill chunk tokens (Tp) ]
     metadata (built once per step, shared by every layer):
@@ -104,3 +105,44 @@ class TritonAttentionBackend:
                               meta.max_prefill_query_len, bs, self.scale, out=out[nd:],
                               k_scale=k_scale, v_scale=v_scale)
         return out
+
+    # -- multi-head latent attention (MLA) --------------------------------------------------
+
+    def forward_mla(self, layer: int, entry: torch.Tensor, batch: ForwardBatch,
+                    q_decode: torch.Tensor, q_prefill: torch.Tensor, expand, scale: float,
+                    latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA over a cache of [latent | rope key] entries, as the torch backend's
+        forward_mla (same arguments and results). Decodes run the split-K decode kernel with
+        one KV head of L+R dims and the cache as both keys and values: the first L output
+        dims are the softmax-weighted latents (the last R, the rope keys' sum, are dropped;
+        R/(L+R) of the value work is wasted, 11% for DeepSeek-V3). Prefill chunks expand
+        their context to per-head keys and values and attend explicitly (torch SDPA)."""
+        cache = self.kv_cache.k[layer]  # [num_slots, 1, L+R]
+        cache[batch.slot_mapping.long(), 0] = entry.to(cache.dtype)
+        meta: TritonAttentionMetadata = batch.attn_metadata
+        nd, bs = meta.num_decodes, self.kv_cache.block_size
+        decode_out = q_decode.new_empty(0, q_decode.shape[1], latent_dim)
+        if nd:
+            q = q_decode.to(cache.dtype).contiguous()
+            full = decode_attention(q, cache, cache, meta.decode_block_tables,
+                                    meta.decode_seq_lens, bs, scale, meta.num_kv_splits)
+            decode_out = full[..., :latent_dim].to(q_decode.dtype)
+        outs = []
+        if meta.prefill_seq_lens is not None:
+            qsl = meta.prefill_query_start_loc.tolist()
+            for j, seq_len in enumerate(meta.prefill_seq_lens.tolist()):
+                s, e = qsl[j], qsl[j + 1]
+                pos = torch.arange(seq_len, device=cache.device)
+                blocks = meta.prefill_block_tables[j].long()[pos // bs]
+                entries = cache[blocks * bs + pos % bs, 0].to(q_prefill.dtype)  # [C, L+R]
+                k, v = expand(entries)
+                n = e - s  # this chunk's queries are the last n of the seq_len positions
+                mask = (torch.arange(seq_len, device=cache.device)[None, :]
+                        <= torch.arange(seq_len - n, seq_len, device=cache.device)[:, None])
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q_prefill[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                    v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+                outs.append(out[0].transpose(0, 1))
+        prefill_out = (torch.cat(outs) if outs else
+                       q_prefill.new_empty(0, q_prefill.shape[1], 0))
+        return decode_out, prefill_out
