@@ -147,7 +147,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     cpu_choice = args.cpu_kernel_choice()
     cpu_kernels.configure(cpu_choice)  # before the model: its layers read it as they build
     if torch.device(args.device).type == "cpu" and str(cpu_choice) != "torch":
-        with startup.timer().stage("kernels"):
+        built = cpu_kernels.is_built()
+        with startup.timer().stage("kernels", note=None if built else "compiled"):
             try:
                 cpu_kernels.load()  # built once per machine; a failure is reported where used
             except Exception:  # noqa: BLE001 - 'auto' falls back to torch, 'kernel' raises later

@@ -48,3 +48,12 @@ def test_kv_pool_is_zero_writable_and_lazily_backed():
     assert float(layer.sum()) == 7.0 * 16 and float(layer[0].abs().sum()) == 0.0
     fp8 = _zeros((2, 8), torch.float8_e4m3fn, "cpu")
     assert fp8.float().abs().sum() == 0
+
+
+def test_kernels_stage_says_whether_it_compiled(tmp_path, monkeypatch):
+    from servelm import cpu_kernels
+
+    cpu_kernels.load()
+    assert cpu_kernels.is_built()
+    monkeypatch.setenv("SERVELM_HOME", str(tmp_path))  # a machine that never built them
+    assert not cpu_kernels.is_built()

@@ -122,15 +122,26 @@ def _warn_once(exc: Exception) -> None:
 def _build() -> None:
     from torch.utils import cpp_extension
 
-    from servelm.loader.model_cache import cache_home
-
     _put_pip_ninja_on_path()
-    name = f"servelm_cpu_kernels_{_build_key()}"
-    build_dir = cache_home() / "torch_extensions" / name
+    build_dir = _build_dir()
+    name = build_dir.name
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name, [str(_DIR / s) for s in _SOURCES], extra_cflags=_CFLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
+
+
+def _build_dir() -> Path:
+    from servelm.loader.model_cache import cache_home
+
+    return cache_home() / "torch_extensions" / f"servelm_cpu_kernels_{_build_key()}"
+
+
+def is_built() -> bool:
+    """Whether this machine already has the library for these sources, torch and CPU (then
+    `load()` only loads it; otherwise it compiles first, about a minute on the CI machine)."""
+    d = _build_dir()
+    return (d / f"{d.name}.so").is_file()
 
 
 def _build_key() -> str:
