@@ -63,3 +63,15 @@ def prefill_logits(engine, prompt):
                                                len(prompt))])
     finally:
         engine.block_manager.free(seq)
+
+
+def greedy(engine, prompt, max_tokens):
+    """The engine's greedy tokens for `prompt` alone (EOS ignored)."""
+    from servelm.protocol import EngineRequest, SamplingParams
+
+    engine.add_request(EngineRequest("greedy", list(prompt), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    out = []
+    while engine.has_unfinished:
+        out += [t for d in engine.step() for t in d.token_ids]
+    return out

@@ -6,20 +6,9 @@ import pytest
 import torch
 
 from tiny_families import make_tiny_family_model
-from tiny_models import make_tiny_engine, prefill_logits
+from tiny_models import greedy, make_tiny_engine, prefill_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _greedy(engine, prompt, n):
-    from servelm.protocol import EngineRequest, SamplingParams
-
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    return out
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
@@ -37,7 +26,7 @@ def test_triton_mla_matches_the_torch_backend(family, monkeypatch):
     prompt = [(5 * i + 2) % 384 for i in range(19)]
     torch.testing.assert_close(prefill_logits(tri, prompt).cpu(), prefill_logits(ref, prompt),
                                atol=1e-4, rtol=1e-4)
-    assert _greedy(tri, prompt, 6) == _greedy(ref, prompt, 6)
+    assert greedy(tri, prompt, 6) == greedy(ref, prompt, 6)
     assert tri.runner.backend.name == "triton"
     cfg = hf.config
     entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim

@@ -7,10 +7,10 @@ and greedy tokens as the checkpoint."""
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
-from servelm.config import EngineArgs, ModelConfig
+from servelm.config import ModelConfig
+from gguf_families import add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 
@@ -42,13 +42,7 @@ def _write(path, family, model, split_kv_b):
     w.add_expert_group_used_count(cfg.topk_group)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
                              else gguf.ExpertGatingFuncType.SOFTMAX)
-    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
-    w.add_eos_token_id(0)
+    add_word_vocab(w, cfg.vocab_size)
     nm = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
     heads, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
 
@@ -75,10 +69,7 @@ def _write(path, family, model, split_kv_b):
             add(base.replace("kv_b_proj", "v_b_proj"), suffix, kv_b[:, dn:])
         else:
             add(base, suffix, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module", params=[("deepseek_v2", False), ("deepseek_v3", True)],
@@ -109,23 +100,6 @@ def test_config_from_metadata(deepseek_file):
 
 
 def test_logits_and_greedy_match_transformers(deepseek_file):
-    from servelm.engine_builder import build_engine
-    from servelm.protocol import EngineRequest, SamplingParams
-    from tiny_models import prefill_logits
-
     family, model, path = deepseek_file
-    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     prepared_weights_cache=False))
     prompt = [(13 * i + 1) % 384 for i in range(20)]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(engine, prompt), ref, atol=1e-4, rtol=1e-4)
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out == gen
+    assert_matches_transformers(model, path, prompt, 10)

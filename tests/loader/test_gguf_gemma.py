@@ -6,10 +6,10 @@ checkpoints with gguf-py's writer and name map: the same config, logits and gree
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
-from servelm.config import EngineArgs, ModelConfig
+from servelm.config import ModelConfig
+from gguf_families import add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 _GEMMA3_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
@@ -46,13 +46,7 @@ def _write(path, family, model):
         w.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(full["factor"]))
-    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
-    w.add_eos_token_id(0)
+    add_word_vocab(w, cfg.vocab_size)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -62,10 +56,7 @@ def _write(path, family, model):
         if name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's converter for Gemma
         w.add_tensor(f"{name_map.get_name(base)}.{suffix}", array, raw_dtype=Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
@@ -95,23 +86,6 @@ def test_config_from_metadata(gemma_file):
 
 def test_logits_and_greedy_match_transformers(gemma_file):
     """24 tokens: past the window of 8 on the sliding layers."""
-    from servelm.engine_builder import build_engine
-    from servelm.protocol import EngineRequest, SamplingParams
-    from tiny_models import prefill_logits
-
     family, model, path = gemma_file
-    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     prepared_weights_cache=False))
     prompt = [(11 * i + 5) % 384 for i in range(24)]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(engine, prompt), ref, atol=1e-4, rtol=1e-4)
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out == gen
+    assert_matches_transformers(model, path, prompt, 10)

@@ -11,7 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from servelm.config import EngineArgs, ModelConfig
+from servelm.config import ModelConfig
+from gguf_families import add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 # family -> (gguf arch, llama.cpp's per-arch routing renormalisation)
@@ -53,13 +54,7 @@ def _write(path, family, model):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
-    w.add_eos_token_id(0)
+    add_word_vocab(w, cfg.vocab_size, "qwen2")
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     state = model.state_dict()
     with torch.no_grad():
@@ -86,10 +81,7 @@ def _write(path, family, model):
                          else cfg.num_key_value_heads)
                 array = _permute(array, heads)
             w.add_tensor(f"{name_map.get_name(base)}.{suffix}", array, raw_dtype=Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -118,29 +110,9 @@ def test_config_from_metadata_equals_the_checkpoints(moe_file):
 
 
 def test_logits_and_greedy_match_transformers(moe_file):
-    from servelm.engine_builder import build_engine
-    from servelm.protocol import EngineRequest, SamplingParams
-
     family, model, path = moe_file
-    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     prepared_weights_cache=False))
     prompt = [5, 17, 33, 2, 101, 7, 250, 64, 9]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0]
-    from tiny_models import prefill_logits
-
-    ours = prefill_logits(engine, prompt)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    # 12 greedy steps, the engine's against transformers' own generate
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out == gen
+    assert_matches_transformers(model, path, prompt, 12)
 
 
 def test_a_per_expert_file_is_refused_by_name(tmp_path):

@@ -7,10 +7,10 @@ import math
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
-from servelm.config import EngineArgs, ModelConfig
+from servelm.config import ModelConfig
+from gguf_families import add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 
@@ -35,22 +35,13 @@ def _write(path, model):
     w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
     w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
-    w.add_eos_token_id(0)
+    add_word_vocab(w, cfg.vocab_size)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         base, suffix = name.rsplit(".", 1)
         w.add_tensor(f"{name_map.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32),
                      raw_dtype=Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module")
@@ -78,28 +69,10 @@ def test_config_from_metadata(phi3_file):
 
 
 def test_logits_and_greedy_match_transformers(phi3_file):
-    """A prompt past the window (16) and into the long factors' range is not needed for
-    parity: 40 tokens cross the window; positions stay below the original 256."""
-    from servelm.engine_builder import build_engine
-    from servelm.protocol import EngineRequest, SamplingParams
-    from tiny_models import prefill_logits
-
+    """40 tokens: past the window of 16, below the original context of 256 (short factors)."""
     model, path = phi3_file
-    engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     prepared_weights_cache=False))
     prompt = [(7 * i + 3) % 384 for i in range(40)]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(engine, prompt), ref, atol=1e-4, rtol=1e-4)
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out == gen
+    assert_matches_transformers(model, path, prompt, 10)
 
 
 def test_a_window_on_an_architecture_without_a_known_pattern_is_refused():

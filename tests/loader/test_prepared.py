@@ -5,6 +5,9 @@ import pytest
 import torch
 
 from servelm.config import EngineArgs
+from tiny_models import greedy
+
+PROMPT = (5, 9, 17, 33, 2, 8)
 
 
 def _save(model, path):
@@ -44,18 +47,6 @@ def _state(engine):
             for k, v in engine.runner.model.state_dict().items()}
 
 
-def _greedy(engine, prompt=(5, 9, 17, 33, 2, 8), n=8):
-    from servelm.protocol import EngineRequest, SamplingParams
-
-    engine.add_request(EngineRequest("g", list(prompt), SamplingParams(max_tokens=n,
-                                                                       temperature=0.0,
-                                                                       ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    return out
-
-
 def _entries(home):
     return sorted((home / "prepared").glob("*.safetensors"))
 
@@ -74,7 +65,7 @@ def test_second_build_reads_the_prepared_weights_and_matches(hf_dir, home):
     a, b = _state(first), _state(second)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _greedy(first) == _greedy(second)
+    assert greedy(first, PROMPT, 8) == greedy(second, PROMPT, 8)
 
 
 def test_off_by_flag_and_for_quantized_builds(hf_dir, home):
@@ -105,14 +96,14 @@ def test_key_follows_the_checkpoint_the_dtype_and_the_code(hf_dir, home, monkeyp
 def test_a_corrupt_entry_falls_back_to_the_checkpoint(hf_dir, home, caplog):
     from servelm import startup
 
-    reference = _greedy(_build(hf_dir))
+    reference = greedy(_build(hf_dir), PROMPT, 8)
     (entry,) = _entries(home)
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a torn file
     with caplog.at_level("WARNING"):
         engine = _build(hf_dir)
     assert "unreadable prepared weights" in caplog.text
     assert startup.timer().notes.get("weights_read") is None
-    assert _greedy(engine) == reference
+    assert greedy(engine, PROMPT, 8) == reference
 
 
 def test_eviction_keeps_the_cache_under_its_cap(tmp_path, home, tiny_hf, monkeypatch):

@@ -7,6 +7,7 @@ import torch
 
 from servelm.config import ModelConfig
 from tiny_families import make_tiny_family_model
+from tiny_models import greedy
 
 
 def _engine(hf, quantization):
@@ -16,17 +17,6 @@ def _engine(hf, quantization):
     config = ModelConfig.from_hf_config(hf.config.to_dict())
     args = EngineArgs(model="tiny", num_blocks=64, block_size=4, quantization=quantization)
     return assemble_engine(args, config, hf.state_dict().items(), None, "tiny")
-
-
-def _greedy(engine, prompt, n=12):
-    from servelm.protocol import EngineRequest, SamplingParams
-
-    engine.add_request(EngineRequest("g", prompt, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                 ignore_eos=True)))
-    out = []
-    while engine.has_unfinished:
-        out += [t for d in engine.step() for t in d.token_ids]
-    return out
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -59,7 +49,7 @@ def test_quantized_moe_tracks_the_float_model(family, method, tol, top1):
     assert (picks == ref.argmax(-1)).float().mean() >= top1
     assert (ref.topk(5, -1).indices == picks[:, None]).any(-1).all()  # never far off
     # decode steps through the quantized experts pick what a prefill of the same tokens does
-    out = _greedy(q_engine, prompt[:8], n=8)
+    out = greedy(q_engine, prompt[:8], 8)
     replay = prefill_logits(q_engine, prompt[:8] + out[:-1]).argmax(-1)[7:].tolist()
     assert replay == out
 
