@@ -16,14 +16,16 @@ from servelm.protocol import EngineRequest
 
 MAX_TOKENS = 16
 SCENARIOS = [
-    Scenario("batch-24", {}, num_others=20, spread=6),
+    Scenario("batch-16", {}, num_others=12, spread=6),
     Scenario("chunk-random", {"max_num_batched_tokens": random.Random(2).randint(17, 90)},
-             num_others=8, spread=4),
-    Scenario("prefix-warm", {}, num_others=8, share_prefix=True, warm=True),
-    Scenario("preemption", {"num_blocks": 14}, num_others=8, spread=3),
+             num_others=6, spread=4),
+    Scenario("prefix-warm", {}, num_others=6, share_prefix=True, warm=True),
+    Scenario("preemption", {"num_blocks": 12}, num_others=6, spread=3),
     Scenario("spec-ngram", {"speculative_method": "ngram", "num_speculative_tokens": 4,
-                            "spec_adaptive": False}, num_others=5, spread=3),
+                            "spec_adaptive": False}, num_others=4, spread=3),
+    Scenario("one-thread", {}, num_others=4, spread=3, threads=1),
 ]
+REPORTED = ("batch-16", "prefix-warm")  # the default-mode report's scenarios (CI time)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +115,7 @@ def test_default_model_deterministic_through_the_engine_core_process(model_path,
                                                                     det_reference):
     args = EngineArgs(model=model_path, deterministic=True, kv_cache_memory=256 * 2**20,
                       max_num_batched_tokens=64)
-    others = fillers(cases, loaded[0].vocab_size, 12, seed=5)
+    others = fillers(cases, loaded[0].vocab_size, 8, seed=5)
     got = asyncio.run(_through_core(args, loaded[2], cases, others))
     assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
 
@@ -123,12 +125,13 @@ def test_default_model_divergence_without_deterministic_is_reported(loaded, case
     make = _factory(loaded)
     ref = reference(make, cases)
     rows, tokens, logprobs = {}, 0, 0
-    for sc in SCENARIOS:
+    scs = [sc for sc in SCENARIOS if sc.name in REPORTED]
+    for sc in scs:
         got, _ = run_scenario(make, cases, sc, loaded[0].vocab_size)
         rows[sc.name] = diverged(ref, got)
         tokens += len(rows[sc.name]["tokens"])
         logprobs += len(rows[sc.name]["logprobs"])
-    total = len(cases) * len(SCENARIOS)
+    total = len(cases) * len(scs)
     write_report("default-model", {"model": "SmolLM2-135M-Instruct (GGUF, float32)",
                                    "scenarios": rows, "summary": {
                                        "case_runs": total,
