@@ -146,7 +146,8 @@ def run(engine, cases: list[Case], others=(), seed: int = 0,
 
 
 def _prefix_hits(engine) -> int:
-    """Prompt tokens admitted minus prompt tokens computed: those came from the cache."""
+    """Prompt tokens admitted minus prompt tokens computed: those came from the cache (a
+    preemption's recompute counts against it; only runs without preemption read it)."""
     st = engine.stats
     return st.num_prompt_tokens - st.num_computed_prompt_tokens
 

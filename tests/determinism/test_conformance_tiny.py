@@ -103,3 +103,19 @@ def test_mixture_of_experts_is_refused(tiny_engine):
 
     with pytest.raises(ValueError, match="mixture-of-experts"):
         tiny_engine(make_tiny_family_model("mixtral"), deterministic=True)
+
+
+def test_an_fp8_kv_cache_is_bitwise_too():
+    """e4m3 KV codes (--kv-cache-dtype fp8): stored per row, read by the same row kernel."""
+    from tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("llama")
+    cases = make_cases(hf.config.vocab_size, num_greedy=2, num_sampled=2, max_tokens=12)
+    make = _engine_factory(hf, deterministic=True, kv_cache_dtype="fp8")
+    assert make().runner.kv_cache.is_fp8
+    ref = reference(make, cases)
+    for sc in scenarios():
+        if sc.name in ("batch-16", "chunk-7", "preemption"):
+            got, perturbed = run_scenario(make, cases, sc, hf.config.vocab_size)
+            check_perturbed(sc, perturbed)
+            assert diverged(ref, got) == {"tokens": [], "logprobs": []}, sc.name
