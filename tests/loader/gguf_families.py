@@ -9,6 +9,17 @@ from servelm.config import EngineArgs
 from tiny_models import greedy, prefill_logits
 
 
+def add_shape(writer, cfg) -> None:
+    """The hyper-parameters every family writes, from a transformers config."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def add_word_vocab(writer, vocab_size: int, pre: str = "default") -> None:
     """tokenizer.ggml.* for `vocab_size` plain tokens (the tests feed token ids)."""
     tokens = [f"<t{i}>" for i in range(vocab_size)]

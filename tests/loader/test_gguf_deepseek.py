@@ -10,24 +10,18 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from servelm.config import ModelConfig
-from gguf_families import add_word_vocab, assert_matches_transformers, finish
+from gguf_families import add_shape, add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 
 def _write(path, family, model, split_kv_b):
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.v_head_dim)
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
     w.add_kv_lora_rank(cfg.kv_lora_rank)

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from servelm.config import ModelConfig
-from gguf_families import add_word_vocab, assert_matches_transformers, finish
+from gguf_families import add_shape, add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 _GEMMA3_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
@@ -26,15 +26,9 @@ def _write(path, family, model):
     cfg = model.config
     arch = family
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
     if family == "gemma2":
         w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))

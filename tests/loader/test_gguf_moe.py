@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from servelm.config import ModelConfig
-from gguf_families import add_word_vocab, assert_matches_transformers, finish
+from gguf_families import add_shape, add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 # family -> (gguf arch, llama.cpp's per-arch routing renormalisation)
@@ -34,23 +34,15 @@ def _write(path, family, model):
     arch = ARCHS[family]
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     w.add_expert_count(n_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if family == "mixtral":
-        w.add_feed_forward_length(cfg.intermediate_size)
-    else:
-        w.add_feed_forward_length(cfg.intermediate_size)
+    if family != "mixtral":  # Mixtral's experts are feed_forward_length wide
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)

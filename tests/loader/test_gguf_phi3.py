@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from servelm.config import ModelConfig
-from gguf_families import add_word_vocab, assert_matches_transformers, finish
+from gguf_families import add_shape, add_word_vocab, assert_matches_transformers, finish
 from tiny_families import make_tiny_family_model
 
 
@@ -18,16 +18,10 @@ def _write(path, model):
     cfg = model.config
     rope = cfg.rope_parameters
     w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(rope["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
     orig = rope["original_max_position_embeddings"]
     w.add_rope_scaling_orig_ctx_len(orig)
