@@ -210,10 +210,9 @@ class PrefixCache:
         if parent is None:
             return start
         now = next(self._clock)
-        keys = self._block_keys(tokens, len(blocks))
-        for i, key in enumerate(keys):
-            if i < start:
-                continue
+        bs = self.block_size
+        for i in range(start, len(blocks)):  # keys of the new blocks only (a decode step
+            key = tuple(tokens[i * bs:(i + 1) * bs])  # inserts one block of a long prompt)
             node = parent.children.get(key)
             if node is None:
                 node = _Node(blocks[i], key, parent, last_access=now)
