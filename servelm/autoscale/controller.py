@@ -53,6 +53,8 @@ class AutoscaleController:
 
     async def __call__(self, replicas) -> None:
         """Run until cancelled (ReplicaSet.controllers: started with the probe loop)."""
+        if self.config.min_replicas == 0:  # scale to zero: the router holds, not refuses
+            replicas.hold_timeout_s = self.config.hold_timeout_s
         try:
             while True:
                 await asyncio.sleep(self.config.tick_s)
@@ -73,9 +75,11 @@ class AutoscaleController:
             for _ in range(decision.delta):
                 self._spawn(self._add(replicas))
         elif decision.delta < 0:
-            # Booting replicas cannot be called back: drain serving ones, keeping one.
+            # Booting replicas cannot be called back: drain serving ones, keeping one unless
+            # the policy scales to zero.
+            keep = 1 if self.config.min_replicas >= 1 else 0
             victims = sorted(serving, key=lambda r: r.tokens_in_flight)
-            victims = victims[:min(-decision.delta, len(serving) - 1)]
+            victims = victims[:min(-decision.delta, len(serving) - keep)]
             if victims:
                 replicas.num_scale_downs += 1
                 logger.warning("autoscale: %d -> %d replicas (load %.2f of the target)",

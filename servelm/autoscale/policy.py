@@ -25,6 +25,10 @@ per replica (servelm's default: tokens in flight, docs/autoscale.md says why):
                                                          over down_smoothing_s)
     otherwise (the dead band)                         -> hold
 
+Scale to zero (min_replicas 0): a fleet with no work for a whole cool-down goes to zero
+replicas ("idle"); at zero, any signal (a request the router holds while it has no replica)
+orders replicas at once ("wake"), with no up window: that request is waiting.
+
 Counting booting replicas as capacity is what keeps a spike from ordering a replica per tick
 while the first ones boot: once ready + booting covers `wanted`, `load` drops and nothing
 more is ordered.
@@ -62,12 +66,15 @@ class AutoscaleConfig:
     tick_s: float = 5.0  # how often the controller measures and decides
     boot_s: float = 60.0  # how long a replica takes to be ready (the simulator's boot delay)
     drain_timeout_s: float = 120.0  # a removed replica's in-flight requests get this long
+    # min_replicas 0 (scale to zero): how long the router holds a request while a replica
+    # boots for it, before it answers 503
+    hold_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.signal not in SIGNALS:
             raise AutoscaleConfigError(f"signal: must be one of {list(SIGNALS)}, got "
                                        f"{self.signal!r}")
-        for name in ("target", "tick_s", "boot_s", "drain_timeout_s"):
+        for name in ("target", "tick_s", "boot_s", "drain_timeout_s", "hold_timeout_s"):
             _positive(name, getattr(self, name))
         for name in ("up_window_s", "down_cooldown_s", "down_smoothing_s"):
             value = getattr(self, name)
@@ -77,12 +84,10 @@ class AutoscaleConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise AutoscaleConfigError(f"{name}: must be an integer >= 0, got {value!r}")
-        if self.min_replicas < 1:
-            raise AutoscaleConfigError("min_replicas: must be >= 1 (scale to zero is not "
-                                       "supported)")
-        if self.max_replicas < self.min_replicas:
+        if self.max_replicas < max(1, self.min_replicas):
             raise AutoscaleConfigError(f"max_replicas: must be >= min_replicas "
-                                       f"({self.min_replicas}), got {self.max_replicas}")
+                                       f"({self.min_replicas}) and >= 1, got "
+                                       f"{self.max_replicas}")
         _positive("scale_up_threshold", self.scale_up_threshold)
         _positive("scale_down_threshold", self.scale_down_threshold)
         if self.scale_down_threshold >= 1.0 or self.scale_up_threshold <= 1.0:
@@ -164,6 +169,10 @@ class Autoscaler:
         while self._wanted and self._wanted[0][0] < now - horizon:
             self._wanted.popleft()
         smoothed_load = smoothed / (c.target * max(1, capacity))
+        if capacity == 0:  # scaled to zero: a request held at the router wakes one now
+            if total_signal > 0:
+                return self._event(now, max(1, wanted), 0, load, wanted, "wake")
+            return Decision(0, 0, 0.0, wanted, "hold")
         if capacity < c.min_replicas or capacity > c.max_replicas:  # out of bounds: fix now
             target = min(c.max_replicas, max(c.min_replicas, capacity))
             return self._event(now, target, capacity, load, wanted, "bounds")
@@ -182,6 +191,8 @@ class Autoscaler:
             # per replica grows faster than 1 / replicas (fewer replicas, bigger batches,
             # slower steps), so a cut sized to reach the target would land above it.
             landing = (1 + c.scale_down_threshold) / 2
+            if target == 0 and smoothed == 0:  # min_replicas 0 and no work all cool-down
+                return self._event(now, 0, capacity, load, wanted, "idle")
             target = max(target, self.wanted(smoothed / landing), math.ceil(capacity / 2))
             if target < capacity:
                 return self._event(now, target, capacity, load, wanted, "down")

@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -251,6 +252,24 @@ class Router:
             span.end()
         return response
 
+    async def _hold(self, route: RouteRequest, prompt, salt, headers, tokens: int):
+        """Scaled to zero: wait for a replica (the autoscaler counts this request's tokens
+        and boots one), then pick as usual; (None, 0) after hold_timeout_s."""
+        reps = self.replicas
+        reps.num_held += 1
+        reps.held_tokens += tokens
+        try:
+            deadline = time.monotonic() + reps.hold_timeout_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                first, cached = self.pick(route, prompt, salt, headers)
+                if first is not None:
+                    return first, cached
+            return None, 0
+        finally:
+            reps.num_held -= 1
+            reps.held_tokens -= tokens
+
     async def _forward(self, request: Request, path: str, raw: bytes, body: dict, headers,
                        span) -> Response:
         tokens = _estimate_tokens(body)
@@ -265,6 +284,8 @@ class Router:
         route = RouteRequest(tokens, user if isinstance(user, str) else None)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         first, cached = self.pick(route, prompt, salt, request.headers)
+        if first is None and self.replicas.hold_timeout_s is not None:
+            first, cached = await self._hold(route, prompt, salt, request.headers, tokens)
         if first is None:
             return _error(503, "no healthy replica", "no_replica")
         # A replica's load counts the work it was sent: the prompt tokens it must still
@@ -417,6 +438,10 @@ def build_router_app(replicas: ReplicaSet, policy: RoutingPolicy,
     @app.get("/health")
     async def health() -> Response:
         n = len(replicas.healthy)
+        if not n and replicas.hold_timeout_s is not None:  # scaled to zero: a request wakes it
+            return JSONResponse({"status": "scaled_to_zero", "healthy_replicas": 0,
+                                 "replicas": len(replicas.replicas),
+                                 "booting": replicas.num_booting})
         status = 200 if n else 503
         return JSONResponse({"status": "ok" if n else "no_replica", "healthy_replicas": n,
                              "replicas": len(replicas.replicas)}, status_code=status)

@@ -107,6 +107,11 @@ class ReplicaSet:
         self.num_scale_ups = 0
         self.num_scale_downs = 0
         self.on_change = None  # called with (replica, is_healthy) on ejection / readmission
+        # Scale to zero: with no replica serving, the router holds a request up to
+        # hold_timeout_s (None: answers 503 at once) and counts its work here meanwhile.
+        self.hold_timeout_s: float | None = None
+        self.held_tokens = 0
+        self.num_held = 0
 
     def loads(self) -> list[ReplicaLoad]:
         return [r.load() for r in self.replicas]
@@ -118,8 +123,9 @@ class ReplicaSet:
 
     def tokens_in_flight(self) -> int:
         """The autoscaling signal: the work in flight on the serving replicas (uncached prompt
-        tokens + max_tokens of each request sent there and not finished)."""
-        return sum(r.tokens_in_flight for r in self.healthy)
+        tokens + max_tokens of each request sent there and not finished), and that of the
+        requests the router holds while it has no replica (scale to zero)."""
+        return sum(r.tokens_in_flight for r in self.healthy) + self.held_tokens
 
     # -- membership -------------------------------------------------------------------------
 

@@ -143,15 +143,25 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
     next_tick = t0 + config.tick_s
     next_arrival = num_steps = 0
     arrived_at_tick = 0
+    held: list[int] = []  # arrivals the router holds while no replica serves (min 0)
     inf = float("inf")
-    while next_arrival < len(arrivals) or steps:
+    while next_arrival < len(arrivals) or steps or held:
         t_arrive = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else inf
         t_step = steps[0][0] if steps else inf
+        t_ready = min((m.ready_s for m in fleet.booting(now)), default=inf) if held else inf
+        if t_ready <= min(t_arrive, t_step, next_tick):  # a replica for the held requests
+            now = t_ready
+            serving = [m.rep for m in fleet.serving(now)]
+            for i in held:
+                _arrive(f"r{i}", arrivals[i], serving, routing, records, steps, order)
+            held = []
+            continue
         if next_tick <= min(t_arrive, t_step):
             now = next_tick
             _retire_idle(fleet, now)
             sample, decision = _tick(fleet, scaler, config, now,
-                                     next_arrival - arrived_at_tick)
+                                     next_arrival - arrived_at_tick,
+                                     sum(_held_work(arrivals[i]) for i in held))
             arrived_at_tick = next_arrival
             timeline.append(sample)
             if decision.delta:
@@ -163,8 +173,12 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
         if t_arrive <= t_step:
             now = t_arrive
             serving = fleet.serving(now)
-            if not serving:  # cannot happen with min_replicas >= 1 and nothing dropped
-                raise RuntimeError("no serving replica at an arrival")
+            if not serving:  # scaled to zero (or every replica still booting): held
+                if config.min_replicas >= 1 and not fleet.booting(now):
+                    raise RuntimeError("no serving replica at an arrival")
+                held.append(next_arrival)
+                next_arrival += 1
+                continue
             _arrive(f"r{next_arrival}", arrivals[next_arrival], [m.rep for m in serving],
                     routing, records, steps, order)
             next_arrival += 1
@@ -221,10 +235,17 @@ def routed_work(rep: Replica) -> int:
                for s in (*sched.waiting, *sched.running))
 
 
+def _held_work(req: SimRequest) -> int:
+    """A held request's tokens, as the router counts them (prompt + max_tokens)."""
+    return len(req.prompt_token_ids) + req.max_tokens
+
+
 def _tick(fleet: _Fleet, scaler: Autoscaler, config: AutoscaleConfig, now: float,
-          num_arrived: int):
+          num_arrived: int, held_tokens: int = 0):
     serving = fleet.serving(now)
     signal, tokens = _signal(fleet, config, serving, now, num_arrived)
+    if held_tokens and config.signal == "tokens_in_flight":
+        signal, tokens = signal + held_tokens, tokens + held_tokens
     booting = fleet.booting(now)
     decision = scaler.decide(signal, len(serving), len(booting))
     sample = FleetSample(now, len(serving), len(booting), len(fleet.draining()), signal,

@@ -163,7 +163,9 @@ def test_config_file_and_errors_name_the_field(tmp_path):
              ({"target": 1, "scale_up_threshold": 0.9}, "scale_up_threshold"),
              ({"target": 1, "up_window_s": -1}, "up_window_s"),
              ({"target": 0}, "target"), ({"target": 1, "tick_s": "5"}, "tick_s"),
-             ({"target": 1, "min_replicas": 0}, "min_replicas"),
+             ({"target": 1, "min_replicas": -1}, "min_replicas"),
+             ({"target": 1, "min_replicas": 0, "max_replicas": 0}, "max_replicas"),
+             ({"target": 1, "hold_timeout_s": 0}, "hold_timeout_s"),
              ({"target": 1, "max_replicas": 2.5}, "max_replicas")]
     for data, field in cases:
         path.write_text(json.dumps(data))
@@ -189,3 +191,28 @@ def test_smoothing_keeps_noise_from_restarting_the_cooldown():
     fleet.run(noisy, 400)
     ((t, delta),) = fleet.events  # to the mean's 3,200 / 0.8 = 4 or a little above
     assert t >= CONFIG.down_cooldown_s and -4 <= delta <= -3
+
+
+def test_scale_to_zero_after_an_idle_cooldown_and_wake_at_once():
+    c = AutoscaleConfig(target=1000, min_replicas=0, max_replicas=4, up_window_s=30,
+                        down_cooldown_s=300, tick_s=5, boot_s=60)
+    fleet = Fleet(c, num_ready=2)
+    fleet.run(200, 400)  # a little work: down to one, never to zero while work goes on
+    assert fleet.size == 1
+    fleet.run(0, 290)  # idle, but not for a whole cool-down yet
+    assert fleet.size == 1
+    fleet.run(0, 20)
+    assert fleet.size == 0 and fleet.events[-1][1] == -1
+    quiet = len(fleet.events)
+    fleet.run(0, 600)  # at zero with nothing to do: nothing happens
+    assert fleet.size == 0 and len(fleet.events) == quiet
+    woke_at = fleet.clock.now
+    fleet.tick(3500)  # a held request's tokens: replicas ordered at once, no up window
+    assert fleet.events[-1] == (woke_at, 4)  # ceil(3500 / 1000), within max_replicas
+    assert fleet.size == 4
+
+
+def test_min_replicas_one_never_goes_to_zero():
+    fleet = Fleet(CONFIG, num_ready=1)
+    fleet.run(0, 3000)
+    assert fleet.size == 1 and not fleet.events

@@ -134,3 +134,64 @@ def test_draining_replica_gets_no_new_request():
         router.stop()
         a.stop()
         b.stop()
+
+
+def test_scale_to_zero_and_the_first_request_held_until_a_replica_boots():
+    """min_replicas 0: with no work for a cool-down the last replica is drained and stopped;
+    /health then says scaled_to_zero (not 503); a request arriving is held, a replica boots
+    for it, and it is answered; nothing is dropped."""
+    from servelm.router.app import build_router_app
+    from servelm.router.policies import make_policy
+    from servelm.router.replicas import ReplicaSet
+
+    first = _replica(_port())
+    config = AutoscaleConfig(target=400, min_replicas=0, max_replicas=2, up_window_s=0.5,
+                             down_cooldown_s=1.0, tick_s=0.2, boot_s=0.5,
+                             drain_timeout_s=30, hold_timeout_s=30)
+    backend = FakeBackend(boot_s=1.0)
+    controller = AutoscaleController(config, backend, {first.url: first})
+    replicas = ReplicaSet([first.url], probe_interval=0.2)
+    replicas.controllers = [controller]
+    router = _Uvicorn(build_router_app(replicas, make_policy("least_loaded")), _port())
+    try:
+        _wait(lambda: not replicas.replicas and backend.stopped == [first], timeout=30)
+        health = httpx.get(router.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "scaled_to_zero"
+        t0 = time.monotonic()
+        r = httpx.post(router.url + "/v1/completions", timeout=60,
+                       json={"model": "fake", "prompt": [5, 6, 7], "max_tokens": 4})
+        held_s = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert held_s >= backend.boot_s  # it waited for the replica that booted for it
+        assert len(backend.started) == 1
+        assert r.headers["x-servelm-replica"] == backend.started[0].url
+        m = _metrics(router.url)
+        assert m['servelm_router_autoscale_events_total{direction="down"}'] >= 1
+        assert m['servelm_router_autoscale_events_total{direction="up"}'] >= 1
+        assert replicas.num_held == 0 and replicas.held_tokens == 0
+    finally:
+        router.stop()
+        for srv in [first, *backend.started]:
+            if srv not in backend.stopped:
+                srv.stop()
+
+
+def test_without_scale_to_zero_an_empty_router_answers_503_at_once():
+    from servelm.router.app import build_router_app
+    from servelm.router.policies import make_policy
+    from servelm.router.replicas import ReplicaSet
+
+    a = _replica(_port())
+    replicas = ReplicaSet([a.url], probe_interval=0.2)
+    router = _Uvicorn(build_router_app(replicas, make_policy("round_robin")), _port())
+    try:
+        replicas.remove(replicas.replicas[0])
+        t0 = time.monotonic()
+        r = httpx.post(router.url + "/v1/completions", timeout=30,
+                       json={"model": "fake", "prompt": [5, 6], "max_tokens": 2})
+        assert r.status_code == 503 and time.monotonic() - t0 < 5
+        assert httpx.get(router.url + "/health").status_code == 503
+    finally:
+        router.stop()
+        a.stop()

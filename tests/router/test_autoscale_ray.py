@@ -74,7 +74,10 @@ def test_load_ramp_scales_up_to_three_and_back_without_losing_a_request(
         default_model_path, ray_cluster, tmp_path):
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({
-        "target": 150, "min_replicas": 1, "max_replicas": 3, "scale_up_threshold": 1.2,
+        # Six users x ~56 tokens: 1.7x the target on two replicas (so a first scale-up that
+        # stopped at two, the smallest count wanted over its window, goes on to three), and
+        # inside the dead band on three.
+        "target": 100, "min_replicas": 1, "max_replicas": 3, "scale_up_threshold": 1.2,
         "scale_down_threshold": 0.5, "up_window_s": 2, "down_cooldown_s": 8, "tick_s": 1,
         "boot_s": 20, "drain_timeout_s": 60}))
     srv = ServeProcess("--backend", "ray", "--ray-address", ray_cluster, "--replica-cpus",

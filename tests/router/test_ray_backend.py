@@ -71,8 +71,14 @@ def test_two_replicas_as_ray_actors(default_model_path, ray_cluster):
 
         # A replica whose engine core dies exits; the router takes it out and the other
         # replica serves on.
-        cores = [int(line.split("[servelm core ")[1].split("]")[0])
-                 for line in srv.stderr if "[servelm core " in line and "engine ready" in line]
+        def core_pids():
+            return [int(line.split("[servelm core ")[1].split("]")[0]) for line in srv.stderr
+                    if "[servelm core " in line and "engine ready" in line]
+
+        deadline = time.monotonic() + 30  # the actors' logs reach us through Ray, later
+        while len(core_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cores = core_pids()
         assert len(cores) == 2
         os.kill(cores[0], signal.SIGKILL)
         _wait_healthy(srv, 1, timeout=30)

@@ -150,3 +150,27 @@ def test_cli_autoscale_run_and_its_errors(tmp_path):
     policy.write_text(json.dumps({"target": 300, "max_replica": 3}))
     r = _sim(*common, "--arrival", "diurnal", "--autoscale", str(policy))
     assert r.returncode == 2 and "max_replica" in r.stderr
+
+
+def test_scale_to_zero_holds_the_first_request_and_drops_nothing():
+    """Work, then an hour without any, then work again: the fleet goes to zero replicas in
+    the gap, the next request is held (not dropped) while a replica boots, and waits boot_s."""
+    zero = AutoscaleConfig(target=150, min_replicas=0, max_replicas=4, up_window_s=5,
+                           down_cooldown_s=30, tick_s=1, boot_s=10)
+    first = _load([(60, 2)])
+    later = [SimRequest(r.arrival_s + 3600, r.prompt_token_ids, r.max_tokens)
+             for r in _load([(30, 2)], seed=1)]
+    res = simulate_autoscaled(first + later, SPEC, COST, make_policy("least_loaded"), zero)
+    assert len(res.records) == len(first) + len(later)
+    assert all(r.is_ok and r.num_output_tokens == 32 for r in res.records)
+    idle = [s for s in res.timeline if 200 < s.time_s < 3500]
+    assert idle and all(s.num_ready + s.num_booting == 0 for s in idle)
+    assert any(e.reason == "idle" for e in res.events)
+    # The day starts at zero too: the very first request wakes a replica, and so does the
+    # first one after the gap.
+    wakes = [e for e in res.events if e.reason == "wake"]
+    assert len(wakes) == 2 and wakes[0].time_s <= first[0].arrival_s + zero.tick_s
+    assert later[0].arrival_s <= wakes[1].time_s <= later[0].arrival_s + zero.tick_s
+    by_arrival = sorted(res.records, key=lambda r: r.scheduled_time)
+    for held in (by_arrival[0], by_arrival[len(first)]):  # each waited out a boot
+        assert held.ttft_s >= zero.boot_s - zero.tick_s

@@ -125,7 +125,8 @@ def test_calibrate_fits_the_real_engine_and_sim_reads_the_model(tmp_path, tiny_h
     assert doc["kind"] == "serve_sweep" and [r["load"]["request_rate"] for r in doc["runs"]] \
         == [5.0, 50.0]
     assert all(r["num_completed"] == 40 for r in doc["runs"])
-    assert doc["runs"][1]["ttft_ms"]["p50"] >= doc["runs"][0]["ttft_ms"]["p50"]
+    # not lower at 10x the rate (equal, to the last bits, when both are unqueued)
+    assert doc["runs"][1]["ttft_ms"]["p50"] >= doc["runs"][0]["ttft_ms"]["p50"] - 1e-9
     assert out.with_suffix(".png").stat().st_size > 0
 
 
