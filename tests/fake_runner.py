@@ -5,9 +5,10 @@ sequences from each StepDescription's deltas (servelm/core/runner_state.py) and 
 one StepResult type, so an engine test exercises the real boundary.
 """
 
+import struct
 import time
 
-from servelm.core.contract import SampledToken, StepDescription, StepResult
+from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
 from servelm.core.runner_state import RunnerState
 
 
@@ -25,6 +26,9 @@ class FakeRunner:
         self.num_tokens_computed = 0
         self.released: list[int] = []
         self.state = RunnerState(on_forget=self.released.append)
+        # synthetic KV: block id -> the token id whose "KV" each slot holds (-1: never
+        # written), so a block saved here and loaded elsewhere can be checked slot by slot
+        self.blocks: dict[int, list[int]] = {}
 
     def next_token(self, token_ids) -> int:
         return hash(tuple(token_ids)) % (self.vocab_size - 10) + 10
@@ -36,12 +40,46 @@ class FakeRunner:
         if self.step_s:
             time.sleep(self.step_s)
         self.num_tokens_computed += step.num_batched_tokens
+        scheduled = self.state.apply(step)
+        kv_saved = [KVBlock(b, self.block_bytes(b)) for b in step.kv_saves]
+        for block in step.kv_loads:
+            self.load_block(block)
         out = []
-        for s in self.state.apply(step):
+        for s in scheduled:
             self.check_slots(s)
+            self.write_kv(s)
             if s.is_sampling:
                 out.append(SampledToken(s.seq.seq_id, self.next_token(s.seq.token_ids)))
-        return StepResult(out)
+        return StepResult(out, kv_saved=kv_saved)
+
+    @property
+    def block_nbytes(self) -> int:
+        if self.block_size is None:
+            raise ValueError("FakeRunner needs a block_size to move KV blocks")
+        return 8 * self.block_size
+
+    def block_tokens(self, block_id: int) -> list[int]:
+        return self.blocks.get(block_id, [-1] * (self.block_nbytes // 8))
+
+    def block_bytes(self, block_id: int) -> bytes:
+        return struct.pack(f"<{self.block_nbytes // 8}q", *self.block_tokens(block_id))
+
+    def load_block(self, block: KVBlock) -> None:
+        if len(block.data) != self.block_nbytes:
+            raise ValueError(f"KV block data is {len(block.data)} bytes, expected "
+                             f"{self.block_nbytes}")
+        self.blocks[block.block_id] = list(struct.unpack(f"<{self.block_nbytes // 8}q",
+                                                         block.data))
+
+    def write_kv(self, s) -> None:
+        """Record which token's KV each computed slot now holds (draft slots excluded:
+        their tokens are the proposer's, unknown here)."""
+        if self.block_size is None:
+            return
+        seq, bs = s.seq, self.block_size
+        for pos in range(s.start, min(s.start + s.num_new_tokens, seq.num_tokens)):
+            block = seq.block_table[pos // bs]
+            self.blocks.setdefault(block, [-1] * bs)[pos % bs] = seq.token_ids[pos]
 
     def check_slots(self, s) -> None:
         """The runner's view agrees with the step: the tokens it computes exist and (when

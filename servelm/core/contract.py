@@ -31,7 +31,8 @@ from servelm.protocol import Logprob, SamplingParams
 
 # 2: NewSequence.lora_id, StepDescription.lora, the LoRA counters of StepReport, the
 # LoadLora / UnloadLora / LoraResult messages (servelm/core/codec.py).
-CONTRACT_VERSION = 2
+# 3: KVBlock, StepDescription.kv_saves / kv_loads, StepResult.kv_saved.
+CONTRACT_VERSION = 3
 
 
 class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -75,12 +76,32 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     new: NewSequence | None = None
 
 
+class KVBlock(msgspec.Struct, array_like=True):
+    """One KV block's contents, leaving or entering a runner's pool (KV tiers below the
+    pool, a disaggregated peer): every layer's K then V slots of the block, in the pool's
+    storage dtype (servelm/runner/kv_cache.py read_block has the layout)."""
+
+    block_id: int
+    data: bytes
+
+
 class StepDescription(msgspec.Struct, omit_defaults=True):
+    """One step. A runner does its parts in this order:
+
+        1. kv_saves   read these blocks (their bytes come back in StepResult.kv_saved)
+        2. kv_loads   overwrite these blocks with the bytes given
+        3. seqs       compute the scheduled sequences (may be empty: a KV-only step)
+
+    so a block the engine evicts and hands to another sequence in the same step is saved
+    before anything overwrites it."""
+
     step_id: int
     seqs: list[ScheduledSequence]
     finished_seq_ids: list[int] = []  # the runner forgets these (sent once, with any step)
     preempted_seq_ids: list[int] = []  # the runner drops their blocks (and draft KV)
     lora: LoraDeltas | None = None  # adapter registrations and slot loads (LoRA on)
+    kv_saves: list[int] = []  # block ids to read, before anything else
+    kv_loads: list[KVBlock] = []  # blocks to overwrite, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,6 +142,7 @@ class StepResult(msgspec.Struct, omit_defaults=True):
     # MoE models, every EXPERT_TOKENS_EVERY steps: tokens routed to each expert of each MoE
     # layer since start-up ([layer][expert], cumulative); [] on the other steps
     expert_tokens: list[list[int]] = []
+    kv_saved: list[KVBlock] = []  # the contents of StepDescription.kv_saves, in that order
 
 
 class StepReport(msgspec.Struct, omit_defaults=True):
@@ -172,5 +194,5 @@ class Runner(Protocol):
     def execute(self, step: StepDescription) -> StepResult: ...
 
 
-__all__ = ["CONTRACT_VERSION", "KVEvent", "LoraAdapterRef", "LoraDeltas", "NewSequence", "PromptLogprobs", "Runner", "SampledToken", "ScheduledSequence",
+__all__ = ["CONTRACT_VERSION", "KVBlock", "KVEvent", "LoraAdapterRef", "LoraDeltas", "NewSequence", "PromptLogprobs", "Runner", "SampledToken", "ScheduledSequence",
            "SpecOutcome", "StepDescription", "StepReport", "StepResult"]

@@ -122,6 +122,51 @@ class KVCache:
         v_cache.view(torch.uint8).index_copy_(0, slots, vq.view(torch.uint8))
         return kq, vq
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block as read_block returns it (every layer, K and V)."""
+        per_slot = (self.k[0, 0].numel() * self.k.element_size()
+                    + self.v[0, 0].numel() * self.v.element_size())
+        return per_slot * self.block_size * self.k.shape[0]
+
+    def _block_views(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one block as bytes: [L, block_size * K * D * element size] each."""
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block_id {block_id} is outside the pool (0..{self.num_blocks - 1})")
+        lo = block_id * self.block_size
+        hi = lo + self.block_size
+        num_layers = self.k.shape[0]
+        k = self.k[:, lo:hi].contiguous().view(torch.uint8).reshape(num_layers, -1)
+        v = self.v[:, lo:hi].contiguous().view(torch.uint8).reshape(num_layers, -1)
+        return k, v
+
+    def read_block(self, block_id: int) -> bytes:
+        """One block's contents, the layout write_block takes back:
+
+            layer 0: K[block_size, K, D] V[block_size, K, D] | layer 1: K V | ...
+
+        in the storage dtype (fp8 codes for an fp8 cache: its scales are fixed per config,
+        so the codes mean the same in any pool of the same configuration)."""
+        k, v = self._block_views(block_id)
+        return torch.cat([k, v], dim=1).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Overwrite one block with bytes read_block gave (here or in a pool of the same
+        model, dtype and block size)."""
+        if len(data) != self.block_nbytes:
+            raise ValueError(f"KV block data is {len(data)} bytes, this pool's blocks are "
+                             f"{self.block_nbytes}")
+        num_layers = self.k.shape[0]
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(num_layers, -1)
+        k_bytes = src.shape[1] - self.v[0, :self.block_size].numel() * self.v.element_size()
+        lo = block_id * self.block_size
+        hi = lo + self.block_size
+        self._block_views(block_id)  # range check
+        for pool, part in ((self.k, src[:, :k_bytes]), (self.v, src[:, k_bytes:])):
+            if part.numel():
+                dst = pool[:, lo:hi]
+                dst.copy_(part.contiguous().view(pool.dtype).view(dst.shape).to(pool.device))
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one block across all layers, K and V (the fp8 scales, 8 bytes per layer

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from servelm.config import CacheConfig, ModelConfig
-from servelm.core.contract import (EXPERT_TOKENS_EVERY, PromptLogprobs, SampledToken,
+from servelm.core.contract import (EXPERT_TOKENS_EVERY, KVBlock, PromptLogprobs, SampledToken,
                                    SpecOutcome, StepDescription, StepResult)
 from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
@@ -110,8 +110,9 @@ class ModelRunner:
         scheduled = self.state.apply(step)
         if self.lora is not None:
             self.lora.apply(step.lora)
+        kv_saved = self._move_kv(step)
         if not scheduled:
-            return StepResult([])
+            return StepResult([], kv_saved=kv_saved)
         proposals, draft_s = self._propose(scheduled)
         works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
@@ -123,7 +124,8 @@ class ModelRunner:
         prompt_lps, embeddings = self._prompt_outputs(works, fb, hidden)
         if not fb.logits_indices.numel():
             return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s,
-                              prompt_logprobs=prompt_lps, embeddings=embeddings)
+                              prompt_logprobs=prompt_lps, embeddings=embeddings,
+                              kv_saved=kv_saved)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
         rows = 0
         plain, spec = [], []
@@ -146,8 +148,17 @@ class ModelRunner:
         if spec:
             self._verify(spec, logits, proposals, result, masks)
         self._report_expert_tokens(result)
+        result.kv_saved = kv_saved
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _move_kv(self, step: StepDescription) -> list[KVBlock]:
+        """The step's KV block reads, then its writes (before the forward: see
+        StepDescription for why in this order)."""
+        saved = [KVBlock(b, self.kv_cache.read_block(b)) for b in step.kv_saves]
+        for block in step.kv_loads:
+            self.kv_cache.write_block(block.block_id, block.data)
+        return saved
 
     def _report_expert_tokens(self, result: StepResult) -> None:
         """Every EXPERT_TOKENS_EVERY steps, the MoE layers' cumulative tokens per expert."""

@@ -5,13 +5,17 @@ keeps), synthetic sampled tokens, and the step's time from a StepCostModel, spen
 advancing the replica's virtual clock.
 Never: imports torch, or decides anything the scheduler decides.
 
+KV block moves (StepDescription.kv_saves / kv_loads): there are no contents to move, so a
+save comes back as a KVBlock with empty data and a load is accepted as it is; what a move
+costs in time is the caller's to model (a transfer or tier bandwidth), not the step's.
+
 Tokens: a hash of the sequence so far, kept clear of the EOS ids, so a request ends exactly
 at its max_tokens (the workload's output length), as `ignore_eos` requests do on a server.
 """
 
 from __future__ import annotations
 
-from servelm.core.contract import SampledToken, StepDescription, StepResult
+from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
 from servelm.core.runner_state import RunnerState
 from servelm.sim.cost_model import StepCostModel, step_shape
 
@@ -45,7 +49,8 @@ class SimRunner:
         for s in scheduled:
             if s.is_sampling:
                 out.append(SampledToken(s.seq.seq_id, self._token(s.seq.token_ids)))
-        return StepResult(out, forward_s=step_s)
+        kv_saved = [KVBlock(b, b"") for b in step.kv_saves]
+        return StepResult(out, forward_s=step_s, kv_saved=kv_saved)
 
     def _token(self, token_ids: list[int]) -> int:
         t = hash((len(token_ids), token_ids[-1])) % (self.vocab_size - 200) + 100

@@ -12,7 +12,7 @@ from servelm.config import EngineArgs, ModelConfig
 from servelm.core import codec
 from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInfo, Fatal, Hello,
                                 Outputs, Ready, Rejected, Shutdown, Start)
-from servelm.core.contract import (CONTRACT_VERSION, NewSequence, SampledToken,
+from servelm.core.contract import (CONTRACT_VERSION, KVBlock, NewSequence, SampledToken,
                                    ScheduledSequence, SpecOutcome, StepDescription, StepReport,
                                    StepResult)
 from servelm.core.process import recv_frame
@@ -37,13 +37,15 @@ scheduled = st.builds(
     ScheduledSequence, seq_id=small, start=small, num_new_tokens=st.integers(1, 512),
     new_token_ids=ids, num_kept_blocks=small, new_block_ids=ids, num_spec=st.integers(0, 8),
     new=st.none() | st.builds(NewSequence, params, small, st.none() | st.integers(0, 2**40)))
+kv_blocks = st.lists(st.builds(KVBlock, small, st.binary(max_size=64)), max_size=3)
 steps = st.builds(StepDescription, step_id=small, seqs=st.lists(scheduled, max_size=6),
-                  finished_seq_ids=ids, preempted_seq_ids=ids)
+                  finished_seq_ids=ids, preempted_seq_ids=ids, kv_saves=ids,
+                  kv_loads=kv_blocks)
 results = st.builds(
     StepResult, sampled=st.lists(st.builds(SampledToken, small, small, st.none() | logprob),
                                  max_size=6),
     spec=st.dictionaries(small, st.builds(SpecOutcome, small, small), max_size=3),
-    forward_s=floats, draft_s=floats)
+    forward_s=floats, draft_s=floats, kv_saved=kv_blocks)
 reports = st.builds(StepReport, step_s=st.none() | floats, last_num_seqs=small,
                     num_preemptions=small, spec_k=st.none() | small, num_free_blocks=small)
 timings = st.builds(RequestTimings, arrival_time=floats, first_token_time=st.none() | floats,
