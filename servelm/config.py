@@ -556,6 +556,9 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "slo")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits: one token budget shared by decodes and prefill chunks."""
@@ -563,12 +566,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # "fcfs": arrival order; "slo": by class and deadline slack, prefill chunks sized from
+    # the TPOT targets, early refusal of what cannot meet its TTFT (servelm/engine/slo_policy.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
 
 
 SPEC_METHODS = ("ngram", "draft")
@@ -661,6 +670,10 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 4  # adapter slots: adapters in one step's batch, at most
     max_lora_rank: int = 16  # the largest r an adapter may have (slot buffers are this wide)
+    # The scheduler's policy (SchedulerConfig.scheduling_policy) and, for "slo", the step-cost
+    # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
+    scheduling_policy: str = "fcfs"
+    slo_cost_model: str | None = None
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
@@ -708,7 +721,8 @@ class EngineArgs:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                max_num_seqs=self.max_num_seqs,
-                               enable_chunked_prefill=self.enable_chunked_prefill)
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               scheduling_policy=self.scheduling_policy)
 
 
 def parse_bytes(text: str) -> int:
@@ -760,6 +774,14 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    default=d("enable_prefix_caching"),
                    help="disable prefix caching (for comparison)")
+    g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
+                   choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: arrival order; slo: by SLO class and deadline slack, chunks "
+                        "sized from the TPOT targets, early 429 for a TTFT that cannot be met "
+                        "(docs/slo.md; default %(default)s)")
+    g.add_argument("--slo-cost-model", default=d("slo_cost_model"), metavar="FILE",
+                   help="step-cost model (`servelm bench calibrate`) the slo policy sizes "
+                        "chunks and predicts TTFTs with; without one it only orders the queue")
     g.add_argument("--device", default=d("device"))
     g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default=d("attention_backend"),

@@ -285,6 +285,19 @@ class RequestTimings:
         }
 
 
+@dataclass(frozen=True)
+class RequestSLO:
+    """The targets one request is served against: its SLO class, resolved from the SLO spec
+    (servelm/slo.py) by whoever took the request. The SLO scheduling policy
+    (servelm/engine/slo_policy.py) orders and admits by them; FCFS ignores them."""
+
+    slo_class: str
+    priority: int  # lower is served first
+    ttft_s: float
+    tpot_s: float
+    reject_early: bool = True  # refuse at once when the TTFT cannot be met behind the queue
+
+
 @dataclass
 class EngineRequest:
     """What the engine is asked to do: token ids in, sampling rules."""
@@ -295,6 +308,7 @@ class EngineRequest:
     prompt: str | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a loaded LoRA adapter to run with; None: the base model
+    slo: RequestSLO | None = None  # None: best effort (no class, served after every class)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from servelm.core.contract import (KVEvent, NewSequence, Runner, ScheduledSequen
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
+from servelm.engine.slo_policy import make_scheduling_policy
 from servelm.engine.sequence import Sequence, SequenceStatus
 from servelm.protocol import (
     EngineRequest,
@@ -107,6 +108,9 @@ class Engine:
         self.loras = loras
         self.scheduler = Scheduler(scheduler_config, block_manager, speculator, max_model_len,
                                    loras)
+        # --scheduling-policy (servelm/engine/slo_policy.py); its step-time model, if any, is
+        # set by whoever built the engine (engine_builder, the simulator).
+        self.scheduler.policy = make_scheduling_policy(scheduler_config.scheduling_policy, clock)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
@@ -130,6 +134,8 @@ class Engine:
             raise InvalidParameterError(f"request_id {request.request_id!r} is already running",
                                         param="request_id")
         max_tokens = self._check_request(request)
+        if self.scheduler.policy is not None:  # may refuse: the TTFT cannot be met (429)
+            self.scheduler.policy.check_admission(self.scheduler, request)
         params = request.sampling_params
         lora = self._lora_entry(request.lora_name)
         timings = RequestTimings(arrival_time=request.arrival_time or self.clock())
@@ -146,6 +152,7 @@ class Engine:
         self._requests[request.request_id] = _RequestState(request, seqs, timings, detoks,
                                                            len(seqs))
         for seq in seqs:
+            seq.slo = request.slo
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n

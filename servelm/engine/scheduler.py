@@ -94,6 +94,10 @@ class Scheduler:
         # Keep a few blocks free when admitting new work, so that sequences already running
         # can grow by a block without immediately preempting what was just admitted.
         self.admission_reserve = max(1, block_manager.num_blocks // 100)
+        # A scheduling policy beside FCFS (servelm/engine/slo_policy.py; None: FCFS): it
+        # orders the waiting queue and may cap this step's prompt tokens (_prefill_left).
+        self.policy = None
+        self._prefill_left: int | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -104,17 +108,33 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.policy is not None and self.config.enable_chunked_prefill:
+            self._prefill_left = self.policy.prefill_cap(self.running,
+                                                         self.config.max_num_batched_tokens)
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
+            if self.policy is not None:
+                self.policy.order(self.waiting, self.running, budget)
             self._schedule_waiting(batch, budget)
         return batch
+
+    def _take_prefill(self, num_new: int) -> int:
+        """Prompt tokens a sequence may compute this step within the policy's chunk cap."""
+        if self._prefill_left is None or num_new <= 1:
+            return num_new
+        num_new = min(num_new, self._prefill_left)
+        self._prefill_left -= num_new
+        return num_new
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         k_step = self._draft_len()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._take_prefill(min(seq.num_uncomputed_tokens, budget))
+            if num_new == 0:  # the policy's chunk cap is spent: this prefill waits a step
+                i += 1
+                continue
             spec = self._spec_slots(seq, k_step, budget) if num_new == 1 else 0
             if spec and not self.block_manager.can_allocate(seq, 1 + spec):
                 spec = 0  # no room for drafts: a plain decode, rather than preempt for them
@@ -180,11 +200,17 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if self._prefill_left is not None and num_new > max(1, self._prefill_left):
+                if self._prefill_left <= 0:
+                    break  # the policy's chunk cap is spent
+                num_new = self._prefill_left
             reserve = self.admission_reserve if self.running else 0
             if not self.block_manager.can_allocate(seq, num_new, reserve, match):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new, match)
+            if self._prefill_left is not None and num_new > 1:
+                self._prefill_left -= num_new
             if skipped is not None and seq.lora_id is not None:
                 self.loras.acquire(seq.lora_id)
             if seq.status == SequenceStatus.WAITING:  # first admission, not a resume

@@ -98,6 +98,7 @@ class Sequence(SequenceTokens):
         self.status = SequenceStatus.WAITING
         self.params = params
         self.timings = timings
+        self.slo = None  # RequestSLO: the targets the SLO scheduling policy orders by
         self.max_tokens = max_tokens  # resolved: never None
         self.extra_key = extra_key  # prefix-cache namespace (cache_salt, adapter id)
         self.lora_id = lora_id  # the LoRA adapter it runs with (servelm/lora/slots.py)

@@ -20,12 +20,15 @@ from typing import Any
 
 from servelm.bench.metrics import build_serve_result, goodput, render_serve_table
 from servelm.bench.workloads import RangeError, parse_range, random_lengths
+from servelm.config import SCHEDULING_POLICIES
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
 from servelm.sim.cost_model import StepCostModel
 from servelm.sim.roofline import roofline_from_args
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
+from servelm.slo import (SLOSpec, class_workload, goodput_by_class, parse_class_lengths,
+                         parse_class_mix, spec_from_flags)
 
 SCHEMA_VERSION = 1
 
@@ -33,8 +36,6 @@ SCHEMA_VERSION = 1
 def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequest]:
     """The workload at `rate` with --arrival's gaps, or (rate None) the --trace's requests
     at their recorded send times."""
-    from servelm.bench.loadgen import arrival_offsets
-
     if args.trace is not None:
         trace = read_trace(args.trace)
         prompts = trace_prompts(trace, args.vocab_size, args.seed)
@@ -44,6 +45,17 @@ def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequ
 
         return diurnal_requests(rate, args.hour_s, args.input_len, args.output_len,
                                 args.vocab_size, args.seed)
+    slo = slo_spec(args)
+    if args.class_mix is not None:  # a mix of SLO classes, each request carrying its class
+        mix = parse_class_mix(args.class_mix, slo)
+        reqs, classes = class_workload(args.num_prompts, mix,
+                                       parse_class_lengths(args.class_len, slo),
+                                       args.input_len, args.output_len, args.vocab_size,
+                                       args.seed)
+        offsets = _offsets(args, len(reqs), rate)
+        return [SimRequest(float(t), r.prompt_token_ids, r.max_tokens,
+                           slo.get(c).request_slo())
+                for t, r, c in zip(offsets, reqs, classes)]
     if args.workload == "conversation":
         from servelm.bench.workloads import conversation
 
@@ -52,13 +64,24 @@ def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequ
     else:
         reqs = random_lengths(args.num_prompts, args.input_len, args.output_len,
                               args.vocab_size, args.seed)
+    default = slo.get(slo.default_class).request_slo()
+    return [SimRequest(float(t), r.prompt_token_ids, r.max_tokens, default)
+            for t, r in zip(_offsets(args, len(reqs), rate), reqs)]
+
+
+def _offsets(args: argparse.Namespace, num: int, rate: float) -> list[float]:
+    from servelm.bench.loadgen import arrival_offsets
+
     if args.arrival == "gamma":
-        offsets = gamma_offsets(len(reqs), rate, args.burstiness, seed=args.seed)
-    else:
-        offsets = arrival_offsets(len(reqs), rate, args.arrival, burst_size=args.burst_size,
-                                  seed=args.seed)
-    return [SimRequest(float(t), r.prompt_token_ids, r.max_tokens)
-            for t, r in zip(offsets, reqs)]
+        return gamma_offsets(num, rate, args.burstiness, seed=args.seed)
+    return arrival_offsets(num, rate, args.arrival, burst_size=args.burst_size,
+                           seed=args.seed)
+
+
+def slo_spec(args: argparse.Namespace) -> SLOSpec:
+    """--slo-spec FILE, else the one class --slo-ttft-ms / --slo-tpot-ms describe."""
+    return spec_from_flags(getattr(args, "slo_spec", None), args.slo_ttft_ms, args.slo_tpot_ms,
+                           100 * args.goodput_target)
 
 
 def replica_spec(args: argparse.Namespace, cost: StepCostModel) -> ReplicaSpec:
@@ -74,6 +97,7 @@ def replica_spec(args: argparse.Namespace, cost: StepCostModel) -> ReplicaSpec:
                          "blocks its engine had")
     if args.no_prefix_cache:
         engine["enable_prefix_caching"] = False
+    engine["scheduling_policy"] = getattr(args, "scheduling_policy", "fcfs")
     engine["vocab_size"] = engine.get("vocab_size", args.vocab_size)
     return ReplicaSpec(**engine)
 
@@ -131,8 +155,13 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                              for rep in sim.replicas],
                 "prefix_hit_rate": _hit_rate(sim.replicas),
                 "imbalance": _imbalance(sim),
-                "by_quarter": by_quarter(sim.records, slo_ttft, slo_tpot)},
+                "by_quarter": by_quarter(sim.records, slo_ttft, slo_tpot),
+                "scheduling_policy": spec.scheduling_policy},
     }
+    slo = slo_spec(args)
+    ordered = sorted(requests, key=lambda r: r.arrival_s)  # the records' order
+    result["slo"] = {"spec": slo.to_dict(), "by_class": goodput_by_class(
+        slo, sim.records, [r.slo.slo_class if r.slo else slo.default_class for r in ordered])}
     if args.trace is not None:
         result["workload"] = {"kind": "trace", "num_prompts": len(requests),
                               "num_input_tokens": sum(len(r.prompt_token_ids)
@@ -144,6 +173,17 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                               "input_len": args.input_len, "output_len": args.output_len,
                               "seed": args.seed, "vocab_size": args.vocab_size}
     return result, sim
+
+
+def render_class_table(by_class: dict) -> str:
+    """One line per SLO class: requests, met, rejected early, goodput against its target."""
+    lines = ["class         requests   met  rejected  goodput  target"]
+    for name, row in by_class.items():
+        if not row["num_requests"]:
+            continue
+        lines.append(f"{name:<12} {row['num_requests']:>9} {row['num_met']:>5} "
+                     f"{row['num_rejected']:>9} {row['goodput']:>8.1%} {row['target']:>7.0%}")
+    return "\n".join(lines)
 
 
 def _hit_rate(replicas) -> float:
@@ -321,6 +361,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         make_policy(args.policy)
         rates = check_load_flags(args)
         search = check_fleet_flags(args)
+        slo = slo_spec(args)
+        if args.class_mix is not None:
+            parse_class_mix(args.class_mix, slo)
+            parse_class_lengths(args.class_len, slo)
+        elif args.class_len:
+            raise ValueError("--class-len: only with --class-mix")
     except (OSError, ValueError) as exc:
         print(f"servelm sim: error: {exc}", file=sys.stderr)
         return 2
@@ -364,6 +410,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(runs[0], indent=2) + "\n")
         plot_timeline(sims[0], out.with_suffix(".png"), title)
         print(render_serve_table(runs[0]))
+        print(render_class_table(runs[0]["slo"]["by_class"]))
     print(f"[sim] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
 
@@ -445,6 +492,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
     g.add_argument("--goodput-target", type=float, default=0.9)
+    g.add_argument("--slo-spec", default=None, metavar="FILE",
+                   help="the SLO spec (JSON, docs/slo.md): request classes with TTFT/TPOT "
+                        "targets and priorities, the same file `servelm serve` reads; "
+                        "replaces --slo-ttft-ms / --slo-tpot-ms for the per-class results")
+    g.add_argument("--class-mix", default=None, metavar="NAME=SHARE,...",
+                   help="requests drawn from the spec's classes with these shares, each "
+                        "carrying its class (as a client's slo_class field)")
+    g.add_argument("--class-len", action="append", default=None,
+                   metavar="NAME=INPUT_LEN/OUTPUT_LEN",
+                   help="a class's own prompt and output lengths (repeatable; default "
+                        "--input-len / --output-len)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="each replica's scheduler policy (as `servelm serve`); slo predicts "
+                        "with the cost model simulated")
     p.add_argument("--no-bulk", action="store_true",
                    help="run every decode step through the engine (the same result as the "
                         "default bulk advance of plain decode steps, slower: for checking)")

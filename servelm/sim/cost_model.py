@@ -70,8 +70,17 @@ class StepCostModel:
     fit: dict = field(default_factory=dict)  # how it was made: samples, error, machine
 
     def predict(self, shape: StepShape) -> float:
-        coef = [getattr(self, f) for f in FEATURES]
-        return float(sum(c * x for c, x in zip(coef, shape.vector())))
+        return self.step_time(*shape)
+
+    def step_time(self, num_seqs: int, num_decode_tokens: int, num_decode_context_tokens: int,
+                  num_prefill_tokens: int, num_prefill_pairs: int) -> float:
+        """predict() over the shape's fields (the SLO scheduling policy's step-time model);
+        summed in FEATURES order, as a dot product with StepShape.vector() would."""
+        return float(self.base_s * 1.0 + self.per_seq_s * num_seqs
+                     + self.per_decode_token_s * num_decode_tokens
+                     + self.per_decode_context_s * num_decode_context_tokens
+                     + self.per_prefill_token_s * num_prefill_tokens
+                     + self.per_prefill_pair_s * num_prefill_pairs)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": "step-cost-model", **asdict(self)},

@@ -21,16 +21,17 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from servelm.bench.metrics import RequestRecord
 from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
-from servelm.protocol import EngineRequest, SamplingParams
+from servelm.engine.slo_policy import SLOUnattainableError
+from servelm.protocol import EngineRequest, RequestSLO, SamplingParams
 from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
 from servelm.sim.bulk import advance_decodes
-from servelm.sim.cost_model import StepCostModel
+from servelm.sim.cost_model import StepCostModel, StepShape
 from servelm.sim.runner import SimRunner, VirtualClock
 
 
@@ -48,6 +49,7 @@ class ReplicaSpec:
     max_model_len: int = 8192
     vocab_size: int = 49152
     eos_token_ids: tuple[int, ...] = (0,)
+    scheduling_policy: str = "fcfs"  # SchedulerConfig.scheduling_policy
 
 
 @dataclass
@@ -55,6 +57,7 @@ class SimRequest:
     arrival_s: float
     prompt_token_ids: list[int]
     max_tokens: int
+    slo: RequestSLO | None = None  # its SLO class's targets (servelm/slo.py), as a server sends
 
 
 @dataclass
@@ -112,9 +115,18 @@ def _make_replica(index: int, spec: ReplicaSpec, cost: StepCostModel) -> Replica
     engine = Engine(runner, None,
                     BlockManager(spec.num_blocks, spec.block_size, spec.enable_prefix_caching),
                     SchedulerConfig(spec.max_num_batched_tokens, spec.max_num_seqs,
-                                    spec.enable_chunked_prefill),
+                                    spec.enable_chunked_prefill,
+                                    scheduling_policy=spec.scheduling_policy),
                     spec.max_model_len, spec.vocab_size, spec.eos_token_ids, clock=clock)
+    if engine.scheduler.policy is not None:  # the SLO policy predicts with the same model
+        engine.scheduler.policy.step_time = step_time_of(cost)
     return Replica(index, engine, clock, runner)
+
+
+def step_time_of(cost) -> Callable[[int, int, int, int, int], float]:
+    """A cost model's prediction over a step shape's five numbers (slo_policy.StepTime)."""
+    own = getattr(cost, "step_time", None)
+    return own if own is not None else (lambda *shape: cost.predict(StepShape(*shape)))
 
 
 def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
@@ -164,12 +176,18 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
     t = req.arrival_s
     route = RouteRequest(len(req.prompt_token_ids) + req.max_tokens)
     rep = replicas[policy.pick([x.load(req.prompt_token_ids) for x in replicas], route)]
-    records[rid] = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
-                                 scheduled_time=t, sent_time=t, written_time=t)
-    rep.engine.add_request(EngineRequest(
-        rid, req.prompt_token_ids,
-        SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
-        arrival_time=t))
+    records[rid] = rec = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
+                                       scheduled_time=t, sent_time=t, written_time=t)
+    if not rep.is_stepping:  # the SLO policy's admission check reads the replica's clock
+        rep.clock.now = max(rep.clock.now, t)
+    try:
+        rep.engine.add_request(EngineRequest(
+            rid, req.prompt_token_ids,
+            SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
+            arrival_time=t, slo=req.slo))
+    except SLOUnattainableError as exc:  # the SLO policy's early 429: the client sees it now
+        rec.error, rec.error_detail, rec.end_time = "slo_unattainable", str(exc), t
+        return
     rep.changed()
     if not rep.is_stepping:
         rep.clock.now = max(rep.clock.now, t)

@@ -1,0 +1,255 @@
+"""The SLO spec (servelm/slo.py) and the SLO scheduling policy (servelm/engine/slo_policy.py):
+the spec file and its errors, class resolution from a request's priority / slo_class, the
+sliding goodput window, and the policy's order, chunk cap and early refusal in the real
+Scheduler, with the engine's bookkeeping invariants holding under any schedule (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fake_runner import make_engine
+from servelm.engine.slo_policy import SLOPolicy, SLOUnattainableError
+from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams
+from servelm.slo import (SLOSpec, SLOSpecError, SlidingGoodput, assign_classes,
+                         parse_class_mix, spec_from_flags)
+
+SPEC = {"classes": [
+    {"name": "interactive", "priority": 0, "ttft_ms": 200, "tpot_ms": 20, "percentile": 90},
+    {"name": "batch", "priority": 1, "ttft_ms": 20000, "tpot_ms": 500, "percentile": 50,
+     "reject_early": False}], "default_class": "batch", "window_s": 10}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _linear(base=0.01, per_token=0.001):
+    """A step-time model: base + per token computed (decodes and prompt tokens alike)."""
+    return lambda seqs, dec, ctx, pre, pairs: base + per_token * (dec + pre)
+
+
+def _engine(clock, step_time=_linear(), **kw):
+    engine = make_engine(**kw)
+    engine.clock = clock  # the engine's timestamps and the policy's "now" on one clock
+    engine.scheduler.policy = SLOPolicy(clock, step_time)
+    return engine
+
+
+def _req(rid, n_prompt, cls, spec, max_tokens=4, arrival=0.0):
+    return EngineRequest(rid, list(range(5, 5 + n_prompt)),
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         arrival_time=arrival, slo=spec.get(cls).request_slo())
+
+
+# -- the spec ------------------------------------------------------------------------------
+
+def test_spec_file_round_trips_and_resolves_classes(tmp_path):
+    path = tmp_path / "slo.json"
+    path.write_text(json.dumps(SPEC))
+    spec = SLOSpec.load(path)
+    assert spec.names == ["interactive", "batch"] and spec.window_s == 10
+    assert SLOSpec.from_dict(spec.to_dict()) == spec
+    assert spec.resolve().name == "batch"  # the default class
+    assert spec.resolve(priority=0).name == "interactive"
+    assert spec.resolve(slo_class="interactive", priority=0).name == "interactive"
+    slo = spec.get("interactive").request_slo()
+    assert (slo.priority, slo.ttft_s, slo.tpot_s, slo.reject_early) == (0, 0.2, 0.02, True)
+    assert spec_from_flags(str(path), 1, 2) == spec  # the file replaces the flags
+    one = spec_from_flags(None, 1000, 100)
+    assert one.names == ["default"] and one.get("default").ttft_s == 1.0
+
+
+@pytest.mark.parametrize("priority, slo_class, param", [
+    (7, None, "priority"), (None, "premium", "slo_class"), (1, "interactive", "priority")])
+def test_a_request_naming_no_class_or_two_is_refused_by_field(priority, slo_class, param):
+    spec = SLOSpec.from_dict(SPEC)
+    with pytest.raises(InvalidParameterError) as e:
+        spec.resolve(priority, slo_class)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"classes": []}, "classes"),
+    ({"default_class": "x"}, "default_class"),
+    ({"window_s": 0}, "window_s"),
+    ({"colour": 1}, "colour"),
+    ({"classes": [{"name": "a", "ttft_ms": 1}]}, "tpot_ms"),
+    ({"classes": [{"name": "a", "ttft_ms": -1, "tpot_ms": 1}]}, "ttft_ms"),
+    ({"classes": [{"name": "a", "ttft_ms": 1, "tpot_ms": 1, "percentile": 120}]}, "percentile"),
+    ({"classes": [{"name": "a", "ttft_ms": 1, "tpot_ms": 1},
+                  {"name": "b", "ttft_ms": 1, "tpot_ms": 1}]}, "priority"),
+])
+def test_bad_spec_fields_are_named(patch, field):
+    data = {**SPEC, **patch}
+    if "classes" in patch and patch["classes"]:
+        data["default_class"] = patch["classes"][0]["name"]
+    with pytest.raises(SLOSpecError, match=field):
+        SLOSpec.from_dict(data)
+
+
+def test_sliding_goodput_forgets_what_left_the_window():
+    g = SlidingGoodput(SLOSpec.from_dict(SPEC))  # window 10 s
+    g.record("interactive", False, 0.0)
+    g.record("interactive", True, 5.0)
+    assert g.goodput("interactive", 6.0) == 0.5
+    assert g.goodput("interactive", 10.5) == 1.0  # the miss at t=0 is out of the window
+    assert g.goodput("interactive", 16.0) is None and g.goodput("batch", 1.0) is None
+
+
+def test_class_mix_shares_and_errors():
+    spec = SLOSpec.from_dict(SPEC)
+    mix = parse_class_mix("interactive=3,batch=1", spec)
+    assert mix == [("interactive", 0.75), ("batch", 0.25)]
+    classes = assign_classes(4000, mix, seed=1)
+    assert classes == assign_classes(4000, mix, seed=1)
+    assert abs(classes.count("interactive") / 4000 - 0.75) < 0.03
+    with pytest.raises(ValueError, match="--class-mix: 'gold'"):
+        parse_class_mix("gold=1", spec)
+
+
+# -- the policy in the scheduler -----------------------------------------------------------
+
+def test_waiting_work_is_ordered_by_class_then_slack():
+    spec = SLOSpec.from_dict(SPEC)
+    clock = Clock()
+    engine = _engine(clock, max_num_batched_tokens=8, max_num_seqs=1, num_blocks=64)
+    # The first request fills the one running slot; the rest queue.
+    engine.add_request(_req("first", 4, "batch", spec, max_tokens=30))
+    engine.step()
+    engine.add_request(_req("b-early", 4, "batch", spec, arrival=0.0))
+    engine.add_request(_req("i-late", 4, "interactive", spec, arrival=0.002))
+    engine.add_request(_req("i-early", 4, "interactive", spec, arrival=0.001))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["i-early", "i-late", "b-early"]
+
+
+def test_a_doomed_request_goes_behind_those_that_can_still_make_it():
+    spec = SLOSpec.from_dict(SPEC)
+    clock = Clock()
+    engine = _engine(clock, max_num_batched_tokens=8, max_num_seqs=1, num_blocks=64)
+    engine.add_request(_req("first", 4, "batch", spec, max_tokens=30))
+    engine.step()
+    clock.now = 0.5
+    engine.add_request(_req("old", 4, "interactive", spec, arrival=0.01))  # 200 ms: missed
+    engine.add_request(_req("new", 4, "interactive", spec, arrival=0.45))
+    engine.add_request(_req("batch", 4, "batch", spec, arrival=0.01))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["new", "batch", "old"]
+
+
+def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
+    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
+    clock = Clock()
+    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 20 ms -> c <= 6
+    engine = _engine(clock, max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
+    engine.scheduler.policy.min_chunk = 2
+    for i in range(4):
+        engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+    engine.step()  # the four prompts
+    engine.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    batch = engine.scheduler.schedule()
+    prompt_tokens = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1
+                        or s.seq.request_id == "long")
+    assert engine.scheduler.policy.last_prefill_cap == 6
+    assert prompt_tokens == 6  # not the 40 the token budget (64 - 4) would allow
+    # FCFS on the same state takes the whole prompt.
+    fcfs = make_engine(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
+    for i in range(4):
+        fcfs.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+    fcfs.step()
+    fcfs.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    assert [s.num_new_tokens for s in fcfs.scheduler.schedule().seqs
+            if s.seq.request_id == "long"] == [40]
+
+
+def test_a_request_that_cannot_meet_its_ttft_behind_the_queue_is_refused():
+    spec = SLOSpec.from_dict(SPEC)  # interactive TTFT 200 ms
+    clock = Clock()
+    # No decodes running: a step of 32 prompt tokens (the budget) takes 10 + 32 = 42 ms.
+    engine = _engine(clock, max_num_batched_tokens=32, max_num_seqs=8, num_blocks=256)
+    engine.add_request(_req("b", 200, "batch", spec, max_tokens=4))  # batch: never refused
+    # Interactive orders before batch, so the batch prompt is not ahead of these. With k
+    # of them queued, the next one's 40 tokens wait for 40 k: ceil(40 (k + 1) / 32) steps.
+    for k in range(3):  # 84, 126, 168 ms: within 200
+        engine.add_request(_req(f"i{k}", 40, "interactive", spec))
+    with pytest.raises(SLOUnattainableError) as e:  # 5 steps: 210 ms
+        engine.add_request(_req("i3", 40, "interactive", spec))
+    assert e.value.code == "slo_unattainable" and e.value.param == "slo_class"
+    assert "predicted 210 ms behind 3 waiting request(s) and 120 prompt tokens" in str(e.value)
+    assert engine.scheduler.policy.num_rejected == 1
+    assert not any(s.request_id == "i3" for s in engine.scheduler.live_sequences())
+    engine.add_request(_req("b2", 40, "batch", spec))  # reject_early false: queued anyway
+    # A prompt that misses even alone is not refused for the queue: it is served late.
+    engine.add_request(_req("huge", 400, "interactive", spec))
+    # FCFS never refuses.
+    fcfs = make_engine(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=256)
+    for k in range(8):
+        fcfs.add_request(_req(f"i{k}", 40, "interactive", spec))
+
+
+_SLO_SPEC = SLOSpec.from_dict(SPEC)
+_request = st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 3),
+                     st.sampled_from(["interactive", "batch", None]))
+_op = st.one_of(
+    st.tuples(st.just("add"), _request),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=st.lists(_op, max_size=40), num_blocks=st.integers(24, 80),
+       budget=st.integers(1, 48), chunked=st.booleans(), per_token=st.sampled_from([0.0, 1e-3]))
+def test_engine_bookkeeping_holds_under_the_slo_policy(ops, num_blocks, budget, chunked,
+                                                       per_token):
+    clock = Clock()
+    engine = _engine(clock, _linear(0.005, per_token), num_blocks=num_blocks,
+                     max_num_batched_tokens=budget if chunked else 64, chunked=chunked)
+    engine.scheduler.policy.min_chunk = 1
+    added, outputs = [], {}
+    for op, arg in ops:
+        clock.now += 0.01
+        if op == "add":
+            prompt_len, max_tokens, n, cls = arg
+            rid = f"r{len(added)}"
+            req = EngineRequest(rid, list(range(5, 5 + prompt_len)),
+                                SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True),
+                                arrival_time=clock.now,
+                                slo=_SLO_SPEC.get(cls).request_slo() if cls else None)
+            try:
+                engine.add_request(req)
+            except InvalidParameterError:  # never fits, or refused early: nothing queued
+                assert not any(s.request_id == rid for s in engine.scheduler.live_sequences())
+                continue
+            added.append(rid)
+        elif op == "step":
+            for _ in range(arg):
+                _collect(engine.step(), outputs)
+        elif added:
+            engine.abort(added[arg % len(added)])
+        engine.check_invariants()
+    while engine.has_unfinished:
+        clock.now += 0.01
+        _collect(engine.step(), outputs)
+        engine.check_invariants()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    for rid in added:
+        assert rid in outputs
+
+
+def _collect(deltas, outputs):
+    for d in deltas:
+        if d.finish_reason is not None:
+            key = (d.request_id, d.index)
+            assert key not in outputs.get(d.request_id, set()), "finished twice"
+            outputs.setdefault(d.request_id, set()).add(key)
