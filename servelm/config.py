@@ -559,6 +559,40 @@ class CacheConfig:
 SCHEDULING_POLICIES = ("fcfs", "slo")
 
 
+KV_RELOAD_POLICIES = ("cost", "always", "never")
+
+
+@dataclass(frozen=True)
+class KVTiersConfig:
+    """KV tiers below the device pool (servelm/kv_tiers/, docs/kv_tiers.md): host memory and
+    a directory on disk, each with its own byte limit; blocks the pool evicts move down.
+    reload_policy: "cost" reloads a prefix found below the pool when its bytes over the
+    tier's measured bandwidth take less than recomputing it (the step-cost model at
+    `cost_model`, a `servelm bench calibrate` file, else fitted on this engine's own steps);
+    "always" / "never" force one side (benchmarks)."""
+
+    host_memory_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    reload_policy: str = "cost"
+    cost_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_memory_bytes < 0:
+            raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.host_memory_bytes} B")
+        if self.disk_dir is not None and self.disk_bytes <= 0:
+            raise ValueError("kv_disk_dir needs a positive kv_disk_gb (the disk tier's limit)")
+        if self.disk_dir is None and self.disk_bytes > 0:
+            raise ValueError("kv_disk_gb needs kv_disk_dir (where the disk tier's files go)")
+        if self.reload_policy not in KV_RELOAD_POLICIES:
+            raise ValueError(f"kv_reload_policy must be one of {KV_RELOAD_POLICIES}, got "
+                             f"{self.reload_policy!r}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.host_memory_bytes > 0 or self.disk_dir is not None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits: one token budget shared by decodes and prefill chunks."""
@@ -670,6 +704,12 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 4  # adapter slots: adapters in one step's batch, at most
     max_lora_rank: int = 16  # the largest r an adapter may have (slot buffers are this wide)
+    # KV tiers below the device pool (KVTiersConfig, docs/kv_tiers.md); 0 / None: off.
+    kv_host_memory_gb: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 0.0
+    kv_reload_policy: str = "cost"
+    kv_tiers_cost_model: str | None = None
     # The scheduler's policy (SchedulerConfig.scheduling_policy) and, for "slo", the step-cost
     # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
     scheduling_policy: str = "fcfs"
@@ -709,6 +749,11 @@ class EngineArgs:
                                  self.spec_ngram_max, self.spec_ngram_min,
                                  self.spec_draft_model, self.spec_draft_layers,
                                  self.spec_draft_quantization, self.spec_adaptive)
+
+    def kv_tiers_config(self) -> KVTiersConfig:
+        return KVTiersConfig(int(self.kv_host_memory_gb * 1e9), self.kv_disk_dir,
+                             int(self.kv_disk_gb * 1e9), self.kv_reload_policy,
+                             self.kv_tiers_cost_model)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -824,6 +869,23 @@ def add_engine_cli_args(parser) -> None:
                     help="adapter slots: distinct adapters in one step (default %(default)s)")
     lo.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
                     help="largest adapter rank r accepted (default %(default)s)")
+    kv = parser.add_argument_group("KV tiers below the device pool (docs/kv_tiers.md)")
+    kv.add_argument("--kv-host-memory-gb", type=float, default=d("kv_host_memory_gb"),
+                    help="host memory for KV blocks evicted from the device pool (GB; "
+                         "default %(default)s: off)")
+    kv.add_argument("--kv-disk-dir", default=d("kv_disk_dir"),
+                    help="directory for KV blocks evicted from host memory, kept across "
+                         "restarts of the same model and servelm version")
+    kv.add_argument("--kv-disk-gb", type=float, default=d("kv_disk_gb"),
+                    help="most bytes the disk tier's files take (GB)")
+    kv.add_argument("--kv-reload-policy", default=d("kv_reload_policy"),
+                    choices=list(KV_RELOAD_POLICIES),
+                    help="a prefix found below the pool: reload it when that is cheaper "
+                         "than recomputing it ('cost'), or always / never")
+    kv.add_argument("--kv-tiers-cost-model", default=d("kv_tiers_cost_model"),
+                    metavar="PATH",
+                    help="step-cost model (servelm bench calibrate) for the recompute "
+                         "estimate (default: fitted on this engine's own steps)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
                    help="propose tokens with an n-gram lookup or a draft model and verify "

@@ -226,6 +226,11 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                     speculator=speculator, loras=lora_slots)
     engine.model_config = config
     engine.engine_args = args
+    if args.kv_tiers_config().is_enabled:  # host memory and disk below the pool
+        from servelm.kv_tiers.build import attach_kv_tiers, weights_digest
+
+        attach_kv_tiers(engine, args, config, kv_cache.block_nbytes, str(kv_dtype),
+                        name, prepared_key or weights_digest(model))
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
                 num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,

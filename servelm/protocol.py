@@ -255,6 +255,9 @@ class RequestTimings:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prefill_time: float = 0.0  # seconds of steps spent on this request's prompt
+    # KV tiers on: where the prompt's prefix came from and why (servelm/kv_tiers/
+    # reload_policy.py CacheExplain.to_dict: tokens per tier, reload or recompute, estimates)
+    cache_explain: dict[str, Any] | None = None
 
     @property
     def queued_s(self) -> float | None:
@@ -282,6 +285,7 @@ class RequestTimings:
             "prefill_s": self.prefill_time,
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,
+            **({"cache_explain": self.cache_explain} if self.cache_explain is not None else {}),
         }
 
 

@@ -176,6 +176,9 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     lora_num_evictions: int = 0  # of which displaced another
     # the runner's latest expert_tokens (StepResult), on the first report after it came
     moe_expert_tokens: list[list[int]] = []
+    # KV tiers below the pool (servelm/kv_tiers/): per tier ("host", "disk") its counters
+    # (TierStats) and bandwidth, and "decisions" (reload / recompute counts); {} when off
+    kv_tiers: dict[str, dict[str, float]] = {}
 
 
 class KVEvent(msgspec.Struct, array_like=True):

@@ -125,6 +125,8 @@ class Engine:
         self._finished_ids: list[int] = []  # sequences the runner saw that have finished
         self._preempted_ids: list[int] = []
         self._step_id = 0
+        # KV tiers below the pool (servelm/kv_tiers/, use_kv_tiers); None: off.
+        self.kv_tiers = None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -260,9 +262,13 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
+        if self.kv_tiers is not None:
+            self.kv_tiers.poll()  # disk reads and writes finished since the last step
         batch = self.scheduler.schedule()
         self._note_preempted(batch.preempted)
         if batch.is_empty:
+            if self.kv_tiers is not None and self._kv_tiers_idle_step():
+                return deltas
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission guarantees every request fits an empty pool: this is a bug.
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]}, "
@@ -272,8 +278,11 @@ class Engine:
         for s in batch.seqs:
             if s.seq.timings.first_scheduled_time is None:
                 s.seq.timings.first_scheduled_time = start
-        result: StepResult = self.runner.execute(self.describe(batch))
+        step = self.describe(batch)
+        result: StepResult = self.runner.execute(step)
         now = self.clock()
+        if self.kv_tiers is not None:  # saved blocks move down; the step feeds the estimate
+            self.kv_tiers.on_step(step, result, now - start)
         if result.expert_tokens:
             self._expert_tokens = result.expert_tokens  # the next report carries it
         shape = self._account(batch, now - start, result.spec, result.draft_s)
@@ -335,7 +344,29 @@ class Engine:
         step = StepDescription(self._step_id, seqs, self._finished_ids, self._preempted_ids,
                                self.loras.drain() if self.loras is not None else None)
         self._finished_ids, self._preempted_ids = [], []
+        if self.kv_tiers is not None:  # evicted blocks read, reloaded ones written, first
+            step.kv_saves, step.kv_loads = self.kv_tiers.take_saves(), self.kv_tiers.take_loads()
         return step
+
+    def use_kv_tiers(self, tiers) -> None:
+        """Put KV tiers (servelm/kv_tiers/tiers.py KVTiers) below the device pool."""
+        tiers.attach(self.block_manager)
+        self.kv_tiers = self.scheduler.kv_tiers = tiers
+
+    def _kv_tiers_idle_step(self) -> bool:
+        """Nothing to compute: run the tiers' pending block moves, or wait a moment for
+        their reads (a request waiting on them is admitted once they finish)."""
+        tiers = self.kv_tiers
+        if tiers.has_step_work:
+            self._step_id += 1
+            step = StepDescription(self._step_id, [], kv_saves=tiers.take_saves(),
+                                   kv_loads=tiers.take_loads())
+            tiers.on_step(step, self.runner.execute(step), None)
+            return True
+        if tiers.is_busy:
+            tiers.wait(0.01)
+            return True
+        return False
 
     def _note_preempted(self, victims: list[Sequence]) -> None:
         for seq in victims:
@@ -442,6 +473,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
+        if self.kv_tiers is not None:
+            self.kv_tiers.forget(seq.seq_id)
         self.scheduler.finish(seq, status)
         if seq.lora_id is not None:
             self.loras.finish_live(seq.lora_id)
@@ -494,7 +527,8 @@ class Engine:
             num_total_blocks=bm.num_blocks,
             prefix_cache_namespaces=cache.num_namespaces if cache else 0,
             prefix_cache_bytes=cache.num_bytes if cache else 0, **self._lora_report(),
-            moe_expert_tokens=self._take_expert_tokens())
+            moe_expert_tokens=self._take_expert_tokens(),
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else {})
 
     def _take_expert_tokens(self) -> list[list[int]]:
         tokens, self._expert_tokens = self._expert_tokens, []
@@ -515,6 +549,8 @@ class Engine:
         if self.loras is not None:
             self.loras.check_invariants([s.lora_id for s in self.scheduler.running
                                          if s.lora_id is not None])
+        if self.kv_tiers is not None:
+            self.kv_tiers.check_invariants()
 
 
 FINISH_REASONS = [r.value for r in FinishReason]

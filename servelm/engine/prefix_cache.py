@@ -122,6 +122,11 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.record_events = False
         self._events: list[tuple[int, int, int]] = []  # (kind, hash, parent hash)
+        # KV tiers (servelm/kv_tiers/): chain hashes kept on every node (enable_hashes), and
+        # on_evict(block, hash, parent hash, token ids) called for each block evict() drops,
+        # so its content can be saved below the pool before the block is reused.
+        self.keep_hashes = False
+        self.on_evict = None
 
     def enable_events(self) -> None:
         """Log blocks stored and removed from now on (drain_events); blocks already cached
@@ -137,6 +142,21 @@ class PrefixCache:
             for child in node.children.values():
                 child.hash = block_hash(node.hash, child.key)
                 self._events.append((STORED, child.hash, node.hash))
+                stack.append(child)
+
+    def enable_hashes(self) -> None:
+        """Keep every node's chain hash from now on, without logging events."""
+        if self.keep_hashes or self.record_events:
+            self.keep_hashes = True
+            return
+        self.keep_hashes = True
+        stack = list(self._roots.values())
+        for root in stack:
+            root.hash = namespace_hash(root.namespace)
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                child.hash = block_hash(node.hash, child.key)
                 stack.append(child)
 
     def drain_events(self) -> list[tuple[int, int, int]]:
@@ -164,7 +184,7 @@ class PrefixCache:
     def _add_root(self, extra_key) -> _Node:
         """A namespace is filed only once it gets its first block (see _remove)."""
         root = self._roots[extra_key] = _Node(-1, (), None, namespace=extra_key)
-        if self.record_events:
+        if self.record_events or self.keep_hashes:
             root.hash = namespace_hash(extra_key)
         self._num_namespace_bytes += _key_bytes(extra_key)
         return root
@@ -218,8 +238,9 @@ class PrefixCache:
                 node = _Node(blocks[i], key, parent, last_access=now)
                 parent.children[key] = node
                 self._nodes[blocks[i]] = node
-                if self.record_events:
+                if self.record_events or self.keep_hashes:
                     node.hash = block_hash(parent.hash, key)
+                if self.record_events:
                     self._events.append((STORED, node.hash, parent.hash))
             elif node.block != blocks[i]:
                 return i
@@ -263,6 +284,8 @@ class PrefixCache:
                 continue
             self._remove(node)
             freed.append(node.block)
+            if self.on_evict is not None:
+                self.on_evict(node.block, node.hash, node.parent.hash, node.key)
         self.stats.num_evicted_blocks += len(freed)
         return freed
 

@@ -94,6 +94,10 @@ class Scheduler:
         # Keep a few blocks free when admitting new work, so that sequences already running
         # can grow by a block without immediately preempting what was just admitted.
         self.admission_reserve = max(1, block_manager.num_blocks // 100)
+        # KV tiers below the pool (servelm/kv_tiers/tiers.py KVTiers; None: off): a waiting
+        # sequence's prefix found there is reloaded with its admission, or it waits, skipped,
+        # while its blocks are read.
+        self.kv_tiers = None
         # A scheduling policy beside FCFS (servelm/engine/slo_policy.py; None: FCFS): it
         # orders the waiting queue and may cap this step's prompt tokens (_prefill_left).
         self.policy = None
@@ -177,10 +181,11 @@ class Scheduler:
         self.block_manager.trim(seq, num_computed)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        if self.loras is None:
+        if self.loras is None and self.kv_tiers is None:
             self._admit_waiting(batch, budget)
             return
-        skipped: list[Sequence] = []  # their adapter has no slot this step: they keep places
+        # their adapter has no slot this step, or their KV is being read: they keep places
+        skipped: list[Sequence] = []
         try:
             self._admit_waiting(batch, budget, skipped)
         finally:
@@ -195,7 +200,12 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             match = self.block_manager.match_prefix(seq)
-            num_new = seq.num_uncomputed_tokens - match.num_tokens
+            load = self.kv_tiers.plan_load(seq, match) if self.kv_tiers is not None else None
+            if load is not None and load.is_pending:
+                skipped.append(self.waiting.popleft())
+                continue
+            num_loaded = load.num_blocks * self.block_manager.block_size if load else 0
+            num_new = seq.num_uncomputed_tokens - match.num_tokens - num_loaded
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -205,10 +215,10 @@ class Scheduler:
                     break  # the policy's chunk cap is spent
                 num_new = self._prefill_left
             reserve = self.admission_reserve if self.running else 0
-            if not self.block_manager.can_allocate(seq, num_new, reserve, match):
+            if not self.block_manager.can_allocate(seq, num_loaded + num_new, reserve, match):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new, match)
+            self.block_manager.allocate(seq, num_loaded + num_new, match)
             if self._prefill_left is not None and num_new > 1:
                 self._prefill_left -= num_new
             if skipped is not None and seq.lora_id is not None:
@@ -217,6 +227,8 @@ class Scheduler:
                 seq.num_cached_tokens = match.num_tokens
                 seq.timings.num_cached_tokens = max(seq.timings.num_cached_tokens,
                                                     match.num_tokens)
+            if load is not None:  # the reloaded blocks' bytes go with this step
+                self.kv_tiers.on_admitted(seq, len(match.blocks), load)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
