@@ -13,6 +13,16 @@ MLA models (`forward_mla`) decode through the same split-K kernel in latent spac
 Decode-only metadata can also be built over a CUDA graph's static buffers (`decode_metadata`),
 so `forward` reads nothing but tensors and a few ints fixed at capture time.
 
+Deterministic mode (`set_deterministic`, the engine's --deterministic): every query token,
+prefill chunks and draft rows included, is one row of the decode kernel with batch-invariant
+splits of DETERMINISTIC_SPLIT_LEN keys, reading keys 0 .. its own position:
+
+    chunk of seq i: tokens at positions c .. c+n-1  ->  n rows, block table i each,
+                                                         seq_lens c+1 .. c+n
+
+so a token's attention is the same bits whether it came in a prefill chunk (of any size),
+as a decode, beside any batch, or after a prefix-cache hit.
+
 Owns the metadata and the kernel dispatch. Never: imported unless chosen (it imports triton);
 touches scheduling, sampling or model code.
 """
@@ -24,11 +34,15 @@ from itertools import pairwise
 
 import torch
 
-from servelm.kernels.decode_attention import choose_num_splits, decode_attention
+from servelm.kernels.decode_attention import (choose_num_splits, decode_attention,
+                                              fixed_num_splits)
 from servelm.kernels.prefill_attention import prefill_attention
 from servelm.kernels.store_kv import store_kv
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
+
+
+DETERMINISTIC_SPLIT_LEN = 256  # keys per split in deterministic mode (a multiple of block_n)
 
 
 @dataclass
@@ -55,8 +69,20 @@ class TritonAttentionBackend:
         device = kv_cache.k.device
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 132)
+        self.split_len = 0  # > 0: deterministic mode's fixed splits
+        self.deterministic_steps = 0  # forward calls on the per-row path (tests check it ran)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.split_len > 0
+
+    def set_deterministic(self) -> None:
+        """Every token one row of the decode kernel with fixed splits (module doc)."""
+        self.split_len = DETERMINISTIC_SPLIT_LEN
 
     def build_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        if self.deterministic:
+            return self._row_metadata(batch)
         device = batch.slot_mapping.device
         nd = batch.num_decodes
         tables = batch.block_tables.to(torch.int32)
@@ -72,6 +98,18 @@ class TritonAttentionBackend:
                                                         device=device)
             meta.max_prefill_query_len = max(b - a for a, b in pairwise(rebased))
         return meta
+
+    def _row_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        """Deterministic mode: one decode row per query token (module doc)."""
+        device = batch.slot_mapping.device
+        query_lens = [b - a for a, b in pairwise(batch.query_start_loc)]
+        seq_lens = [c + j + 1 for c, n in zip(batch.context_lens, query_lens) for j in range(n)]
+        rows = torch.repeat_interleave(torch.arange(batch.num_seqs),
+                                       torch.tensor(query_lens, dtype=torch.long))
+        tables = batch.block_tables.to(torch.int32)[rows.to(batch.block_tables.device)]
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        splits = fixed_num_splits(max(seq_lens, default=1), self.split_len)
+        return self.decode_metadata(tables, lens, splits)
 
     def num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
         return choose_num_splits(num_decodes, self.num_kv_heads, max_seq_len, self.num_sms)
@@ -98,7 +136,9 @@ class TritonAttentionBackend:
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                              meta.decode_seq_lens, bs, self.scale, meta.num_kv_splits,
-                             out=out[:nd], k_scale=k_scale, v_scale=v_scale)
+                             out=out[:nd], k_scale=k_scale, v_scale=v_scale,
+                             split_len=self.split_len)
+            self.deterministic_steps += self.deterministic
         if meta.prefill_seq_lens is not None:
             prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                               meta.prefill_query_start_loc, meta.prefill_seq_lens,
@@ -117,6 +157,8 @@ class TritonAttentionBackend:
         dims are the softmax-weighted latents (the last R, the rope keys' sum, are dropped;
         R/(L+R) of the value work is wasted, 11% for DeepSeek-V3). Prefill chunks expand
         their context to per-head keys and values and attend explicitly (torch SDPA)."""
+        if self.deterministic:
+            raise ValueError("deterministic mode does not support multi-head latent attention")
         cache = self.kv_cache.k[layer]  # [num_slots, 1, L+R]
         cache[batch.slot_mapping.long(), 0] = entry.to(cache.dtype)
         meta: TritonAttentionMetadata = batch.attn_metadata

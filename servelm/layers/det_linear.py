@@ -7,9 +7,14 @@ sums every output element in one fixed order, so a row's result is the same bits
 at any place in the batch and at any thread count. It costs about what oneDNN's packed
 GEMM does at decode sizes (it is faster below ~16 rows, up to ~1.3x slower at hundreds).
 
+On the GPU (the Triton backend) the same swap takes TritonDetLinear instead: the fixed-tile
+Triton matmul of servelm/kernels/batch_invariant.py in the model's dtype (float32, bfloat16
+or float16 with float32 accumulation), and every RMSNorm runs that module's per-row kernel.
+
 Owns: packing a float weight once into the kernel's panels, and `make_deterministic(model)`,
 which swaps every float linear of a model (nn.Linear, PackedLinear, a tied head) for one.
-Never: runs anywhere but the CPU in float32 (the caller refuses other configurations).
+Never: runs the CPU kernel anywhere but the CPU in float32 (the caller refuses other
+configurations), or the Triton one off the Triton backend.
 """
 
 from __future__ import annotations
@@ -33,6 +38,25 @@ class DetLinear(nn.Module):
                                                 self.out_features)
 
 
+class TritonDetLinear(nn.Module):
+    """The GPU's batch-invariant linear: y = x @ W.T + b through bi_matmul (fixed tiles, no
+    split of K), whatever the number of rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from servelm.kernels.batch_invariant import bi_matmul
+
+        self.calls += 1
+        y = bi_matmul(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def _weight_of(m: nn.Module) -> torch.Tensor | None:
     """The float weight [N, K] of a linear layer servelm builds, or None if not one."""
     from servelm.layers.linear import PackedLinear
@@ -44,12 +68,18 @@ def _weight_of(m: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def make_deterministic(model: nn.Module) -> int:
+def make_deterministic(model: nn.Module, kernel: str = "cpu") -> int:
     """Replace every float linear of `model` (and a tied output head: model.lm_head None)
-    by a DetLinear; returns how many. Raises ValueError naming a layer it cannot take
-    (quantized linears, MoE experts), so deterministic mode never silently runs an
-    M-dependent kernel."""
+    by a DetLinear (kernel 'cpu') or a TritonDetLinear (kernel 'triton', which also puts
+    every RMSNorm on its per-row kernel); returns how many linears. Raises ValueError naming
+    a layer it cannot take (quantized linears, MoE experts), so deterministic mode never
+    silently runs an M-dependent kernel."""
     from servelm.layers.moe import Experts
+    from servelm.layers.norm import RMSNorm
+
+    if kernel not in ("cpu", "triton"):
+        raise ValueError(f"kernel must be 'cpu' or 'triton', got {kernel!r}")
+    cls = DetLinear if kernel == "cpu" else TritonDetLinear
 
     for name, m in model.named_modules():
         if isinstance(m, Experts):
@@ -60,7 +90,8 @@ def make_deterministic(model: nn.Module) -> int:
         for name, child in parent.named_children():
             weight = _weight_of(child)
             if weight is not None:
-                if weight.device.type != "cpu" or weight.dtype != torch.float32:
+                if kernel == "cpu" and (weight.device.type != "cpu"
+                                        or weight.dtype != torch.float32):
                     raise ValueError("deterministic mode runs float32 on the CPU; layer "
                                      f"{name} is {weight.dtype} on {weight.device}")
                 targets.append((parent, name, child, weight))
@@ -68,11 +99,15 @@ def make_deterministic(model: nn.Module) -> int:
                 raise ValueError(f"deterministic mode takes float linears only; {name} is a "
                                  f"{type(child).__name__} (quantized models are not covered)")
     for parent, name, child, weight in targets:
-        setattr(parent, name, DetLinear(weight, child.bias))
+        setattr(parent, name, cls(weight, child.bias))
     count = len(targets)
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
-        model.lm_head = DetLinear(model.embed_tokens.weight, None)
+        model.lm_head = cls(model.embed_tokens.weight, None)
         count += 1
+    if kernel == "triton":
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.batch_invariant = True
     return count
 
 

@@ -9,6 +9,9 @@ from servelm.layers.fused_cpu import fused_ops
 
 
 class RMSNorm(nn.Module):
+    # deterministic mode on the GPU: the per-row Triton kernel (kernels/batch_invariant.py)
+    batch_invariant = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
@@ -17,6 +20,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         weight = self.scale()
+        if self.batch_invariant:
+            from servelm.kernels.batch_invariant import bi_rms_norm
+
+            return bi_rms_norm(x, weight, self.eps, residual)
         ops = fused_ops(x)
         if ops is not None and residual is None and x.stride(-1) == 1:
             # One pass instead of ~8 ops; a strided view (q/k norms over heads split from
