@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.quant import quant_method_names  # torch-free: the registry's names
+from servelm.vision.config import VisionConfig, vision_config_from_hf  # torch-free
 
 # HF `model_type` -> servelm model family. Families share code in models/. Other model types
 # (Mixtral, Qwen-MoE, DeepSeek-V2/V3, ...) keep their model_type as `architecture`: the
@@ -112,6 +113,9 @@ class ModelConfig:
     # what `--quantization gguf` keeps. "" for other checkpoints.
     gguf_weight_type: str = ""
     source: str = field(default="", compare=False)  # where the shapes were read from
+    # Vision-language checkpoints: the encoder, connector and image processor
+    # (servelm/vision/config.py); None for a text-only model.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -183,10 +187,15 @@ class ModelConfig:
         """Normalise a Hugging Face config.json dictionary (Llama, Qwen2/3, Mixtral,
         Qwen-MoE, DeepSeek-V2/V3, and multimodal wrappers that nest the LM under
         `text_config`). A missing or malformed field is a ValueError naming it."""
+        vision = vision_config_from_hf(cfg)
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", "")}
         try:
-            return cls._from_hf(cfg, name, source)
+            config = cls._from_hf(cfg, name, source)
+            if vision is not None:  # the family runs the whole model, encoder included
+                config = config.replace(architecture=vision.family, vision=vision,
+                                        **vision.text_overrides(cfg))
+            return config
         except KeyError as e:
             raise ValueError(f"config.json has no {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -600,11 +609,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # Image tokens whose vision encoding may start in one step (servelm/vision/budget.py);
+    # 0: no limit beyond the token budget.
+    max_num_encoder_tokens: int = 2048
     # "fcfs": arrival order; "slo": by class and deadline slack, prefill chunks sized from
     # the TPOT targets, early refusal of what cannot meet its TTFT (servelm/engine/slo_policy.py)
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.max_num_encoder_tokens < 0:
+            raise ValueError("max_num_encoder_tokens must be >= 0 (0: no encoder budget)")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
@@ -672,6 +686,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Vision-language models (docs/vision.md): image tokens whose encoding may start in one
+    # step (0: no encoder budget), and the runner's encoder cache size in image tokens.
+    max_num_encoder_tokens: int = 2048
+    encoder_cache_tokens: int = 16384
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "torch"
@@ -766,6 +784,7 @@ class EngineArgs:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                max_num_seqs=self.max_num_seqs,
+                               max_num_encoder_tokens=self.max_num_encoder_tokens,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy)
 
@@ -819,6 +838,13 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    default=d("enable_prefix_caching"),
                    help="disable prefix caching (for comparison)")
+    g.add_argument("--max-num-encoder-tokens", type=int, default=d("max_num_encoder_tokens"),
+                   help="vision models: image tokens whose encoding may start in one step, so "
+                        "a burst of images cannot stall decoding (0: no limit; default "
+                        "%(default)s)")
+    g.add_argument("--encoder-cache-tokens", type=int, default=d("encoder_cache_tokens"),
+                   help="vision models: image embeddings kept by content hash, in tokens "
+                        "(default %(default)s)")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=list(SCHEDULING_POLICIES),
                    help="fcfs: arrival order; slo: by SLO class and deadline slack, chunks "

@@ -225,6 +225,10 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                     config.vocab_size, eos, model_name=name or config.name,
                     speculator=speculator, loras=lora_slots)
     engine.model_config = config
+    if args.slo_cost_model is not None and engine.scheduler.policy is not None:
+        from servelm.sim.cost_model import StepCostModel  # torch-free (docs/slo.md)
+
+        engine.scheduler.policy.step_time = StepCostModel.load(args.slo_cost_model).step_time
     engine.engine_args = args
     if args.kv_tiers_config().is_enabled:  # host memory and disk below the pool
         from servelm.kv_tiers.build import attach_kv_tiers, weights_digest

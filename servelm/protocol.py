@@ -303,6 +303,21 @@ class RequestSLO:
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt, preprocessed (servelm/vision/processors.py): its placeholder
+    tokens are prompt positions offset .. offset + num_tokens - 1, which the encoder's
+    output embeddings replace. `hash` names its content (pixels and grid), so the runner's
+    encoder cache and the prefix cache recognise the same image in any request."""
+
+    hash: str
+    offset: int
+    num_tokens: int
+    pixels: bytes  # float32 values, row-major, of `shape`
+    shape: list[int]
+    grid_thw: list[int] = field(default_factory=list)  # Qwen2-VL: patches in t, h, w
+
+
+@dataclass
 class EngineRequest:
     """What the engine is asked to do: token ids in, sampling rules."""
 
@@ -312,6 +327,7 @@ class EngineRequest:
     prompt: str | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a loaded LoRA adapter to run with; None: the base model
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
     slo: RequestSLO | None = None  # None: best effort (no class, served after every class)
 
 

@@ -27,11 +27,12 @@ from typing import Protocol
 
 import msgspec
 
-from servelm.protocol import Logprob, SamplingParams
+from servelm.protocol import ImageInput, Logprob, SamplingParams
 
 # 2: NewSequence.lora_id, StepDescription.lora, the LoRA counters of StepReport, the
 # LoadLora / UnloadLora / LoraResult messages (servelm/core/codec.py).
-# 3: KVBlock, StepDescription.kv_saves / kv_loads, StepResult.kv_saved.
+# 3: KVBlock, StepDescription.kv_saves / kv_loads, StepResult.kv_saved; NewSequence.images,
+# the encoder fields of StepResult and StepReport (vision-language models).
 CONTRACT_VERSION = 3
 
 
@@ -42,6 +43,7 @@ class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int
     seed: int | None = None  # the sequence's own sampling stream (n > 1: distinct seeds)
     lora_id: int | None = None  # the adapter it runs with (LoraAdapterRef.lora_id); None: base
+    images: list[ImageInput] = []  # the prompt's images (servelm/vision/runner.py encodes them)
 
 
 class LoraAdapterRef(msgspec.Struct, array_like=True):
@@ -143,6 +145,10 @@ class StepResult(msgspec.Struct, omit_defaults=True):
     # layer since start-up ([layer][expert], cumulative); [] on the other steps
     expert_tokens: list[list[int]] = []
     kv_saved: list[KVBlock] = []  # the contents of StepDescription.kv_saves, in that order
+    # vision encoder this step: images encoded, images found in the encoder cache, seconds
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_s: float = 0.0
 
 
 class StepReport(msgspec.Struct, omit_defaults=True):
@@ -179,6 +185,10 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     # KV tiers below the pool (servelm/kv_tiers/): per tier ("host", "disk") its counters
     # (TierStats) and bandwidth, and "decisions" (reload / recompute counts); {} when off
     kv_tiers: dict[str, dict[str, float]] = {}
+    # vision encoder since start-up (StepResult's, summed)
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time_s: float = 0.0
 
 
 class KVEvent(msgspec.Struct, array_like=True):

@@ -62,7 +62,7 @@ class BlockManager:
         compute, so that the step yields a next-token distribution."""
         if self.prefix_cache is None or seq.block_table or seq.params.needs_prompt_states:
             return _NO_MATCH
-        return self.prefix_cache.match(seq.token_ids, seq.extra_key, seq.num_tokens - 1)
+        return self.prefix_cache.match(seq.cache_token_ids, seq.extra_key, seq.num_tokens - 1)
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -115,7 +115,8 @@ class BlockManager:
         if full <= done or done < 0:
             return
         parent = seq.block_table[done - 1] if done else None
-        cached = cache.insert(seq.token_ids, seq.block_table[:full], seq.extra_key, done, parent)
+        cached = cache.insert(seq.cache_token_ids, seq.block_table[:full], seq.extra_key, done,
+                              parent)
         # A block found cached under another id stops the path: its copy stays private.
         self._num_cached[seq.seq_id] = cached if cached == full else -1
 

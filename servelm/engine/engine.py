@@ -23,6 +23,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
 from servelm.engine.slo_policy import make_scheduling_policy
 from servelm.engine.sequence import Sequence, SequenceStatus
+from servelm.vision.budget import check_images
 from servelm.protocol import (
     EngineRequest,
     FinishReason,
@@ -73,6 +74,10 @@ class EngineStats:
     spec_num_accepted: int = 0  # of which accepted
     spec_draft_s: float = 0.0  # time in the proposer
     spec_step_s: float = 0.0  # time of the steps that speculated
+    # Vision encoder (zero for text-only models): images encoded, cache hits, seconds
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -114,6 +119,9 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
+        # Vision-language models: the placeholder token images fill (set by the engine
+        # builder); None: the model takes no images and a request with one is refused.
+        self.image_token_id: int | None = None
         self.stats = EngineStats()
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -136,6 +144,8 @@ class Engine:
             raise InvalidParameterError(f"request_id {request.request_id!r} is already running",
                                         param="request_id")
         max_tokens = self._check_request(request)
+        if request.images:
+            check_images(request, self.image_token_id)
         if self.scheduler.policy is not None:  # may refuse: the TTFT cannot be met (429)
             self.scheduler.policy.check_admission(self.scheduler, request)
         params = request.sampling_params
@@ -155,6 +165,7 @@ class Engine:
                                                            len(seqs))
         for seq in seqs:
             seq.slo = request.slo
+            seq.images = request.images
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n
@@ -285,6 +296,10 @@ class Engine:
             self.kv_tiers.on_step(step, result, now - start)
         if result.expert_tokens:
             self._expert_tokens = result.expert_tokens  # the next report carries it
+        if result.num_images_encoded or result.num_encoder_cache_hits:
+            self.stats.num_images_encoded += result.num_images_encoded
+            self.stats.num_encoder_cache_hits += result.num_encoder_cache_hits
+            self.stats.encoder_time_s += result.encoder_s
         shape = self._account(batch, now - start, result.spec, result.draft_s)
         if self.speculator is not None:  # the target's part of the step, and its tokens
             self.speculator.observe_step(now - start - result.draft_s, *shape)
@@ -332,7 +347,8 @@ class Engine:
             new = None
             if view is None:
                 view = views[seq.seq_id] = _RunnerView()
-                new = NewSequence(seq.params, seq.num_prompt_tokens, seq.seed, seq.lora_id)
+                new = NewSequence(seq.params, seq.num_prompt_tokens, seq.seed, seq.lora_id,
+                                  seq.images)
             table = seq.block_table
             kept = min(view.num_blocks, len(table))
             seqs.append(ScheduledSequence(
@@ -528,6 +544,8 @@ class Engine:
             prefix_cache_namespaces=cache.num_namespaces if cache else 0,
             prefix_cache_bytes=cache.num_bytes if cache else 0, **self._lora_report(),
             moe_expert_tokens=self._take_expert_tokens(),
+            num_images_encoded=st.num_images_encoded,
+            num_encoder_cache_hits=st.num_encoder_cache_hits, encoder_time_s=st.encoder_time_s,
             kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else {})
 
     def _take_expert_tokens(self) -> list[list[int]]:

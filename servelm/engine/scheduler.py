@@ -24,6 +24,7 @@ from typing import Protocol
 from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.sequence import Sequence, SequenceStatus
+from servelm.vision.budget import EncoderBudget
 
 
 class Speculator(Protocol):
@@ -98,6 +99,8 @@ class Scheduler:
         # sequence's prefix found there is reloaded with its admission, or it waits, skipped,
         # while its blocks are read.
         self.kv_tiers = None
+        # Vision encoder work a step may start, in image tokens (servelm/vision/budget.py)
+        self.encoder_budget = EncoderBudget(config.max_num_encoder_tokens)
         # A scheduling policy beside FCFS (servelm/engine/slo_policy.py; None: FCFS): it
         # orders the waiting queue and may cap this step's prompt tokens (_prefill_left).
         self.policy = None
@@ -112,6 +115,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.encoder_budget.reset()
         if self.policy is not None and self.config.enable_chunked_prefill:
             self._prefill_left = self.policy.prefill_cap(self.running,
                                                          self.config.max_num_batched_tokens)
@@ -139,6 +143,11 @@ class Scheduler:
             if num_new == 0:  # the policy's chunk cap is spent: this prefill waits a step
                 i += 1
                 continue
+            if seq.images:
+                num_new = self.encoder_budget.fit(seq, seq.num_computed_tokens, num_new, False)
+                if num_new == 0:  # its next image waits for a step with encoder budget
+                    i += 1
+                    continue
             spec = self._spec_slots(seq, k_step, budget) if num_new == 1 else 0
             if spec and not self.block_manager.can_allocate(seq, 1 + spec):
                 spec = 0  # no room for drafts: a plain decode, rather than preempt for them
@@ -214,6 +223,11 @@ class Scheduler:
                 if self._prefill_left <= 0:
                     break  # the policy's chunk cap is spent
                 num_new = self._prefill_left
+            if seq.images:
+                num_new = self.encoder_budget.fit(seq, seq.num_computed_tokens + match.num_tokens,
+                                                  num_new, True)
+                if num_new == 0:  # its first image waits for a step with encoder budget
+                    break
             reserve = self.admission_reserve if self.running else 0
             if not self.block_manager.can_allocate(seq, num_loaded + num_new, reserve, match):
                 break

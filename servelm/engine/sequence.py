@@ -102,12 +102,24 @@ class Sequence(SequenceTokens):
         self.max_tokens = max_tokens  # resolved: never None
         self.extra_key = extra_key  # prefix-cache namespace (cache_salt, adapter id)
         self.lora_id = lora_id  # the LoRA adapter it runs with (servelm/lora/slots.py)
+        self.images: list = []  # the prompt's ImageInputs, in order (vision models)
         # Seed for this sequence's private sampling stream (n > 1 gets distinct streams).
         self.seed = None if params.seed is None else params.seed + index * 1_000_003
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """token_ids as the prefix cache keys them: an image's placeholder positions carry
+        the image's content hash (servelm/vision/prompt.py), so equal text with another
+        image matches nothing past it."""
+        if not self.images:
+            return self.token_ids
+        from servelm.vision.prompt import cache_key_tokens
+
+        return cache_key_tokens(self.token_ids, self.images)
 
     @property
     def is_finished(self) -> bool:

@@ -41,7 +41,11 @@ def load_hf_config(model_dir: Path, name: str) -> ModelConfig:
         gen_eos = _read_json(gen_path).get("eos_token_id")
         eos_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
     eos = tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None))
-    return config.replace(name=name, eos_token_ids=eos)
+    config = config.replace(name=name, eos_token_ids=eos)
+    processor_path = model_dir / "preprocessor_config.json"
+    if config.vision is not None and processor_path.is_file():  # the image processor's own
+        config = config.replace(vision=config.vision.with_processor(_read_json(processor_path)))
+    return config
 
 
 def hf_weight_names(config: ModelConfig) -> list[str]:

@@ -16,6 +16,7 @@ _MODELS = {
     "phi3": "servelm.models.phi3:Phi3ForCausalLM",
     "deepseek_v2": "servelm.models.deepseek:DeepseekV2ForCausalLM",
     "deepseek_v3": "servelm.models.deepseek:DeepseekV3ForCausalLM",
+    "qwen2_vl": "servelm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
 }
 
 

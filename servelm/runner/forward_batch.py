@@ -32,6 +32,9 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None)  # built once per step by the attention backend
     # servelm.lora.segmented.LoraBatch when some rows use a LoRA adapter; None: the base path
     lora: Any = field(default=None)
+    # servelm.vision.runner.MultimodalBatch when rows take image embeddings (or M-RoPE
+    # positions); None: token embeddings and 1-D positions only
+    mm: Any = field(default=None)
 
     @property
     def num_seqs(self) -> int:

@@ -26,6 +26,7 @@ from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled
+from servelm.vision.runner import VisionRunner
 
 
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
@@ -85,6 +86,9 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._pooled: dict[int, torch.Tensor] = {}  # seq_id -> sum of prompt hidden states
         self.state = RunnerState(on_forget=self._forget)
+        # Vision-language models: images encoded and placed per step (servelm/vision/runner.py)
+        self.vision = (VisionRunner(model, model_config.vision, device, 16384)
+                       if model_config.vision is not None else None)
         # --deterministic: batch-invariant linears and per-row attention (runner/
         # deterministic.py), before the decode stack is built from the model's layers.
         self.deterministic = deterministic
@@ -98,6 +102,8 @@ class ModelRunner:
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        if self.vision is not None:
+            self.vision.forget(seq_id)
         self._pooled.pop(seq_id, None)
         if self.grammars is not None:
             self.grammars.forget(seq_id)
@@ -107,6 +113,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> StepResult:
         start = time.perf_counter()
+        if self.vision is not None:
+            self._register_images(step)
         scheduled = self.state.apply(step)
         if self.lora is not None:
             self.lora.apply(step.lora)
@@ -116,6 +124,8 @@ class ModelRunner:
         proposals, draft_s = self._propose(scheduled)
         works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
+        if self.vision is not None:
+            self.vision.prepare(works, fb)
         if self.lora is not None:
             fb.lora = self.lora.batch_for(works, fb.query_start_loc)
         masks_job = self._start_masks(works)  # computed while the model runs
@@ -148,6 +158,9 @@ class ModelRunner:
         if spec:
             self._verify(spec, logits, proposals, result, masks)
         self._report_expert_tokens(result)
+        if self.vision is not None:
+            result.num_images_encoded, result.num_encoder_cache_hits, result.encoder_s = \
+                self.vision.last
         result.kv_saved = kv_saved
         result.forward_s = time.perf_counter() - start
         return result
@@ -270,7 +283,14 @@ class ModelRunner:
         execute: [T, V] (parity tests, perplexity). Writes their K/V into the cache like a
         step; outside the step path, so it touches no sequence the runner tracks."""
         fb = self._build_forward_batch(items)
+        if self.vision is not None:
+            self.vision.prepare(_decodes_first([_Work.of(s) for s in items]), fb)
         return self.model.compute_logits(self._forward(fb)).float()
+
+    def _register_images(self, step: StepDescription) -> None:
+        for s in step.seqs:
+            if s.new is not None and s.new.images:
+                self.vision.register(s.seq_id, s.new.images, s.new.num_prompt_tokens)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Replay a captured graph for a decode batch when one fits (CUDA), or run it as one
@@ -278,7 +298,9 @@ class ModelRunner:
         adapters' products added (servelm/lora/manager.py)."""
         if fb.lora is not None:
             return self.lora.forward(self.model, self.backend, fb)
-        hidden = self.graphs.maybe_run(fb) if self.graphs is not None else None
+        # image rows and M-RoPE positions are not in a captured graph: those steps run eagerly
+        hidden = (self.graphs.maybe_run(fb) if self.graphs is not None and fb.mm is None
+                  else None)
         if hidden is None and self.cpu_stack is not None:
             hidden = self.cpu_stack.maybe_run(fb)
         if hidden is None:

@@ -55,6 +55,10 @@ def add_parser(subparsers) -> None:
                    help="seconds in-flight requests may run after SIGTERM")
     g.add_argument("--slo-ttft-ms", type=float, default=d("slo_ttft_ms"))
     g.add_argument("--slo-tpot-ms", type=float, default=d("slo_tpot_ms"))
+    g.add_argument("--slo-spec", default=d("slo_spec"), metavar="FILE",
+                   help="SLO classes (JSON, docs/slo.md): the targets requests name with "
+                        "`priority` / `slo_class`, the per-class goodput gauges and the slo "
+                        "scheduling policy read it; replaces --slo-ttft-ms / --slo-tpot-ms")
     g.add_argument("--max-body-bytes", type=int, default=d("max_body_bytes"))
     g.add_argument("--write-timeout", type=float, default=d("write_timeout"),
                    help="seconds a stream reader may stall before it is dropped")
@@ -141,7 +145,8 @@ def server_config_from_cli(args, model_name: str):
         api_key=args.api_key or os.environ.get("SERVELM_API_KEY") or None,
         max_n=args.max_n, max_queue=args.max_queue, request_timeout=args.request_timeout,
         drain_timeout=args.drain_timeout, slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms, max_body_bytes=args.max_body_bytes,
+        slo_tpot_ms=args.slo_tpot_ms, slo_spec=args.slo_spec,
+        max_body_bytes=args.max_body_bytes,
         write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
         peak_flops=args.peak_flops, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, request_log=args.request_log,

@@ -12,6 +12,7 @@ per-request state beyond the last token time of live sequences.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # servelm_requests_rejected_total{reason}: a limit's error code names the reason; any other
 # 4xx is "invalid". The connection-level limits (draining_server.py) count themselves.
 REJECTION_REASON_BY_CODE = {
+    "slo_unattainable": "slo_unattainable",
     "queue_full": "queue_full",
     "server_draining": "draining",
     "request_too_large": "body_too_large",
@@ -127,7 +129,8 @@ class CostModel:
 
 class ServerMetrics:
     def __init__(self, model_name: str, slo_ttft_s: float, slo_tpot_s: float,
-                 cost: CostModel | None = None, recorder: Recorder | None = None):
+                 cost: CostModel | None = None, recorder: Recorder | None = None,
+                 slo_spec=None):
         self.registry = r = CollectorRegistry()
         self.recorder = recorder or Recorder()
         self.model_name = model_name
@@ -216,6 +219,7 @@ class ServerMetrics:
                                   registry=r)
         self.goodput = Gauge("servelm_goodput_ratio",
                              "Share of finished requests meeting the SLOs", registry=r)
+        self._init_slo_classes(slo_spec, slo_ttft_s, slo_tpot_s)
         self.idempotent_replays = Counter(
             "servelm_idempotent_replays_total",
             "Requests answered by attaching to an earlier one with the same Idempotency-Key",
@@ -360,6 +364,41 @@ class ServerMetrics:
                     self._num_slo_met += 1
                     self.slo_met.inc()
                 self.goodput.set(self._num_slo_met / self._num_slo_judged)
+                self._observe_slo_class(d.request_id, t.ttft_s, tpot)
+            else:
+                self.request_classes.pop(d.request_id, None)
+
+    def _init_slo_classes(self, spec, slo_ttft_s: float, slo_tpot_s: float) -> None:
+        """Per SLO class (servelm/slo.py): goodput over the spec's sliding window, read at
+        each scrape (the window moves with no new finishes), and the requests it counts."""
+        from servelm.slo import SLOSpec, SlidingGoodput
+
+        self.slo_spec = spec or SLOSpec.single(slo_ttft_s * 1e3, slo_tpot_s * 1e3)
+        self.slo_window = SlidingGoodput(self.slo_spec)
+        self.request_classes: dict[str, str] = {}  # engine request id -> class (serving.py)
+        ratio = Gauge("servelm_slo_goodput_ratio", "Share of the requests finished in the "
+                      "last window_s seconds meeting their class's TTFT and TPOT targets",
+                      ["slo_class"], registry=self.registry)
+        count = Gauge("servelm_slo_window_requests", "Requests finished in the last window_s "
+                      "seconds", ["slo_class"], registry=self.registry)
+        for c in self.slo_spec.classes:
+            ratio.labels(c.name).set_function(lambda n=c.name: self._window_goodput(n))
+            count.labels(c.name).set_function(lambda n=c.name: self._window_count(n))
+
+    def _window_goodput(self, name: str) -> float:
+        with self._lock:
+            value = self.slo_window.goodput(name, time.monotonic())
+        return math.nan if value is None else value
+
+    def _window_count(self, name: str) -> int:
+        with self._lock:
+            return self.slo_window.count(name, time.monotonic())
+
+    def _observe_slo_class(self, request_id: str, ttft_s, tpot_s) -> None:
+        """Under self._lock, for a finished (not aborted) request."""
+        name = self.request_classes.pop(request_id, self.slo_spec.default_class)
+        self.slo_window.record(name, self.slo_spec.get(name).met(ttft_s, tpot_s),
+                               time.monotonic())
 
     # -- event loop ------------------------------------------------------------------------
 

@@ -93,6 +93,10 @@ class _SamplingRequest(BaseModel):
     cache_salt: StrictStr | None = None
     skip_special_tokens: StrictBool = True
     speculative: StrictBool = True  # false: this request never speculates
+    # The request's SLO class (servelm/slo.py): by priority (vLLM's field; the class with
+    # that priority) or by name; neither: the spec's default class.
+    priority: StrictInt | None = None
+    slo_class: StrictStr | None = None
     # OpenAI's structured outputs, and servelm's extension (vLLM's name):
     # {"json": schema} | {"regex": str} | {"choice": [str, ...]} | {"grammar": str}
     response_format: dict[str, Any] | None = None

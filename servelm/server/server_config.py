@@ -19,6 +19,9 @@ class ServerConfig:
     drain_timeout: float = 30.0
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 100.0
+    # The SLO spec file (servelm/slo.py, docs/slo.md): request classes; None: one class from
+    # slo_ttft_ms / slo_tpot_ms.
+    slo_spec: str | None = None
     max_body_bytes: int = 8 * 2**20
     write_timeout: float = 30.0  # a stream reader stalled this long is dropped
     retry_after_s: int = 1
@@ -40,3 +43,9 @@ class ServerConfig:
     # JSON-lines file (`servelm doctor --log`), and OpenTelemetry spans sent over OTLP/HTTP.
     request_log: str | None = None
     otlp_traces_endpoint: str | None = None
+
+    def load_slo_spec(self):
+        """The server's SLO spec: the --slo-spec file, else the TTFT/TPOT flags' one class."""
+        from servelm.slo import spec_from_flags
+
+        return spec_from_flags(self.slo_spec, self.slo_ttft_ms, self.slo_tpot_ms)

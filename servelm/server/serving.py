@@ -506,11 +506,24 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------
 
+    def _attach_slo(self, gen: Generation, req) -> None:
+        """Each engine request carries its SLO class's targets (the slo scheduling policy
+        reads them; the goodput gauges count it in its class)."""
+        metrics = self.state.metrics
+        try:
+            cls = metrics.slo_spec.resolve(req.priority, req.slo_class)
+        except InvalidParameterError as exc:
+            raise APIError.from_invalid(exc) from None
+        for r in gen.requests:
+            r.slo = cls.request_slo()
+            metrics.request_classes[r.request_id] = cls.name
+
     def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
         prefix = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}[p.kind]
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
                          p.timeout_s, p.request.client_param, p.lora_name)
+        self._attach_slo(gen, p.request)
         name = p.lora_name or self.config.served_model_name
         if p.kind == "completion":
             fmt: Formatter = CompletionFormatter(

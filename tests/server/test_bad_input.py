@@ -85,7 +85,8 @@ CASES = {
     "empty_messages": (_chat(messages=[]), 400, "messages", None),
     "message_without_role": (_chat(messages=[{"content": "x"}]), 400, "messages", None),
     "message_image_part": (_chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages", None),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
+        "messages[0].content[0]", "images_not_supported"),
     "unknown_model": (_c(model="gpt-5"), 404, "model", "model_not_found"),
     "unknown_model_chat": (_chat(model="nope"), 404, "model", "model_not_found"),
     "malformed_json": (("/v1/completions", b'{"prompt": "Hi",', JSON), 400, None,
