@@ -52,7 +52,10 @@ def weights_digest(model) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        t = p.detach()
+        if t.is_mkldnn:  # a linear packed for oneDNN
+            t = t.to_dense()
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
