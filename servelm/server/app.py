@@ -136,7 +136,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async_engine = engine if isinstance(engine, StreamRouter) else AsyncEngine(engine)
     cost = _cost_model(async_engine, config)
     metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,
-                            config.slo_tpot_ms / 1000, cost)
+                            config.slo_tpot_ms / 1000, cost,
+                            slo_spec=config.load_slo_spec())
     metrics.start_from(async_engine.snapshot)
     async_engine.observer = metrics.observe_step
     state = ServerState(config, async_engine, metrics,

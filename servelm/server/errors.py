@@ -42,6 +42,9 @@ class APIError(Exception):
 
     @classmethod
     def from_invalid(cls, exc: InvalidParameterError) -> "APIError":
+        if exc.code == "slo_unattainable":  # the SLO policy's early refusal: retry later
+            return cls(429, str(exc), "rate_limit_error", exc.param, exc.code,
+                       headers={"Retry-After": "1"})
         if exc.code == "model_not_found":
             return cls(404, str(exc), "invalid_request_error", exc.param or "model",
                        "model_not_found")
