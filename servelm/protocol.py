@@ -327,8 +327,22 @@ class EngineRequest:
     prompt: str | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a loaded LoRA adapter to run with; None: the base model
+    # Prefill/decode disaggregation (servelm/disagg/): this request's part in a KV transfer
+    kv_transfer: KVTransferParams | None = None
     images: list[ImageInput] = field(default_factory=list)  # in prompt order
     slo: RequestSLO | None = None  # None: best effort (no class, served after every class)
+
+
+@dataclass
+class KVTransferParams:
+    """A request's part in a KV transfer (docs/disaggregation.md). role "prefill": compute
+    the prompt and keep its blocks for the decode worker that pulls transfer_id; role
+    "decode": pull the prompt's blocks from the prefill worker at `source` (a KV address,
+    e.g. tcp://10.0.0.5:9000), then continue the request."""
+
+    transfer_id: str
+    role: str
+    source: str = ""
 
 
 @dataclass

@@ -41,6 +41,10 @@ class BlockManager:
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         # seq_id -> blocks of that sequence already in the prefix cache
         self._num_cached: dict[int, int] = {}
+        # block -> references held outside any sequence: KV transfers in flight pin the
+        # blocks they read or fill (servelm/disagg/), so neither eviction nor reuse can
+        # touch them until the transfer ends
+        self._pins: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,12 +164,57 @@ class BlockManager:
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
+    # -- pins: references held by KV transfers, not by sequences ---------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins)
+
+    def pin(self, blocks: list[int]) -> None:
+        """Hold `blocks` (a sequence's or cached ones) until unpin: they stay allocated
+        and out of eviction whatever happens to the sequences that hold them."""
+        for block in blocks:
+            self._take(block)
+            self._pins[block] = self._pins.get(block, 0) + 1
+
+    def unpin(self, blocks: list[int]) -> None:
+        for block in blocks:
+            count = self._pins.get(block, 0)
+            if count <= 0:
+                raise RuntimeError(f"unpin of block {block}, which is not pinned")
+            if count == 1:
+                del self._pins[block]
+            else:
+                self._pins[block] = count - 1
+            self._release(block)
+
+    def reserve(self, num_blocks: int) -> list[int]:
+        """`num_blocks` fresh blocks, pinned (a KV import writes them before any sequence
+        holds them). The caller checks num_free_blocks first."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"reserve of {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = [self._pop_free() for _ in range(num_blocks)]
+        self.pin(blocks)
+        return blocks
+
+    def cache_imported(self, token_ids: list[int], blocks: list[int], extra_key,
+                       start: int) -> int:
+        """File blocks[start:] (pinned, filled by a KV import) in the prefix cache as the
+        full blocks of token_ids; blocks[:start] must be cached already. Returns how many
+        blocks are cached along the path (less than len(blocks): the rest stay private)."""
+        if self.prefix_cache is None:
+            return 0
+        parent = blocks[start - 1] if start else None
+        return self.prefix_cache.insert(token_ids, blocks, extra_key, start, parent)
+
     def check_invariants(self, live: list[Sequence]) -> None:
         """Ref counts equal holders; free + held + cached-only == total."""
         holders = [0] * self.num_blocks
         for seq in live:
             for block in seq.block_table:
                 holders[block] += 1
+        for block, count in self._pins.items():
+            holders[block] += count
         assert holders == self._ref_counts, "ref counts disagree with block tables"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"

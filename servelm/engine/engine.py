@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from servelm.config import SchedulerConfig
 from servelm.cost import attention_pairs
-from servelm.core.contract import (KVEvent, NewSequence, Runner, ScheduledSequence,
+from servelm.core.contract import (KVBlock, KVEvent, NewSequence, Runner, ScheduledSequence,
                                    StepDescription, StepReport, StepResult)
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
@@ -133,6 +133,9 @@ class Engine:
         self._finished_ids: list[int] = []  # sequences the runner saw that have finished
         self._preempted_ids: list[int] = []
         self._step_id = 0
+        # Prefill/decode disaggregation (servelm/disagg/roles.py): the role's hooks into
+        # admission, each step, finishing and aborts; None: a colocated engine.
+        self.kv_transfer = None
         # KV tiers below the pool (servelm/kv_tiers/, use_kv_tiers); None: off.
         self.kv_tiers = None
 
@@ -167,7 +170,10 @@ class Engine:
             seq.slo = request.slo
             seq.images = request.images
             self._seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        # A disaggregated decode role holds the sequences back until their KV has arrived.
+        if self.kv_transfer is None or not self.kv_transfer.on_add(request, seqs):
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n
 
     def _lora_entry(self, name: str | None):
@@ -246,6 +252,8 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return False
+        if self.kv_transfer is not None:  # a held request goes back to the queue to finish
+            self.kv_transfer.on_abort(request_id)
         for seq in state.seqs:
             if not seq.is_finished:
                 self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "",
@@ -256,7 +264,8 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or (
+            self.kv_transfer is not None and self.kv_transfer.has_work)
 
     @property
     def num_requests(self) -> int:
@@ -273,6 +282,8 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()  # transfer messages and timeouts, between steps
         if self.kv_tiers is not None:
             self.kv_tiers.poll()  # disk reads and writes finished since the last step
         batch = self.scheduler.schedule()
@@ -280,6 +291,8 @@ class Engine:
         if batch.is_empty:
             if self.kv_tiers is not None and self._kv_tiers_idle_step():
                 return deltas
+            if self.kv_transfer is not None and self.block_manager.num_pinned_blocks:
+                return deltas  # blocks come back when the transfers holding them end
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission guarantees every request fits an empty pool: this is a bug.
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]}, "
@@ -383,6 +396,13 @@ class Engine:
             tiers.wait(0.01)
             return True
         return False
+
+    def execute_kv(self, saves: list[int], loads: list[KVBlock]) -> list[KVBlock]:
+        """A step with no sequences: read `saves`, then write `loads` (the step contract's
+        KV ops); returns the saved blocks' contents."""
+        self._step_id += 1
+        return self.runner.execute(StepDescription(self._step_id, [], kv_saves=saves,
+                                                   kv_loads=loads)).kv_saved
 
     def _note_preempted(self, victims: list[Sequence]) -> None:
         for seq in victims:
@@ -489,6 +509,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
+        if self.kv_transfer is not None:  # a prefill role pins the blocks it still sends
+            self.kv_transfer.on_finish(seq, status)
         if self.kv_tiers is not None:
             self.kv_tiers.forget(seq.seq_id)
         self.scheduler.finish(seq, status)
