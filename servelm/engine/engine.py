@@ -401,8 +401,13 @@ class Engine:
         """A step with no sequences: read `saves`, then write `loads` (the step contract's
         KV ops); returns the saved blocks' contents."""
         self._step_id += 1
-        return self.runner.execute(StepDescription(self._step_id, [], kv_saves=saves,
-                                                   kv_loads=loads)).kv_saved
+        # Blocks the pool evicted to make room for `loads` are saved first (KV tiers).
+        mine = self.kv_tiers.take_saves() if self.kv_tiers is not None else []
+        saved = self.runner.execute(StepDescription(self._step_id, [], kv_saves=mine + saves,
+                                                    kv_loads=loads)).kv_saved
+        if mine:
+            self.kv_tiers.on_saved(saved[:len(mine)])
+        return saved[len(mine):]
 
     def _note_preempted(self, victims: list[Sequence]) -> None:
         for seq in victims:

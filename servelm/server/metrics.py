@@ -26,6 +26,7 @@ from servelm.config import EngineArgs, ModelConfig
 from servelm.cost import WeightBytes
 from servelm.planner.hardware import default_peaks
 from servelm.protocol import RequestTimings, TokenDelta
+from servelm.kv_tiers.metrics import KVTierMetrics
 from servelm.server.dashboard.records import Recorder, StepRecord, build_record
 
 # Defaults when --peak-bandwidth / --peak-flops are not given (documented in docs/server.md),
@@ -256,6 +257,7 @@ class ServerMetrics:
             "servelm_prefix_cache_bookkeeping_bytes",
             "Estimated bytes of the prefix cache's bookkeeping (tree nodes, token keys, "
             "namespace keys, LRU entries); bounded by the KV pool", registry=r)
+        self.kv_tiers = KVTierMetrics(r)  # host memory / disk below the pool, per tier
         self.connections = Gauge("servelm_http_connections",
                                  "Open HTTP connections", registry=r)
 
@@ -285,6 +287,8 @@ class ServerMetrics:
             self._num_preemptions_seen = report.num_preemptions
         if report.spec_k is not None:
             self._observe_spec(report)
+        if report.kv_tiers:
+            self.kv_tiers.observe_report(report.kv_tiers)
         for d in deltas:
             self._observe_delta(d, now)
 

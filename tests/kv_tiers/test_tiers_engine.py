@@ -169,3 +169,25 @@ def test_cost_policy_recomputes_when_reload_is_slower():
     _, fin = run(engine, [history], prefix="b")
     assert explain(fin["b0"])["decision"] == "reload"
     assert kv.stats()["decisions"] == {"reload": 1, "recompute": 1, "dropped_saves": 0}
+
+
+def test_blocks_evicted_for_a_kv_import_are_saved_before_the_import_writes_them():
+    """A KV import (disaggregation) reserves blocks, which may evict cached ones, and writes
+    them in a KV-only step: the evicted contents are read in that step, before the write."""
+    from servelm.core.contract import KVBlock
+    from servelm.engine.prefix_cache import block_hashes
+
+    engine, kv, runner = tiered_engine(num_blocks=16, host_bytes=1 << 20)
+    history = _prompt(1, 60)
+    run(engine, [history], prefix="a")  # 15 cached blocks, all cached-only now
+    blocks = engine.block_manager.reserve(8)
+    assert len(kv._queued) >= 7
+    engine.execute_kv([], [KVBlock(b, bytes(runner.block_nbytes)) for b in blocks])
+    host = kv.by_name["host"]
+    saved = [h for h in block_hashes(history, 4) if host.contains(h)]
+    assert len(saved) >= 7
+    for h in saved:  # the bytes are the history's tokens, not the import's zeros
+        assert host.peek(h).data != bytes(runner.block_nbytes)
+    engine.block_manager.unpin(blocks)
+    _, fin = run(engine, [history], prefix="b")
+    assert explain(fin["b0"])["host_tokens"] > 0
