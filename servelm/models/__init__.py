@@ -17,6 +17,7 @@ _MODELS = {
     "deepseek_v2": "servelm.models.deepseek:DeepseekV2ForCausalLM",
     "deepseek_v3": "servelm.models.deepseek:DeepseekV3ForCausalLM",
     "qwen2_vl": "servelm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "llava": "servelm.models.llava:LlavaForConditionalGeneration",
 }
 
 

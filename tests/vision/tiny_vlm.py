@@ -86,3 +86,38 @@ def data_url(image, fmt: str = "PNG") -> str:
     image.save(buf, format=fmt)
     mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}[fmt]
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# LLaVA: 28x28 images in 7x7 patches -> 16 image tokens
+LLAVA_PROCESSOR = {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}}
+
+
+def make_llava(seed: int = 0):
+    import torch
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration)
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=28, patch_size=7,
+                              projection_dim=32)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=None,
+                       eos_token_id=IM_END)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_PAD)).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif p.dim() == 1 and p.numel() not in (64, 32):
+                p.normal_(0, 0.05)
+    return model
+
+
+def llava_hf_processor():
+    from transformers import LlavaImageProcessorPil
+
+    return LlavaImageProcessorPil(**LLAVA_PROCESSOR)
