@@ -10,6 +10,10 @@ option `--cpu-kernels attention=MODE` (servelm/cpu_kernels/choice.py):
 paged_decode(q [B, H, D], k_cache, v_cache [num_slots, K, D], block_tables [>=B, M] int64,
              seq_lens [B] int64, block_size, scale, k_scale=None, v_scale=None)
     -> out [B, H, D] float32; k_scale, v_scale: float32 [K], for an fp8 (e4m3) cache
+
+paged_decode_mla(q [B, H, E], cache [num_slots, E], block_tables, seq_lens, block_size, scale,
+                 latent_dim L) -> out [B, H, L] float32: multi-head latent attention decodes
+    over [latent | rope key] entries (servelm/cpu_kernels/mla_attention.cpp)
 """
 
 from __future__ import annotations
@@ -37,3 +41,20 @@ def decode_kernel_for(cache: torch.Tensor, mode: str | None = None) -> Callable 
         return None
     ops = cpu_kernels.ops_for_mode(PART, mode)
     return None if ops is None else ops.paged_decode
+
+
+MLA_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def mla_decode_kernel_for(cache: torch.Tensor, mode: str | None = None) -> Callable | None:
+    """The kernel for MLA decodes over `cache` ([num_slots, 1, E] entries), or None where
+    the torch path must run: not the CPU, not float32/bfloat16, E not a multiple of 16,
+    mode 'torch', or a failed build in mode 'auto'. The latent width is checked per call."""
+    mode = cpu_kernels.mode(PART) if mode is None else mode
+    if mode not in cpu_kernels.MODES:
+        raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
+    if (cache.device.type != "cpu" or cache.dtype not in MLA_CACHE_DTYPES
+            or cache.shape[-1] % 16):
+        return None
+    ops = cpu_kernels.ops_for_mode(PART, mode)
+    return None if ops is None else ops.paged_decode_mla

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.attention.paged_attention_cpu import decode_kernel_for
+from servelm.attention.paged_attention_cpu import decode_kernel_for, mla_decode_kernel_for
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 
@@ -63,6 +63,10 @@ class TorchAttentionBackend:
         # CPU, fp32/bf16/fp8 cache: decodes read the paged blocks in place (C++); else None.
         # decode_kernel_mode: `--cpu-kernels attention=MODE`; None: the engine build's choice.
         self.decode_kernel = decode_kernel_for(kv_cache.k, decode_kernel_mode)
+        # MLA caches: decodes through the C++ latent kernel where it applies
+        self.mla_decode_kernel = (mla_decode_kernel_for(kv_cache.k, decode_kernel_mode)
+                                  if kv_cache.is_mla else None)
+        self.mla_kernel_calls = 0  # layers decoded by it (tests check it ran)
         self.deterministic = False
         self.deterministic_steps = 0  # forward calls on the per-row path (tests check it ran)
 
@@ -215,7 +219,14 @@ class TorchAttentionBackend:
         meta: TorchAttentionMetadata = batch.attn_metadata
         nd = batch.num_decodes
         decode_out = q_decode.new_empty(0, q_decode.shape[1], latent_dim)
-        if nd:
+        if nd and self._mla_kernel_takes(q_decode, latent_dim):
+            tables = batch.block_tables[:nd]
+            lens = torch.tensor(batch.seq_lens[:nd], dtype=torch.long)
+            decode_out = self.mla_decode_kernel(
+                q_decode.contiguous(), cache.view(cache.shape[0], -1), tables, lens,
+                self.kv_cache.block_size, scale, latent_dim).to(q_decode.dtype)
+            self.mla_kernel_calls += 1
+        elif nd:
             (slots, mask), _ = self._variant_masks(batch, meta, 0)
             keys = _gather(cache, slots).transpose(1, 2).to(q_decode.dtype)  # [Bd, 1, C, L+R]
             out = F.scaled_dot_product_attention(q_decode.unsqueeze(1), keys,
@@ -239,6 +250,10 @@ class TorchAttentionBackend:
         prefill_out = (torch.cat(outs) if outs else
                        q_prefill.new_empty(0, q_prefill.shape[1], 0))
         return decode_out, prefill_out
+
+    def _mla_kernel_takes(self, q: torch.Tensor, latent_dim: int) -> bool:
+        return (self.mla_decode_kernel is not None and latent_dim % 16 == 0
+                and q.dtype in (torch.float32, torch.bfloat16))
 
     # -- sliding window and soft-capping --------------------------------------------------
 
