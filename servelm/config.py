@@ -728,6 +728,13 @@ class EngineArgs:
     kv_disk_gb: float = 0.0
     kv_reload_policy: str = "cost"
     kv_tiers_cost_model: str | None = None
+    # Prefill/decode disaggregation (servelm/disagg/, docs/disaggregation.md): this engine's
+    # role, the KV transport by name, where a prefill worker listens for pulls (""): from the
+    # HTTP port, servelm/disagg/transport.py default_address) and the decode side's lease.
+    disagg_role: str = "colocated"
+    kv_transport: str = "tcp"
+    kv_address: str = ""
+    kv_lease_s: float = 30.0
     # The scheduler's policy (SchedulerConfig.scheduling_policy) and, for "slo", the step-cost
     # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
     scheduling_policy: str = "fcfs"
@@ -912,6 +919,21 @@ def add_engine_cli_args(parser) -> None:
                     metavar="PATH",
                     help="step-cost model (servelm bench calibrate) for the recompute "
                          "estimate (default: fitted on this engine's own steps)")
+    dg = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    dg.add_argument("--role", dest="disagg_role", default=d("disagg_role"),
+                    choices=["colocated", "prefill", "decode"],
+                    help="prefill: compute prompts and serve their KV blocks to decode "
+                         "workers; decode: pull a request's prompt KV from the prefill worker "
+                         "the router names, then decode (default %(default)s: both here)")
+    dg.add_argument("--kv-transport", default=d("kv_transport"),
+                    help="how KV blocks move: tcp (any two hosts), shm (same host, shared "
+                         "memory) or inproc (one process) (default %(default)s)")
+    dg.add_argument("--kv-address", default=d("kv_address"), metavar="ADDR",
+                    help="prefill role: where decode workers pull KV from, tcp://HOST:PORT "
+                         "or shm:///path.sock (default: the HTTP port + 1000 on tcp)")
+    dg.add_argument("--kv-lease-s", type=float, default=d("kv_lease_s"),
+                    help="decode role: seconds blocks reserved for a transfer wait for it "
+                         "before the prompt is computed here instead (default %(default)s)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
                    help="propose tokens with an n-gram lookup or a draft model and verify "

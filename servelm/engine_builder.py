@@ -235,6 +235,10 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
 
         attach_kv_tiers(engine, args, config, kv_cache.block_nbytes, str(kv_dtype),
                         name, prepared_key or weights_digest(model))
+    if args.disagg_role != "colocated":  # --role prefill | decode (servelm/disagg/)
+        from servelm.disagg.roles import attach_role
+
+        attach_role(engine, args, kv_cache.block_nbytes)
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
                 num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,

@@ -72,6 +72,8 @@ class EngineLoop:
         self._live_ids: set[str] = set()  # loop thread only: admitted, not finished
         self.report: StepReport = engine.report()  # the last published (read anywhere)
         engine.enable_kv_events()  # a server publishes what its prefix cache holds
+        if engine.kv_transfer is not None:  # KV transfer messages wake an idle loop
+            engine.kv_transfer.wake = self.wake
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -94,6 +96,11 @@ class EngineLoop:
             raise ValueError(f"lora op must be load or unload, got {op!r}")
         with self._cond:
             self._commands.append(_Command(f"{op}_lora", lora=(name, path), token=token))
+            self._cond.notify()
+
+    def wake(self) -> None:
+        """Step soon: something the engine polls for has arrived (any thread)."""
+        with self._cond:
             self._cond.notify()
 
     def stop(self) -> None:

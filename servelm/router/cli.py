@@ -29,8 +29,13 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("router", help="OpenAI-compatible router over replicas",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--replica", action="append", required=True, metavar="URL",
+    p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="a replica's base URL (repeat for each)")
+    p.add_argument("--prefill", action="append", default=None, metavar="URL",
+                   help="disaggregation: a `servelm serve --role prefill` worker (repeat; "
+                        "with --decode, instead of --replica; docs/disaggregation.md)")
+    p.add_argument("--decode", action="append", default=None, metavar="URL",
+                   help="disaggregation: a `servelm serve --role decode` worker (repeat)")
     p.add_argument("--policy", default="least_loaded", choices=policy_names())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
@@ -54,6 +59,12 @@ def add_parser(subparsers) -> None:
 
 
 def handler(args) -> int:
+    if args.prefill or args.decode:
+        return _disagg_handler(args)
+    if not args.replica:
+        print("servelm router: give --replica URL (or --prefill and --decode URLs)",
+              file=sys.stderr)
+        return 2
     from servelm.router.app import RouterConfig, build_router_app
     from servelm.router.policies import make_policy
     from servelm.router.replicas import ReplicaSet
@@ -77,4 +88,24 @@ def handler(args) -> int:
     print(f"[servelm] router ({args.policy}) over {len(args.replica)} replicas at "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
+    return 0
+
+
+def _disagg_handler(args) -> int:
+    from servelm.router.disagg import build_disagg_app
+
+    if not (args.prefill and args.decode) or args.replica:
+        print("servelm router: disaggregation takes --prefill and --decode URLs (and no "
+              "--replica)", file=sys.stderr)
+        return 2
+    app = build_disagg_app(args.prefill, args.decode, args.probe_interval,
+                           args.request_timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    print(f"[servelm] disaggregation router over {len(args.prefill)} prefill and "
+          f"{len(args.decode)} decode workers at http://{host}:{port}/v1", file=sys.stderr,
+          flush=True)
+    RouterServer(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     return 0

@@ -51,6 +51,7 @@ class ServerState:
     draining: bool = False
     num_inflight: int = 0
     lora_metrics: object = None  # servelm.lora.metrics.LoraMetrics
+    disagg: dict | None = None  # this worker's KV transfer role (servelm/disagg/http.py info)
     started: float = field(default_factory=time.monotonic)
 
     async def drain(self, timeout: float) -> bool:
@@ -248,6 +249,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"block_size": async_engine.block_size, "next": nxt,
                              "reset": reset,
                              "events": [[e.kind, e.hash, e.parent] for e in events]})
+
+    @app.get("/v1/disagg")
+    async def disagg_info() -> JSONResponse:
+        """This worker's part in prefill/decode disaggregation (a router reads it)."""
+        return JSONResponse(state.disagg or {"role": "colocated"})
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -96,6 +96,10 @@ def add_parser(subparsers) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the model (each its own front end and engine core, the "
                         "cores split between them) behind a router on this port")
+    g.add_argument("--disagg", default=None, metavar="P:D",
+                   help="prefill/decode disaggregation on this machine: P prefill and D decode "
+                        "workers (the cores split between them) behind a router on this port "
+                        "(docs/disaggregation.md)")
     g.add_argument("--router-policy", default="prefix_affinity",
                    choices=("round_robin", "least_loaded", "session", "prefix_affinity"),
                    help="with --data-parallel-size: the routing policy (docs/router.md)")
@@ -174,6 +178,11 @@ def handler(args) -> int:
 
         _setup_request_log(args.log_requests)
         return serve_ray(args, _serve_argv())
+    if args.disagg:
+        from servelm.router.disagg import serve_disagg
+
+        _setup_request_log(args.log_requests)
+        return serve_disagg(args, _serve_argv())
     if args.data_parallel_size > 1:
         from servelm.router.data_parallel import serve_data_parallel
 
@@ -185,7 +194,7 @@ def handler(args) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))  # fail before the slow model load if the port is taken
-    engine_args = engine_args_from_cli(args)
+    engine_args = _with_kv_address(engine_args_from_cli(args), args)
     if args.engine_core == "process":
         engine, built = _start_core(engine_args)
         if engine is None:
@@ -201,6 +210,10 @@ def handler(args) -> int:
 
     config = server_config_from_cli(args, engine.model_name or args.model)
     app = build_app(engine, config)
+    if engine_args.disagg_role != "colocated":  # GET /v1/disagg: what a router needs
+        from servelm.disagg.http import info
+
+        app.state.servelm.disagg = info(engine_args)
     app.state.servelm.metrics.recorder.max_num_batched_tokens = \
         engine_args.max_num_batched_tokens  # the doctor's advice on the chunk budget
     host, port = sock.getsockname()[:2]
@@ -227,6 +240,18 @@ def handler(args) -> int:
         engine.on_dead = core_died
     server.run(sockets=[sock])
     return 1 if getattr(engine, "crashed", False) else 0
+
+
+def _with_kv_address(engine_args, args):
+    """A prefill worker without --kv-address listens next to its HTTP port."""
+    if engine_args.disagg_role != "prefill" or engine_args.kv_address:
+        return engine_args
+    import dataclasses
+
+    from servelm.disagg.transport import default_address
+
+    return dataclasses.replace(engine_args, kv_address=default_address(
+        engine_args.kv_transport, args.host, args.port))
 
 
 def _serve_argv() -> list[str]:

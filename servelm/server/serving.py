@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
+from servelm.disagg.http import kv_transfer_from_headers, per_prompt
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams, TokenDelta
 from servelm.server.errors import APIError, read_json_object
@@ -215,6 +216,7 @@ class Prepared:
     timeout_s: float | None
     arrival: float
     lora_name: str | None = None  # the request's `model` named a loaded LoRA adapter
+    kv_transfer: Any = None  # KVTransferParams from x-servelm-kv-transfer (disaggregation)
 
 
 class OpenAIServing:
@@ -240,6 +242,7 @@ class OpenAIServing:
             self._check_admission()
             body = await read_json_object(request, self.config.max_body_bytes)
             prepared = await self._prepare(kind, body, request, arrival)
+            prepared.kv_transfer = _kv_transfer(request)  # a disaggregation router's header
             key = request.headers.get("idempotency-key")
             if key is not None:
                 return await self._idempotent(request, prepared, key)
@@ -524,6 +527,9 @@ class OpenAIServing:
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
                          p.timeout_s, p.request.client_param, p.lora_name)
         self._attach_slo(gen, p.request)
+        if p.kv_transfer is not None:  # one transfer per prompt (servelm/disagg/http.py)
+            for i, r in enumerate(gen.requests):
+                r.kv_transfer = per_prompt(p.kv_transfer, i)
         name = p.lora_name or self.config.served_model_name
         if p.kind == "completion":
             fmt: Formatter = CompletionFormatter(
@@ -783,6 +789,13 @@ def summarize_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = max(values)
     return out
+
+
+def _kv_transfer(request: Request):
+    try:
+        return kv_transfer_from_headers(request.headers)
+    except InvalidParameterError as exc:
+        raise APIError.from_invalid(exc) from None
 
 
 def _header_json(obj: Any) -> str:
