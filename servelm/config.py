@@ -673,6 +673,29 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism of one replica (servelm/parallel/, docs/parallel.md): tensor-parallel
+    ranks times pipeline stages, one worker process each; with expert parallelism the
+    tensor-parallel ranks hold whole experts (a share each) instead of a slice of every one."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("enable_expert_parallel places experts across the "
+                             "tensor-parallel ranks: it needs tensor_parallel_size >= 2")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """Everything needed to build an engine, as the CLI and the Python API take it."""
 
@@ -739,6 +762,10 @@ class EngineArgs:
     # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
     scheduling_policy: str = "fcfs"
     slo_cost_model: str | None = None
+    # Model parallelism (ParallelConfig, servelm/parallel/): worker processes per replica.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
@@ -774,6 +801,10 @@ class EngineArgs:
                                  self.spec_ngram_max, self.spec_ngram_min,
                                  self.spec_draft_model, self.spec_draft_layers,
                                  self.spec_draft_quantization, self.spec_adaptive)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                              self.enable_expert_parallel)
 
     def kv_tiers_config(self) -> KVTiersConfig:
         return KVTiersConfig(int(self.kv_host_memory_gb * 1e9), self.kv_disk_dir,
@@ -892,6 +923,18 @@ def add_engine_cli_args(parser) -> None:
                    action="store_false", default=d("prepared_weights_cache"),
                    help="load the checkpoint every start instead of the float parameters "
                         "prepared at the last one ($SERVELM_HOME/prepared; docs/server.md)")
+    pa = parser.add_argument_group("model parallelism (docs/parallel.md)")
+    pa.add_argument("--tensor-parallel-size", type=int,
+                    default=d("tensor_parallel_size"), metavar="N",
+                    help="shard every layer over N worker processes (torch.distributed: gloo "
+                         "on the CPU, cores split between them; NCCL on GPUs)")
+    pa.add_argument("--pipeline-parallel-size", type=int,
+                    default=d("pipeline_parallel_size"), metavar="M",
+                    help="split the layers into M stages of --tensor-parallel-size workers each")
+    pa.add_argument("--enable-expert-parallel", action="store_true",
+                    default=d("enable_expert_parallel"),
+                    help="MoE: place whole experts across the tensor-parallel ranks (tokens "
+                         "dispatched and combined by all-to-all) instead of slicing each")
     lo = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", dest="lora_modules", action="append", default=None,
                     metavar="NAME=PATH",

@@ -22,6 +22,7 @@ from servelm.layers.rotary import RotaryEmbedding
 from servelm.loader import (iter_weights, load_model_config, load_tokenizer, prepared,
                             resolve_model)
 from servelm.models import get_model_class
+from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.kv_cache import KVCache, kv_storage_dtype
@@ -35,13 +36,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def build_model(config: ModelConfig, weights, dtype: torch.dtype,
                 device: torch.device, quantization: str | None = None,
                 prepared_key: str | None = None,
-                deterministic: bool = False) -> torch.nn.Module:
+                deterministic: bool = False, parallel=None) -> torch.nn.Module:
     """Build on the meta device (no throwaway init), then fill from the checkpoint.
 
     quantization: a `servelm.quant` method name; its layers quantize once loading is done.
     prepared_key: the prepared-weights cache entry (servelm/loader/prepared.py) to read the
     finished float parameters from instead of `weights`, or to write once they are loaded.
     deterministic: leave the float linears unpacked (the runner repacks them as DetLinear).
+    parallel: a model-parallel rank's ParallelGroup (servelm/parallel/): `config` is then the
+    rank's local config and `weights` its slices; the built model is its tensor-parallel shard.
     """
     timer = startup.timer()
     quant = None
@@ -54,6 +57,8 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     extra = {} if quant is None else {"quant": quant}
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, None, **extra)
+    if parallel is not None:
+        parallel_build.prepare_model(parallel, model)
     if quant is not None or device.type != "cpu":
         prepared_key = None
     with timer.stage("weights_read"):
@@ -74,6 +79,8 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     elif can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"), _one_thread():
             pack_linears(model)
+    if parallel is not None:
+        model = parallel_build.wrap_model(parallel, model)
     return model.eval()
 
 
@@ -97,17 +104,33 @@ def bind_attention(model: torch.nn.Module, backend) -> None:
             module.backend = backend
 
 
-def build_engine(args: EngineArgs) -> Engine:
-    """Resolve the model (cached name, GGUF file or HF directory) and assemble an engine."""
+def build_engine(args: EngineArgs, parallel=None) -> Engine:
+    """Resolve the model (cached name, GGUF file or HF directory) and assemble an engine.
+
+    With --tensor-parallel-size N > 1 this process is rank 0: it starts the other ranks'
+    workers first (servelm/parallel/launcher.py); a worker passes its own `parallel` group."""
     start = time.monotonic()
     timer = startup.begin_engine()
+    if parallel is None and args.parallel_config().world_size > 1:
+        from servelm.parallel.launcher import start_workers
+
+        args, parallel = start_workers(args)
+        try:
+            return _build_engine(args, parallel, start, timer)
+        except BaseException:
+            parallel_build.abandon(parallel)  # the workers fail their build too
+            raise
+    return _build_engine(args, parallel, start, timer)
+
+
+def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
     source = resolve_model(args.model)
     with timer.stage("config"):
         config = load_model_config(source)
     with timer.stage("tokenizer"):
         tokenizer = load_tokenizer(source)
     key = None
-    if args.quantization is None and args.prepared_weights_cache:
+    if args.quantization is None and args.prepared_weights_cache and parallel is None:
         key = prepared.prepared_key(source, get_model_class(config.architecture),
                                     _DTYPES[args.dtype])
     checkpoint = None
@@ -115,7 +138,14 @@ def build_engine(args: EngineArgs) -> Engine:
         from servelm.quant.checkpoint import read_quantized_checkpoint
 
         checkpoint = read_quantized_checkpoint(source.path)
-    if checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
+    if parallel is not None:
+        parallel_build.shard_for(parallel, config)
+        if checkpoint is not None or args.quantization == "gguf":
+            raise InvalidParameterError("quantized checkpoints (servelm quantize output, "
+                                        "--quantization gguf) do not shard yet; int8/int4 "
+                                        "from float weights do", param="tensor_parallel_size")
+        weights = iter_weights(source, config, select=parallel.shard.select)
+    elif checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
         args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
         weights = checkpoint.iter_weights(config)
     elif args.quantization == "gguf":  # the file's quantized blocks, not their float values
@@ -129,7 +159,10 @@ def build_engine(args: EngineArgs) -> Engine:
     else:
         weights = iter_weights(source, config)
     engine = assemble_engine(args, config, weights, tokenizer, source.name,
-                             prepared_key=None if checkpoint is not None else key)
+                             prepared_key=None if checkpoint is not None else key,
+                             parallel=parallel)
+    if parallel is not None and parallel.rank != 0:
+        return engine  # a worker: rank 0's warm-up steps reach it as broadcasts
     with timer.stage("warmup"):
         startup.warm_up(engine)
     timer.add("engine_other", time.monotonic() - start - sum(
@@ -140,8 +173,10 @@ def build_engine(args: EngineArgs) -> Engine:
 
 
 def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
-                    name: str = "", prepared_key: str | None = None) -> Engine:
-    """Engine from a config and a weights iterator (tests pass in-memory checkpoints)."""
+                    name: str = "", prepared_key: str | None = None,
+                    parallel=None) -> Engine:
+    """Engine from a config and a weights iterator (tests pass in-memory checkpoints).
+    parallel: this rank's ParallelGroup; `weights` are then its slices (build_engine)."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     cpu_choice = args.cpu_kernel_choice()
@@ -166,24 +201,28 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"{config.max_position_embeddings} positions")
     cache_config = args.cache_config()
+    # A model-parallel rank builds, caches and attends over its share of the heads.
+    model_config = config if parallel is None else parallel_build.local_config(parallel, config)
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
-    model = build_model(config, weights, dtype, device, args.quantization, prepared_key,
-                        args.deterministic)
+    model = build_model(model_config, weights, dtype, device, args.quantization, prepared_key,
+                        args.deterministic, parallel)
     kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
     spec_config = args.speculative_config()
     draft = None
     if spec_config is not None and spec_config.method == "draft" \
             and spec_config.draft_layers is None:
         draft = _build_draft_model(args, spec_config, config, dtype, device)
-    num_blocks = num_kv_blocks(config, cache_config, kv_dtype, device)
+    num_blocks = num_kv_blocks(model_config, cache_config, kv_dtype, device)
+    if parallel is not None:
+        num_blocks = parallel_build.agree_num_blocks(parallel, num_blocks)
     if draft is not None and cache_config.num_blocks_override is None:
         # The draft's KV shares the block tables: every block costs both caches.
         per_target = KVCache.bytes_per_block(config, cache_config.block_size, kv_dtype)
         per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
         num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
     with startup.timer().stage("kv_alloc"):
-        kv_cache = KVCache(config, num_blocks, cache_config.block_size, kv_dtype, device)
-    backend = get_backend_class(args.attention_backend)(kv_cache, config.num_heads,
+        kv_cache = KVCache(model_config, num_blocks, cache_config.block_size, kv_dtype, device)
+    backend = get_backend_class(args.attention_backend)(kv_cache, model_config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
     proposer = speculator = None
@@ -211,8 +250,12 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos))
     lora_manager, lora_slots = _build_lora(args, config, model, dtype, device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
-                         proposer, cpu_decode=cpu_choice.decode, grammars=grammars,
-                         lora=lora_manager, deterministic=args.deterministic)
+                         proposer, grammars=grammars, lora=lora_manager,
+                         # the C++ decode stack runs whole (unsharded) models only
+                         cpu_decode=cpu_choice.decode if parallel is None else "torch",
+                         deterministic=args.deterministic)
+    if parallel is not None:
+        runner = parallel_build.wrap_runner(parallel, runner)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
 
@@ -229,6 +272,11 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         from servelm.sim.cost_model import StepCostModel  # torch-free (docs/slo.md)
 
         engine.scheduler.policy.step_time = StepCostModel.load(args.slo_cost_model).step_time
+    if config.vision is not None:  # requests may carry images (docs/vision.md)
+        engine.image_token_id = config.vision.image_token_id
+        vision = getattr(runner, "vision", None)
+        if vision is not None:
+            vision.cache.capacity_tokens = args.encoder_cache_tokens
     engine.engine_args = args
     if args.kv_tiers_config().is_enabled:  # host memory and disk below the pool
         from servelm.kv_tiers.build import attach_kv_tiers, weights_digest

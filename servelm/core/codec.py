@@ -130,6 +130,19 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
+class WorkerStart(msgspec.Struct, tag=True):
+    """What a model-parallel worker process is started with (on its stdin, one frame):
+    the replica's EngineArgs and this worker's place in the group (servelm/parallel/)."""
+
+    engine_args: EngineArgs
+    rank: int
+    master_addr: str
+    master_port: int
+    parent_pid: int
+    cpus: list[int] = []  # the cores it may run on ([]: any)
+    timeout_s: float = 300.0  # bound on joining and on every collective
+
+
 FrontendMessage = Union[Hello, Start, AddRequest, Abort, LoadLora, UnloadLora, Shutdown]
 CoreMessage = Union[Hello, Ready, Admitted, Rejected, Outputs, LoraResult, Fatal]
 
@@ -188,6 +201,7 @@ step_decoder = Decoder(StepDescription)
 result_decoder = Decoder(StepResult)
 frontend_decoder = Decoder(FrontendMessage)
 core_decoder = Decoder(CoreMessage)
+worker_start_decoder = Decoder(WorkerStart)
 
 __all__ = ["Abort", "AddRequest", "Admitted", "CodecError", "CoreInfo", "Decoder", "Fatal",
            "HEADER_BYTES", "Hello", "LoadLora", "LoraResult", "MAX_FRAME_BYTES", "Outputs",

@@ -110,19 +110,28 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     raise ValueError(f"unknown model source kind {source.kind!r}")
 
 
-def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF Llama name, float32 CPU tensor) for every weight; `lm_head.weight` absent if tied."""
+def iter_weights(source: ModelSource, config: ModelConfig,
+                 select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF Llama name, float32 CPU tensor) for every weight; `lm_head.weight` absent if tied.
+
+    select: a model-parallel rank's `(name, view) -> (name, tensor) | None` (servelm/parallel/
+    sharding.py); safetensors then read only the slices it asks for, other sources are
+    read whole and narrowed."""
     from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
 
-    if source.kind == "gguf":
-        return gguf_loader.iter_gguf_weights(source.path, config)
     if source.kind == "hf":
-        return hf_loader.iter_hf_weights(source.path, config)
-    if source.kind == "dummy":
+        return hf_loader.iter_hf_weights(source.path, config, select)
+    if source.kind == "gguf":
+        weights = gguf_loader.iter_gguf_weights(source.path, config)
+    elif source.kind == "dummy":
         from servelm.loader.dummy import dummy_weights
 
-        return dummy_weights(config, seed=0)
-    raise ValueError(f"unknown model source kind {source.kind!r}")
+        weights = dummy_weights(config, seed=0)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    if select is None:
+        return weights
+    return (picked for name, t in weights if (picked := select(name, t)) is not None)
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:

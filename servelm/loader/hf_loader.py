@@ -66,8 +66,11 @@ def hf_weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
-def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every weight `config` needs, read memory-mapped."""
+def iter_hf_weights(model_dir: Path, config: ModelConfig,
+                    select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor) for every weight `config` needs, read memory-mapped.
+    select: `(name, safetensors slice) -> (name, tensor) | None`, a model-parallel rank's
+    part of each tensor (only those bytes are read)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -77,7 +80,7 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str,
             "(re-save a pytorch_model.bin checkpoint with transformers' save_pretrained)"
         )
     if config.architecture not in _LLAMA_NAMED:
-        yield from _iter_all(files)
+        yield from _iter_all(files, select)
         return
     wanted = set(hf_weight_names(config))
     seen: set[str] = set()
@@ -87,6 +90,11 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str,
             for name in f.keys():
                 if name in wanted and name not in seen:
                     seen.add(name)
+                    if select is not None:
+                        picked = select(name, f.get_slice(name))
+                        if picked is not None:
+                            yield picked[0], picked[1].to(torch.float32)
+                        continue
                     yield name, f.get_tensor(name).to(torch.float32)
     missing = wanted - seen
     if missing:
@@ -98,7 +106,7 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig) -> Iterator[tuple[str,
 _LLAMA_NAMED = ("llama", "qwen2", "qwen3")  # the families hf_weight_names describes
 
 
-def _iter_all(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_all(files: list[Path], select=None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     seen: set[str] = set()
@@ -107,7 +115,10 @@ def _iter_all(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():
                 if name not in seen:
                     seen.add(name)
-                    yield name, f.get_tensor(name).to(torch.float32)
+                    if select is None:
+                        yield name, f.get_tensor(name).to(torch.float32)
+                    elif (picked := select(name, f.get_slice(name))) is not None:
+                        yield picked[0], picked[1].to(torch.float32)
 
 
 def load_hf_tokenizer(model_dir: Path) -> Tokenizer:

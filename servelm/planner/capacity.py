@@ -29,6 +29,10 @@ class CapacityPlan(PlanResult):
     kv_token_capacity: int
     users_per_replica: int
     max_concurrent_users: int
+    # tensor parallel (tp > 1): the all-reduces of a decode step (servelm/planner/tp_comm.py)
+    tp_allreduce_bytes_per_token_per_layer: float = 0.0
+    tp_allreduce_s_per_step_batch_1: float = 0.0
+    tp_allreduce_s_per_step_full: float = 0.0  # every user of a replica in one step
 
 
 class ReplicaMemory(NamedTuple):
@@ -122,7 +126,9 @@ def _users_per_replica(c: Chain, d: Deployment, context: int) -> int:
                      d.sequences_per_replica(context), "users"))
 
 
-def plan_capacity(d: Deployment, num_gpus: int, context: int) -> CapacityPlan:
+def plan_capacity(d: Deployment, num_gpus: int, context: int,
+                  tp_latency_s: float | None = None) -> CapacityPlan:
+    """tp_latency_s: one all-reduce's fixed cost (None: tp_comm's assumed default)."""
     require_positive("--num-gpus", num_gpus)
     require_positive("--context", context)
     c = Chain()
@@ -135,6 +141,12 @@ def plan_capacity(d: Deployment, num_gpus: int, context: int) -> CapacityPlan:
     max_users = int(c.add("max_concurrent_users", "users_per_replica x num_replicas",
                           f"{users} x {replicas}", users * replicas, "users"))
     c.note("a user holds a full context; with shorter average lengths and paged KV, more fit.")
+    comm = None
+    if d.tp > 1:
+        from servelm.planner.tp_comm import DEFAULT_LATENCY_S, tp_comm_steps
+
+        comm = tp_comm_steps(c, d, max(1, users), DEFAULT_LATENCY_S if tp_latency_s is None
+                             else tp_latency_s)
     return CapacityPlan(
         inputs={**d.inputs(), "num_gpus": num_gpus, "context": context,
                 "mem_util": d.mem_util, "reserve_gb": d.reserve_gb},
@@ -142,4 +154,8 @@ def plan_capacity(d: Deployment, num_gpus: int, context: int) -> CapacityPlan:
         num_replicas=replicas, weight_bytes_per_gpu=mem.weight_bytes_per_gpu,
         kv_pool_bytes_per_gpu=mem.kv_pool_bytes_per_gpu, kv_tokens_per_replica=tokens,
         kv_token_capacity=total, users_per_replica=users, max_concurrent_users=max_users,
+        **({} if comm is None else dict(
+            tp_allreduce_bytes_per_token_per_layer=comm.bytes_per_token_per_layer,
+            tp_allreduce_s_per_step_batch_1=comm.step_s_batch_1,
+            tp_allreduce_s_per_step_full=comm.step_s_batch)),
     )

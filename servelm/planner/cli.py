@@ -192,7 +192,8 @@ def _run_weights(a):
 
 
 def _run_capacity(a):
-    return plan_capacity(_deployment(a, default_tp=a.num_gpus), a.num_gpus, a.context)
+    latency = None if a.tp_latency_us is None else a.tp_latency_us * 1e-6
+    return plan_capacity(_deployment(a, default_tp=a.num_gpus), a.num_gpus, a.context, latency)
 
 
 def _with_mfu(d: Deployment, *, prefill_mfu: float | None = None,
@@ -312,6 +313,10 @@ def _add_sizing_subcommands(sub) -> None:
     _hw_flags(p, tp_default="default: --num-gpus, one replica")
     p.add_argument("--num-gpus", type=pos_int, default=8)
     p.add_argument("--context", type=pos_int, default=8192)
+    p.add_argument("--tp-latency-us", type=non_neg_float, default=None, metavar="US",
+                   help="one tensor-parallel all-reduce's fixed cost, microseconds (default: "
+                        "an assumed 10 us inside an NVLink node; measure with "
+                        "benchmarks/cpu/run_parallel.sh's kind of record on the real link)")
 
     p = _register(sub, "decode", "decode step-time lower bound, ridge batch, tokens/s",
                   _run_decode)

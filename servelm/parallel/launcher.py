@@ -1,0 +1,155 @@
+"""Starting a replica's worker processes and keeping track of them.
+
+Owns: rank 0's `start_workers` (one `python -m servelm.parallel.worker` per other rank, each
+told its place by a codec WorkerStart frame on its stdin; on the CPU the cores are split
+between the ranks, each pinned to its own), joining the group as rank 0, and `WorkerSet`
+(who is alive, how a dead one ended, stopping the rest: no orphan survives rank 0, which
+stops them at exit, and each worker also dies with its parent). Never: builds a model.
+
+Across machines the workers are not started here: see docs/parallel.md (torchrun-style
+environment variables, or Ray placement groups).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from servelm.config import EngineArgs
+from servelm.core import codec
+from servelm.core.codec import WorkerStart
+from servelm.parallel.group import ParallelGroup
+from servelm.protocol import InvalidParameterError
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0  # joining, and every collective after: a hung rank fails the rest
+
+
+def check_supported(args: EngineArgs) -> None:
+    """Refuse, by name, what the parallel runner does not do yet."""
+    p = args.parallel_config()
+    refused = {
+        "pipeline_parallel_size": p.pipeline_parallel_size > 1,
+        "speculative_method": args.speculative_method is not None,
+        "lora": args.is_lora_enabled,
+        "deterministic": args.deterministic,
+        "cuda_graphs": args.cuda_graphs,
+        # each rank holds a share of every KV block: moving blocks needs every rank's part
+        "kv_host_memory_gb": getattr(args, "kv_tiers_config", None) is not None
+        and args.kv_tiers_config().is_enabled,
+    }
+    for name, on in refused.items():
+        if on:
+            raise InvalidParameterError(
+                f"{name} is not supported with model parallelism (tensor_parallel_size "
+                f"{p.tensor_parallel_size}, pipeline_parallel_size "
+                f"{p.pipeline_parallel_size}); docs/parallel.md lists what is", param=name)
+
+
+class WorkerSet:
+    """Ranks 1..N-1 as child processes."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen]):
+        self.procs = procs
+        atexit.register(self.terminate)
+
+    def dead(self) -> str:
+        """'' while every worker runs, else which ones ended and how."""
+        out = []
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                out.append(f"worker rank {rank} (pid {proc.pid}) {how}")
+        return "; ".join(out)
+
+    def wait_for_death(self, timeout_s: float) -> str:
+        """A failed collective means a peer went away: give the kernel a moment to show it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.dead()
+            if dead:
+                return dead
+            time.sleep(0.05)
+        return ""
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def terminate(self, grace_s: float = 3.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_cpus(args: EngineArgs, world: int) -> tuple[int, list[list[int]]]:
+    """(torch threads per rank, the cores of each rank): the cores this process may use (or
+    --threads of them) divided evenly; [] per rank when there are fewer cores than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    total = min(args.num_threads or len(cpus), len(cpus))
+    per = max(1, total // world)
+    if per * world > len(cpus):
+        return per, [[] for _ in range(world)]
+    return per, [cpus[r * per:(r + 1) * per] for r in range(world)]
+
+
+def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+    """Spawn ranks 1..N-1, join the group as rank 0. Returns rank 0's EngineArgs (its share
+    of the threads) and its group, with `.workers` set."""
+    check_supported(args)
+    parallel = args.parallel_config()
+    device = torch.device(args.device)
+    world = parallel.world_size
+    threads, cpus = split_cpus(args, world)
+    rank_args = dataclasses.replace(args, num_threads=threads)
+    port = _free_port()
+    procs = {}
+    for rank in range(1, world):
+        dev = args.device if device.type != "cuda" else f"cuda:{rank}"
+        spec = WorkerStart(dataclasses.replace(rank_args, device=dev), rank, "127.0.0.1",
+                           port, os.getpid(), cpus[rank] if device.type == "cpu" else [],
+                           JOIN_TIMEOUT_S)
+        proc = subprocess.Popen([sys.executable, "-m", "servelm.parallel.worker"],
+                                stdin=subprocess.PIPE)
+        proc.stdin.write(codec.frame(spec))
+        proc.stdin.close()
+        procs[rank] = proc
+    workers = WorkerSet(procs)
+    logger.info("model parallel: %d ranks (tensor %d x pipeline %d%s), %d threads each, "
+                "workers %s", world, parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+                ", expert parallel" if parallel.enable_expert_parallel else "", threads,
+                workers.pids)
+    if device.type == "cuda":
+        rank_args = dataclasses.replace(rank_args, device="cuda:0")
+        device = torch.device("cuda:0")
+    try:
+        group = ParallelGroup.join(0, parallel, device, "127.0.0.1", port, JOIN_TIMEOUT_S)
+    except BaseException:
+        workers.terminate()
+        raise
+    group.workers = workers
+    return rank_args, group
