@@ -264,8 +264,9 @@ def goodput_by_class(spec: SLOSpec, records: Iterable, classes: Iterable[str]) -
     for rec, name in zip(records, classes):
         row = out[name]
         row["num_requests"] += 1
-        if rec.error == "slo_unattainable":
-            row["num_rejected"] += 1
+        if rec.error == "slo_unattainable" or (rec.error == "http_429" and "slo_unattainable"
+                                               in (rec.error_detail or "")):
+            row["num_rejected"] += 1  # the simulator's record, or a client's 429
         if rec.is_ok and spec.get(name).met(rec.ttft_s, rec.tpot_s):
             row["num_met"] += 1
     for name, row in out.items():

@@ -60,8 +60,9 @@ for pol in fcfs slo; do
     kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$OUT/server-$pol.log" >&2; exit 1; }
     sleep 1
   done
-  "$PY" benchmarks/cpu/slo_policy_bench.py --base-url "$URL" --model "$MODEL" \
-    --request-rate "$RATE" "${MIX[@]}" --label "$pol" --out "$OUT/measured-$pol.json"
+  "$PY" -m servelm.cli bench serve --base-url "$URL" --model "$MODEL" --label "servelm-$pol" \
+    --prompt-format ids --request-rate "$RATE" "${MIX[@]}" --warmup 2 --no-progress \
+    --out "$OUT/measured-$pol.json" > "$OUT/measured-$pol.txt"
   stop_server
 done
 
@@ -74,7 +75,7 @@ print("| policy | class | simulated goodput (met / n, rejected) | measured goodp
 print("|---|---|---|---|")
 for pol in ("fcfs", "slo"):
     sim = json.loads((out / f"sim-{pol}.json").read_text())["slo"]["by_class"]
-    meas = json.loads((out / f"measured-{pol}.json").read_text())["by_class"]
+    meas = json.loads((out / f"measured-{pol}.json").read_text())["slo"]["by_class"]
     for name in sim:
         s, m = sim[name], meas[name]
         cell = lambda r: (f"{(r['goodput'] or 0):.0%} ({r['num_met']} / {r['num_requests']}, "

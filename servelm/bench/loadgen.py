@@ -95,6 +95,9 @@ class EndpointConfig:
         if self.ignore_eos:
             body["ignore_eos"] = True
             body["min_tokens"] = req.max_tokens
+        slo_class = getattr(req, "slo_class", None)  # a ClassRequest (bench/serve.py)
+        if slo_class is not None:
+            body["slo_class"] = slo_class
         body.update(self.extra_body)
         return body
 

@@ -14,10 +14,11 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from servelm.bench.loadgen import ARRIVALS, EndpointConfig, LoadSpec, run_load
 from servelm.bench.metrics import build_serve_result, render_serve_table
+from servelm.slo import goodput_by_class
 from servelm.bench.results import SCHEMA_VERSION, git_commit, machine_info
 from servelm.bench.workloads import (RangeError, Request, conversation, documents,
                                      format_range, parse_range, random_lengths)
@@ -51,6 +52,46 @@ def build_workload(kind: str, num_prompts: int, input_len: str, output_len: str,
     except RangeError as e:
         flag = e.param if e.param.startswith("--") else "--" + e.param.replace("_", "-")
         raise FlagError(flag, str(e)) from None
+
+
+def slo_workload(args: argparse.Namespace) -> list[Request] | None:
+    """--slo-spec / --class-mix: the requests `servelm sim` simulates for the same flags, each
+    carrying its class (None without --class-mix). Sets args.slo (the spec, or None)."""
+    from servelm.slo import (SLOSpecError, class_workload, parse_class_lengths,
+                             parse_class_mix, spec_from_flags)
+
+    try:
+        args.slo = spec_from_flags(args.slo_spec, None, None) if args.slo_spec else None
+    except SLOSpecError as e:
+        raise FlagError("--slo-spec", str(e)) from None
+    if args.class_mix is None:
+        if args.class_len:
+            raise FlagError("--class-len", "only with --class-mix")
+        return None
+    if args.slo is None:
+        raise FlagError("--class-mix", "needs --slo-spec (the classes it names)")
+    if args.workload != "random":
+        raise FlagError("--class-mix", "draws random-length requests: --workload random")
+    try:
+        mix = parse_class_mix(args.class_mix, args.slo)
+        lengths = parse_class_lengths(args.class_len, args.slo)
+        reqs, classes = class_workload(args.num_prompts, mix, lengths, args.input_len,
+                                       args.output_len, args.vocab_size, args.seed)
+    except RangeError as e:
+        raise FlagError("--class-len", str(e)) from None
+    except ValueError as e:
+        flag = str(e).split(":", 1)[0]
+        raise FlagError(flag if flag.startswith("--") else "--class-mix",
+                        str(e).split(": ", 1)[-1]) from None
+    return [ClassRequest(r.prompt_token_ids, r.max_tokens, c) for r, c in zip(reqs, classes)]
+
+
+class ClassRequest(NamedTuple):
+    """A workload Request with its SLO class, sent as the body's `slo_class`."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    slo_class: str
 
 
 def parse_rates(text: str) -> list[float]:
@@ -200,6 +241,10 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
         result["failure_examples"] = examples
     if getattr(args, "record_requests", None):
         record_requests(args.record_requests, requests, load.records)
+    if getattr(args, "slo", None) is not None:  # per SLO class (records follow requests)
+        result["slo"] = {"spec": args.slo.to_dict(), "by_class": goodput_by_class(
+            args.slo, load.records, [getattr(r, "slo_class", None) or args.slo.default_class
+                                     for r in requests])}
     return result
 
 
@@ -271,8 +316,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         _resolve_defaults(args)
         cfg = endpoint_from_args(args)
-        requests = build_workload(args.workload, args.num_prompts, args.input_len,
-                                  args.output_len, args.vocab_size, args.seed)
+        requests = slo_workload(args)
+        if requests is None:
+            requests = build_workload(args.workload, args.num_prompts, args.input_len,
+                                      args.output_len, args.vocab_size, args.seed)
         warmup = build_workload(args.workload, args.warmup, args.input_len, args.output_len,
                                 args.vocab_size, args.seed + WARMUP_SEED_OFFSET) \
             if args.warmup else []
@@ -357,6 +404,15 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=200.0)
     g.add_argument("--goodput-target", type=float, default=0.9)
+    g.add_argument("--slo-spec", default=None, metavar="FILE",
+                   help="the SLO spec (JSON, docs/slo.md) the server reads: goodput per "
+                        "class in the result (`slo.by_class`)")
+    g.add_argument("--class-mix", default=None, metavar="NAME=SHARE,...",
+                   help="requests drawn from the spec's classes with these shares, each sent "
+                        "with its slo_class (the same requests as `servelm sim --class-mix`)")
+    g.add_argument("--class-len", action="append", default=None,
+                   metavar="NAME=INPUT_LEN/OUTPUT_LEN",
+                   help="a class's own prompt and output lengths (repeatable)")
     g.add_argument("--out", default=None,
                    help="result JSON (default benchmarks/results/serve-<UTC time>.json)")
     g.add_argument("--no-progress", dest="progress", action="store_false")

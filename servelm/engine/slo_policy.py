@@ -18,7 +18,8 @@ spec, servelm/slo.py); one without (best effort) goes after every request that h
 
 Prefill chunks: a step carrying C prompt tokens next to D decodes takes step_time(D + 1, D,
 context, C); the cap is the largest C (at least `min_chunk`, so prompts always move) that
-keeps that step within the tightest TPOT target among the running decodes: the chunk budget
+keeps that step within the tightest TPOT target among the running decodes (times
+`tpot_headroom`, 0.9: a TPOT is the mean of a request's steps): the chunk budget
 `servelm plan prefill --tpot` derives from the roofline, here from the engine's own step-cost
 model, per step, for the batch actually running.
 
@@ -61,10 +62,14 @@ def _pairs(start: int, n: int) -> int:
 
 class SLOPolicy:
     def __init__(self, clock: Callable[[], float], step_time: StepTime | None = None,
-                 min_chunk: int = 16):
+                 min_chunk: int = 16, tpot_headroom: float = 0.9):
         self.clock = clock
         self.step_time = step_time
         self.min_chunk = min_chunk
+        # Steps are sized to this share of the TPOT target: a request's TPOT is the mean of
+        # its steps, and steps sized to the target exactly put half of them just over it
+        # (prediction error, the other prefills' per-sequence cost).
+        self.tpot_headroom = tpot_headroom
         self.num_rejected = 0
         self.last_prefill_cap: int | None = None  # the cap the last step ran with
 
@@ -118,6 +123,7 @@ class SLOPolicy:
     def _largest_chunk(self, num: int, ctx: int, tpot: float, room: int) -> int | None:
         if tpot == math.inf or room <= self.min_chunk:
             return None  # nothing decoding has a target, or the budget is the cap
+        tpot *= self.tpot_headroom
         f = self.step_time
         if f(num + 1, num, ctx, room, _pairs(0, room)) <= tpot:
             return None

@@ -148,7 +148,7 @@ def test_a_doomed_request_goes_behind_those_that_can_still_make_it():
 def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
     spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
     clock = Clock()
-    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 20 ms -> c <= 6
+    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 0.9 x 20 ms -> c <= 4
     engine = _engine(clock, max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
     engine.scheduler.policy.min_chunk = 2
     for i in range(4):
@@ -158,8 +158,8 @@ def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
     batch = engine.scheduler.schedule()
     prompt_tokens = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1
                         or s.seq.request_id == "long")
-    assert engine.scheduler.policy.last_prefill_cap == 6
-    assert prompt_tokens == 6  # not the 40 the token budget (64 - 4) would allow
+    assert engine.scheduler.policy.last_prefill_cap == 4
+    assert prompt_tokens == 4  # not the 40 the token budget (64 - 4) would allow
     # FCFS on the same state takes the whole prompt.
     fcfs = make_engine(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
     for i in range(4):

@@ -1,0 +1,109 @@
+"""The SLO spec and the SLO scheduling policy in the simulator and `servelm bench serve`:
+per-class goodput in the result, bulk advance still equal to stepping under the policy, the
+policy buying the interactive class goodput over FCFS on an overloaded mix (and refusing
+early what FCFS queues), and `bench serve --class-mix` sending the same requests with the
+same classes that `servelm sim --class-mix` simulates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servelm.bench.cli import main as bench_main
+from servelm.bench.fake_server import FakeBehaviour, FakeServer
+from servelm.bench.loadgen import EndpointConfig
+from servelm.bench.serve import ClassRequest
+from servelm.cli import main as servelm_main
+from servelm.sim.cost_model import StepCostModel
+from servelm.sim.fleet import ReplicaSpec, SimRequest
+from servelm.slo import SLOSpec, class_workload, parse_class_lengths, parse_class_mix
+
+from test_bulk import COST, _random_requests, run_both
+
+SPEC = {"classes": [
+    {"name": "interactive", "priority": 0, "ttft_ms": 1000, "tpot_ms": 60, "percentile": 90},
+    {"name": "batch", "priority": 1, "ttft_ms": 30000, "tpot_ms": 300, "percentile": 50,
+     "reject_early": False}], "default_class": "interactive", "window_s": 60}
+CPU_LIKE = {"kind": "step-cost-model", "name": "cpu-like", "base_s": 0.004, "per_seq_s": 1e-4,
+            "per_decode_token_s": 3e-4, "per_decode_context_s": 2e-7,
+            "per_prefill_token_s": 5e-5, "per_prefill_pair_s": 0.0, "fit": {}}
+MIX = ["--class-mix", "interactive=0.7,batch=0.3", "--class-len", "interactive=64:256/32:64",
+       "--class-len", "batch=1000:2000/128:256"]
+
+
+@pytest.fixture()
+def files(tmp_path):
+    spec, cost = tmp_path / "slo.json", tmp_path / "cost.json"
+    spec.write_text(json.dumps(SPEC))
+    cost.write_text(json.dumps(CPU_LIKE))
+    return spec, cost, tmp_path
+
+
+def _sim(files, policy, rate, n=300):
+    spec, cost, tmp = files
+    out = tmp / f"sim-{policy}-{rate}.json"
+    rc = servelm_main(["sim", "--cost-model", str(cost), "--num-blocks", "4096",
+                       "--request-rate", str(rate), "--num-prompts", str(n), "--slo-spec",
+                       str(spec), *MIX, "--scheduling-policy", policy, "--out", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_the_slo_policy_buys_the_interactive_class_goodput_under_overload(files):
+    fcfs, slo = _sim(files, "fcfs", 20), _sim(files, "slo", 20)
+    f, s = fcfs["slo"]["by_class"], slo["slo"]["by_class"]
+    assert fcfs["sim"]["scheduling_policy"] == "fcfs" and slo["sim"]["scheduling_policy"] == "slo"
+    for by in (f, s):  # the same requests both times
+        assert by["interactive"]["num_requests"] + by["batch"]["num_requests"] == 300
+    assert f["interactive"]["num_requests"] == s["interactive"]["num_requests"]
+    assert f["interactive"]["num_rejected"] == 0  # FCFS never refuses
+    assert s["interactive"]["num_rejected"] > 0 and s["batch"]["num_rejected"] == 0
+    assert s["interactive"]["goodput"] > f["interactive"]["goodput"] + 0.15
+    assert s["batch"]["goodput"] >= 0.5  # batch still meets its (loose) target
+    # A refused request is a failure in the overall result too, never a silent drop.
+    assert slo["num_requests"] == 300 and slo["failures"] == {
+        "slo_unattainable": s["interactive"]["num_rejected"]}
+
+
+def test_bulk_advance_is_stepping_under_the_slo_policy():
+    spec = SLOSpec.from_dict(SPEC)
+    reqs = _random_requests(60, seed=3, span=2.0)
+    for i, r in enumerate(reqs):
+        r.slo = spec.get("interactive" if i % 3 else "batch").request_slo()
+    replica = ReplicaSpec(num_blocks=300, block_size=16, max_num_seqs=16,
+                          max_num_batched_tokens=256, scheduling_policy="slo")
+    stepped, bulk = run_both(reqs, 2, replica, "least_loaded")
+    assert bulk.num_bulk_steps > 0
+    assert stepped.replicas[0].engine.scheduler.policy is not None
+
+
+def test_bench_serve_sends_the_classes_the_simulator_simulates(files, tmp_path):
+    spec_path, _, _ = files
+    spec = SLOSpec.load(spec_path)
+    out = tmp_path / "serve.json"
+    with FakeServer(FakeBehaviour(ttft_s=0.01, tpot_s=0.001)) as server:
+        rc = bench_main(["serve", "--base-url", server.url, "--model", "fake",
+                         "--request-rate", "200", "--num-prompts", "20", "--warmup", "0",
+                         "--slo-spec", str(spec_path), *MIX, "--out", str(out),
+                         "--no-progress"])
+    assert rc == 0
+    by = json.loads(out.read_text())["slo"]["by_class"]
+    _, classes = class_workload(20, parse_class_mix("interactive=0.7,batch=0.3", spec),
+                                parse_class_lengths(MIX[3::2], spec), "128", "128", 49152, 0)
+    assert by["interactive"]["num_requests"] == classes.count("interactive")
+    assert by["batch"]["num_requests"] == classes.count("batch")
+    body = EndpointConfig("http://x", "m").body(ClassRequest([5, 6], 3, "batch"))
+    assert body["slo_class"] == "batch"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--class-mix", "gold=1"], "--class-mix"),
+    (["--class-len", "batch=1/1"], "--class-len: only with --class-mix"),
+])
+def test_bad_class_flags_name_the_flag(files, flags, message, capsys):
+    spec, cost, tmp = files
+    rc = servelm_main(["sim", "--cost-model", str(cost), "--num-blocks", "64",
+                       "--request-rate", "1", "--num-prompts", "2", "--slo-spec", str(spec),
+                       *flags, "--out", str(tmp / "x.json")])
+    assert rc == 2 and message in capsys.readouterr().err
