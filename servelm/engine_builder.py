@@ -161,7 +161,7 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
     engine = assemble_engine(args, config, weights, tokenizer, source.name,
                              prepared_key=None if checkpoint is not None else key,
                              parallel=parallel)
-    if parallel is not None and parallel.rank != 0:
+    if parallel is not None and parallel.global_rank != 0:
         return engine  # a worker: rank 0's warm-up steps reach it as broadcasts
     with timer.stage("warmup"):
         startup.warm_up(engine)
@@ -262,7 +262,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         logger.info("cpu kernels (--cpu-kernels %s): %s", cpu_choice, describe(
             kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
     block_manager = BlockManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 sliding_window=config.uniform_sliding_window)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
                     config.vocab_size, eos, model_name=name or config.name,

@@ -101,7 +101,9 @@ class TensorParallelModel(nn.Module):
     The runner calls it as it calls any model: forward(input_ids, positions, batch) and
     compute_logits(hidden) -> [T, vocab_size] (the full vocabulary on every rank)."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, comm: Collectives):
+    def __init__(self, model: nn.Module, vocab_size: int, comm: Collectives, pipeline=None):
+        """pipeline: a servelm/parallel/pipeline.PipelineSchedule when the model is one
+        pipeline stage (its layers the stage's): forward then runs the stages."""
         super().__init__()
         start, _ = vocab_shard(vocab_size, comm.rank, comm.size)
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, comm)
@@ -110,6 +112,7 @@ class TensorParallelModel(nn.Module):
         self.config = model.config
         self.vocab_size = vocab_size
         self.comm = comm
+        self.pipeline = pipeline
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -117,6 +120,11 @@ class TensorParallelModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
                 num_layers: int | None = None) -> torch.Tensor:
+        if self.pipeline is not None:
+            if num_layers is not None:
+                raise ValueError("early exit (num_layers) does not run through pipeline stages")
+            return self.pipeline.run(self.model, positions, batch, self.config.hidden_size,
+                                     self.model.embed_tokens.weight.dtype)
         if num_layers is None:
             return self.model(input_ids, positions, batch)
         return self.model(input_ids, positions, batch, num_layers=num_layers)

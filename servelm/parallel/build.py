@@ -18,7 +18,8 @@ from servelm.parallel.sharding import TensorParallelShard, select_all
 def shard_for(group, config: ModelConfig) -> TensorParallelShard:
     """This rank's shard of `config` (kept on the group: every later hook reads it)."""
     group.shard = TensorParallelShard(config, group.rank, group.size,
-                                      group.parallel.enable_expert_parallel)
+                                      group.parallel.enable_expert_parallel, group.stage,
+                                      group.num_stages)
     return group.shard
 
 
@@ -57,7 +58,12 @@ def wrap_model(group, model: nn.Module) -> nn.Module:
     embedding and head."""
     from servelm.layers.parallel_linear import TensorParallelModel
 
-    return TensorParallelModel(model, group.shard.config.vocab_size, group)
+    pipeline = None
+    if group.num_stages > 1:
+        from servelm.parallel.pipeline import PipelineSchedule
+
+        pipeline = PipelineSchedule(group)
+    return TensorParallelModel(model, group.shard.config.vocab_size, group, pipeline)
 
 
 def agree_num_blocks(group, num_blocks: int) -> int:
@@ -67,7 +73,7 @@ def agree_num_blocks(group, num_blocks: int) -> int:
 
 def wrap_runner(group, runner):
     """Rank 0: the ParallelRunner over its ModelRunner; the workers run theirs directly."""
-    if group.rank != 0:
+    if group.global_rank != 0:
         return runner
     from servelm.parallel.runner import ParallelRunner
 

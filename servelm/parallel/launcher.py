@@ -38,7 +38,6 @@ def check_supported(args: EngineArgs) -> None:
     """Refuse, by name, what the parallel runner does not do yet."""
     p = args.parallel_config()
     refused = {
-        "pipeline_parallel_size": p.pipeline_parallel_size > 1,
         "speculative_method": args.speculative_method is not None,
         "lora": args.is_lora_enabled,
         "deterministic": args.deterministic,

@@ -23,6 +23,8 @@ for), or builds a layer.
     shared experts               as the MLP; replicated under expert parallelism
     embed_tokens, lm_head        rows by vocabulary, padded to n equal parts
     norms, routers, the rest     replicated
+    layers (pipeline stage s)    only layers [first, end) of the stage, renumbered from 0; the
+                                 embedding, final norm and head on every stage
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class TensorParallelShard:
     rank: int
     size: int
     expert_parallel: bool = False
+    stage: int = 0
+    num_stages: int = 1
 
     def __post_init__(self) -> None:
         c, n = self.config, self.size
@@ -72,6 +76,9 @@ class TensorParallelShard:
             if width % n:
                 raise ShardingError(f"{name} {width} does not split over "
                                     f"tensor_parallel_size {n}")
+        if self.num_stages > c.num_layers:
+            raise ShardingError(f"{c.num_layers} layers do not make "
+                                f"pipeline_parallel_size {self.num_stages} stages")
         if self.expert_parallel and c.is_moe and c.num_experts % n:
             raise ShardingError(f"{c.num_experts} experts do not split over "
                                 f"tensor_parallel_size {n} (enable_expert_parallel)")
@@ -98,6 +105,12 @@ class TensorParallelShard:
         return first * group, end * group
 
     @property
+    def layers(self) -> tuple[int, int]:
+        """[first, end) of the layers of this rank's pipeline stage."""
+        n, s = self.config.num_layers, self.stage
+        return n * s // self.num_stages, n * (s + 1) // self.num_stages
+
+    @property
     def vocab(self) -> tuple[int, int]:
         return vocab_shard(self.config.vocab_size, self.rank, self.size)
 
@@ -111,6 +124,12 @@ class TensorParallelShard:
                        intermediate_size=c.intermediate_size // n, vocab_size=self.vocab[1])
         if c.is_mla:  # the latent cache is one entry whatever the heads
             changes["num_kv_heads"] = max(1, c.num_kv_heads // n)
+        if self.num_stages > 1:  # a shallower model: the stage's layers, renumbered
+            first, end = self.layers
+            changes.update(num_layers=end - first,
+                           layer_types=tuple(c.layer_types[first:end]),
+                           num_leading_dense_layers=max(0, min(end, c.num_leading_dense_layers)
+                                                        - first))
         if c.shared_expert_intermediate_size and not self.expert_parallel:
             changes["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size // n
         if c.is_moe and not self.expert_parallel:
@@ -124,6 +143,10 @@ class TensorParallelShard:
         tensor, or a safetensors slice: anything with a shape that takes [slices]); None
         when this rank holds none of it (another rank's experts)."""
         r, n = self.rank, self.size
+        if self.num_stages > 1:
+            name = self._stage_name(name)
+            if name is None:
+                return None
         short = name.removeprefix("model.")
         if re.fullmatch(_EXPERT + r".*", short):
             return self._select_expert(name, view)
@@ -144,6 +167,17 @@ class TensorParallelShard:
         if m and m[1] == "down_proj":
             return name, self._row_parallel(view, m[2])
         return name, _full(view)
+
+    def _stage_name(self, name: str) -> str | None:
+        """layers.i -> layers.(i - first) inside the stage; None outside it."""
+        m = re.match(r"((?:model\.)?layers\.)(\d+)\.", name)
+        if m is None:
+            return name
+        first, end = self.layers
+        i = int(m[2])
+        if not first <= i < end:
+            return None
+        return f"{m[1]}{i - first}.{name[m.end():]}"
 
     def _select_attention(self, proj: str, kind: str, view) -> torch.Tensor:
         c = self.config

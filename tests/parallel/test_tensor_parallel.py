@@ -126,8 +126,10 @@ def test_unsplittable_shapes_and_unsupported_options_are_refused_by_name(models)
     with pytest.raises(ShardingError, match="4 attention heads") as e:
         TensorParallelShard(config, 0, 3)
     assert e.value.param == "tensor_parallel_size"
-    with pytest.raises(ShardingError, match="KV heads"):
-        TensorParallelShard(config.replace(num_heads=8, num_kv_heads=3), 0, 2)
+    with pytest.raises(ShardingError, match="KV heads"):  # 3 KV heads do not copy to 4
+        TensorParallelShard(config.replace(num_heads=12, num_kv_heads=3), 0, 4)
+    with pytest.raises(ShardingError, match="stages"):
+        TensorParallelShard(config, 0, 1, num_stages=3)
     with pytest.raises(InvalidParameterError) as e:
         check_supported(EngineArgs(model="m", tensor_parallel_size=2,
                                    speculative_method="ngram"))
