@@ -185,6 +185,8 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     # KV tiers below the pool (servelm/kv_tiers/): per tier ("host", "disk") its counters
     # (TierStats) and bandwidth, and "decisions" (reload / recompute counts); {} when off
     kv_tiers: dict[str, dict[str, float]] = {}
+    # prefill/decode disaggregation (servelm/disagg/transfer.py TransferStats.as_dict); {}: off
+    kv_transfer: dict[str, float] = {}
     # vision encoder since start-up (StepResult's, summed)
     num_images_encoded: int = 0
     num_encoder_cache_hits: int = 0

@@ -61,6 +61,7 @@ class _Role:
         self.clock = clock or engine.clock
         self.stats = TransferStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seen = (0, 0)  # take_changed's last (started, finished)
         self.wake = None  # set by the engine loop: a message arrived, step soon
 
     # -- KVEndpoint (transport I/O threads: enqueue only) ----------------------------------
@@ -100,6 +101,13 @@ class _Role:
 
     def report(self) -> dict[str, float]:
         return self.stats.as_dict()
+
+    def take_changed(self) -> bool:
+        """Whether a transfer began or ended since the last call (the engine loop then
+        publishes a report although no step ran)."""
+        now = (self.stats.num_started, self.stats.num_finished)
+        changed, self._seen = now != self._seen, now
+        return changed
 
 
 class PrefillRole(_Role):

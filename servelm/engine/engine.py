@@ -573,7 +573,8 @@ class Engine:
             moe_expert_tokens=self._take_expert_tokens(),
             num_images_encoded=st.num_images_encoded,
             num_encoder_cache_hits=st.num_encoder_cache_hits, encoder_time_s=st.encoder_time_s,
-            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else {})
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else {},
+            kv_transfer=self.kv_transfer.report() if self.kv_transfer is not None else {})
 
     def _take_expert_tokens(self) -> list[list[int]]:
         tokens, self._expert_tokens = self._expert_tokens, []

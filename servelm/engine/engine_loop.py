@@ -199,7 +199,8 @@ class EngineLoop:
             if d.timings is not None:
                 self._live_ids.discard(d.request_id)
         self.report = self.engine.report(step_s)
-        if deltas or step_s is not None:
+        kv = self.engine.kv_transfer  # a transfer that began or ended between steps counts
+        if deltas or step_s is not None or (kv is not None and kv.take_changed()):
             self.sink.outputs(deltas, self.report, self.engine.drain_kv_events())
 
     def _abort_all(self) -> None:

@@ -26,6 +26,7 @@ from servelm.config import EngineArgs, ModelConfig
 from servelm.cost import WeightBytes
 from servelm.planner.hardware import default_peaks
 from servelm.protocol import RequestTimings, TokenDelta
+from servelm.disagg.metrics import DisaggMetrics
 from servelm.kv_tiers.metrics import KVTierMetrics
 from servelm.server.dashboard.records import Recorder, StepRecord, build_record
 
@@ -258,6 +259,7 @@ class ServerMetrics:
             "Estimated bytes of the prefix cache's bookkeeping (tree nodes, token keys, "
             "namespace keys, LRU entries); bounded by the KV pool", registry=r)
         self.kv_tiers = KVTierMetrics(r)  # host memory / disk below the pool, per tier
+        self.kv_transfer = DisaggMetrics(r)  # prefill/decode disaggregation's transfers
         self.connections = Gauge("servelm_http_connections",
                                  "Open HTTP connections", registry=r)
 
@@ -289,6 +291,8 @@ class ServerMetrics:
             self._observe_spec(report)
         if report.kv_tiers:
             self.kv_tiers.observe_report(report.kv_tiers)
+        if report.kv_transfer:
+            self.kv_transfer.observe_report(report.kv_transfer)
         for d in deltas:
             self._observe_delta(d, now)
 

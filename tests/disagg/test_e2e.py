@@ -73,8 +73,11 @@ def test_router_prefill_decode_equals_colocated(hf, transport, tmp_path):
         # decode ran only each prompt's tail past its last transferred block
         assert d_engine.stats.num_computed_prompt_tokens == sum(
             len(x) - (len(x) - 1) // block * block for x in PROMPTS)
-        decode.wait_idle()
-        prefill.wait_idle()
+        m = decode.wait_idle()
+        assert m["servelm_kv_transfers_completed_total"] == len(PROMPTS)
+        assert m["servelm_kv_transfer_bytes_total"] == d.num_bytes > 0
+        assert m["servelm_kv_transfers_in_flight"] == 0
+        assert prefill.wait_idle()["servelm_kv_transfer_bytes_total"] == d.num_bytes
         for eng in (p_engine, d_engine):
             assert eng.block_manager.num_pinned_blocks == 0
     finally:
@@ -101,6 +104,9 @@ def test_prefill_worker_down_decode_computes_the_prompt(hf, tmp_path):
         m = decode.wait_idle()
         assert m["servelm_kv_blocks_free"] == m["servelm_kv_blocks_total"]
         assert d_engine.block_manager.num_pinned_blocks == 0
+        assert d_engine.kv_transfer.stats.num_started == 0  # sent without a transfer
+        fallbacks = router.server.config.app.state.router.metrics.fallbacks
+        assert fallbacks.labels("prefill_failed")._value.get() == 1
     finally:
         router.stop()
         for s in (decode, colocated):
