@@ -140,6 +140,15 @@ class ModelConfig:
         return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
     @property
+    def uniform_sliding_window(self) -> int:
+        """The window when every layer slides over it (Mistral-style), else 0: only then can
+        a sequence's blocks below the window be freed (alternating layers still read them)."""
+        if not self.sliding_window:
+            return 0
+        types = self.layer_types
+        return self.sliding_window if all(t == "sliding_attention" for t in types) else 0
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -766,6 +775,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # "host:port": the workers are started elsewhere (torchrun-style environment variables,
+    # Ray; docs/parallel.md) and join rank 0 there; None: rank 0 starts them on this machine.
+    parallel_master: str | None = None
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
@@ -935,6 +947,10 @@ def add_engine_cli_args(parser) -> None:
                     default=d("enable_expert_parallel"),
                     help="MoE: place whole experts across the tensor-parallel ranks (tokens "
                          "dispatched and combined by all-to-all) instead of slicing each")
+    pa.add_argument("--parallel-master", default=d("parallel_master"), metavar="HOST:PORT",
+                    help="the workers are started elsewhere (other machines: torchrun-style "
+                         "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or Ray) and join this "
+                         "rank 0 at HOST:PORT (default: rank 0 starts them here)")
     lo = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", dest="lora_modules", action="append", default=None,
                     metavar="NAME=PATH",

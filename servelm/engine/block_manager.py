@@ -18,6 +18,18 @@ Every block is in exactly one state:
 so free + held + cached-only == total, and cached-only blocks count as free capacity.
 Only full blocks enter the cache, and a sequence only ever writes past its cached prefix, so
 a shared block is never written: no copy-on-write is needed.
+
+Sliding window (every layer attends only its last W keys, `sliding_window` W): a block
+wholly below the window of a sequence's next query is never read again, so it goes back to
+the pool and its table entry becomes DROPPED (the positions stay where they were):
+
+    W = 8, block_size 4, next query at position 17 reads keys 10..17
+    table: [ 7 | 2 | 9 | 4 | 5 ]  ->  [ DROPPED | 2 | 9 | 4 | 5 ]     block 7 freed
+
+The runner is not told: its table keeps the old id, and its sliding-window attention masks
+those positions, so what lies in a reused block is never weighed. Blocks in the prefix cache
+are shared and stay; with the window on, only a prompt's blocks enter the cache, so the
+blocks a sequence generates are its own and are dropped as the window passes them.
 """
 
 from __future__ import annotations
@@ -28,12 +40,18 @@ from servelm.engine.prefix_cache import PrefixCache, PrefixMatch
 from servelm.engine.sequence import Sequence
 
 _NO_MATCH = PrefixMatch([], 0)
+DROPPED = -1  # a block table entry whose block left the sliding window (module doc)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int = 0):
+        """sliding_window: every layer's window (ModelConfig.uniform_sliding_window), 0 for
+        none. A window under two blocks frees nothing worth its bookkeeping: treated as 0."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.sliding_window = sliding_window if sliding_window >= 2 * block_size else 0
+        self._drop_cursor: dict[int, int] = {}  # seq_id -> table index dropping has reached
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
@@ -114,6 +132,8 @@ class BlockManager:
         cache = self.prefix_cache
         if cache is None:
             return
+        if self.sliding_window:  # generated blocks stay private, to be dropped (module doc)
+            num_tokens = min(num_tokens, seq.num_prompt_tokens)
         done = self._num_cached.get(seq.seq_id, 0)
         full = min(num_tokens // self.block_size, len(seq.block_table))
         if full <= done or done < 0:
@@ -146,9 +166,36 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of seq (newest first, so older blocks are reused last)."""
         for block in reversed(seq.block_table):
-            self._release(block)
+            if block != DROPPED:
+                self._release(block)
         seq.block_table = []
         self._num_cached.pop(seq.seq_id, None)
+        self._drop_cursor.pop(seq.seq_id, None)
+
+    def drop_out_of_window(self, seq: Sequence) -> int:
+        """Free seq's private blocks that hold only positions below the sliding window of
+        its next query (position num_computed_tokens); returns how many. Cached and pinned
+        blocks stay. No-op without a window."""
+        window = self.sliding_window
+        if not window:
+            return 0
+        # block j holds positions jB .. jB+B-1; the next query q reads q-W+1 .. q, so j is
+        # dead once (j+1)B <= q-W+1 (kept one position wider: (j+1)B <= q-W)
+        limit = min((seq.num_computed_tokens - window) // self.block_size,
+                    len(seq.block_table))
+        table, cache = seq.block_table, self.prefix_cache
+        dropped = 0
+        for j in range(self._drop_cursor.get(seq.seq_id, 0), limit):
+            block = table[j]
+            if (block == DROPPED or block in self._pins
+                    or (cache is not None and cache.contains(block))):
+                continue
+            self._release(block)
+            table[j] = DROPPED
+            dropped += 1
+        if limit > 0:
+            self._drop_cursor[seq.seq_id] = max(limit, self._drop_cursor.get(seq.seq_id, 0))
+        return dropped
 
     def _release(self, block: int) -> None:
         count = self._ref_counts[block]
@@ -212,7 +259,8 @@ class BlockManager:
         holders = [0] * self.num_blocks
         for seq in live:
             for block in seq.block_table:
-                holders[block] += 1
+                if block != DROPPED:
+                    holders[block] += 1
         for block, count in self._pins.items():
             holders[block] += count
         assert holders == self._ref_counts, "ref counts disagree with block tables"

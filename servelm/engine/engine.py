@@ -328,6 +328,10 @@ class Engine:
             if first:
                 self._attach_prompt_outputs(seq, delta, result, kept)
             deltas.append(delta)
+        if self.block_manager.sliding_window and self.kv_transfer is None:
+            for s in batch.seqs:  # blocks the window has passed go back to the pool
+                if not s.seq.is_finished:
+                    self.block_manager.drop_out_of_window(s.seq)
         return deltas
 
     def _keep_prompt_logprobs(self, result: StepResult) -> None:
