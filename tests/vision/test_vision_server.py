@@ -142,3 +142,28 @@ def test_other_requests_unaffected(server, client):
     assert done.get("tokens") == 24
     ok = _chat(client, [_image_part(data_url(random_image(60, 40, seed=8)))])
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_served_by_the_engine_core_process(tmp_path):
+    """`servelm serve DIR` (engine core in its own process): the VisionConfig reaches the
+    front end in the core's Ready message and the images reach the runner over the codec."""
+    from serve_process import ServeProcess
+
+    path = write_model_dir(make_qwen2_vl(seed=1), tmp_path / "tiny-qwen2-vl")
+    srv = ServeProcess("--block-size", "4", "--max-image-pixels", str(MAX_PIXELS),
+                       model=str(path))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        name = c.models.list().data[0].id
+        image = _image_part(data_url(random_image(90, 60, seed=1)))
+        out = c.chat.completions.create(model=name, max_tokens=3, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "w5 w6"}, image]}])
+        assert out.usage.prompt_tokens == 15
+        assert srv.metric("servelm_encoder_images_total") == 1
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model=name, max_tokens=3, messages=[
+                {"role": "user", "content": [_image_part(BAD["too_many_pixels"][0])]}])
+        assert info.value.body["param"] == "messages[0].content[0]"
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(30)
