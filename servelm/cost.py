@@ -25,6 +25,7 @@ Never: imports torch or reads weights; every number comes from the shapes, so pu
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from servelm.config import ModelConfig
@@ -80,7 +81,20 @@ def _mla_attention_params(m: ModelConfig) -> int:
 
 
 def count_params(m: ModelConfig) -> ParamBreakdown:
-    """Parameters from the architecture (gated MLPs: gate, up and down projections)."""
+    """Parameters from the architecture (gated MLPs: gate, up and down projections).
+    Memoized: pure in a frozen config, and a simulated step's cost asks for it every step."""
+    try:
+        return _count_params_cached(m)
+    except TypeError:  # a config holding an unhashable value
+        return _count_params(m)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_params_cached(m: ModelConfig) -> ParamBreakdown:
+    return _count_params(m)
+
+
+def _count_params(m: ModelConfig) -> ParamBreakdown:
     embedding = m.vocab_size * m.hidden_size
     lm_head = 0 if m.tie_word_embeddings else embedding
     attn = attention_params(m)

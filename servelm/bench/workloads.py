@@ -79,7 +79,7 @@ def random_lengths(num_prompts: int, input_len: tuple[int, int] | str = (128, 12
     requests = []
     for n_in, n_out in zip(input_lens, output_lens):
         ids = rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN, size=int(n_in))
-        requests.append(Request([int(t) for t in ids], int(n_out)))
+        requests.append(Request(ids.tolist(), int(n_out)))  # Python ints, as int(t) each
     return requests
 
 

@@ -39,6 +39,7 @@ class RoundRobin:
     """Each healthy replica in turn, whatever its load."""
 
     name = "round_robin"
+    reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self):
         self._next = 0
@@ -58,6 +59,7 @@ class LeastLoaded:
     lowest index), so a long prompt counts for what it will cost, not as one request."""
 
     name = "least_loaded"
+    reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def pick(self, loads: Sequence[ReplicaLoad], request) -> int:
         healthy = [i for i, load in enumerate(loads) if load.is_healthy]
@@ -72,6 +74,7 @@ class Session:
     one are placed least-loaded."""
 
     name = "session"
+    reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self):
         self._fallback = LeastLoaded()
@@ -101,6 +104,7 @@ class PrefixAffinity:
     not yet tuned by a measured sweep."""
 
     name = "prefix_affinity"
+    reads_cached_tokens = True  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self, load_weight: float = 0.5, epsilon: float = 0.25):
         self.load_weight = load_weight

@@ -175,7 +175,9 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
             records: dict[str, RequestRecord], steps: list, order) -> None:
     t = req.arrival_s
     route = RouteRequest(len(req.prompt_token_ids) + req.max_tokens)
-    rep = replicas[policy.pick([x.load(req.prompt_token_ids) for x in replicas], route)]
+    # The prefix caches are only looked up for a policy that reads the cached tokens.
+    prompt = req.prompt_token_ids if getattr(policy, "reads_cached_tokens", True) else None
+    rep = replicas[policy.pick([x.load(prompt) for x in replicas], route)]
     records[rid] = rec = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
                                        scheduled_time=t, sent_time=t, written_time=t)
     if not rep.is_stepping:  # the SLO policy's admission check reads the replica's clock

@@ -207,3 +207,38 @@ def test_bad_fleet_flags_exit_2_naming_the_flag(tmp_path, flags, named):
                            "--num-blocks", "64", *flags, "--out", str(tmp_path / "o.json")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+def test_skipping_the_cache_lookup_for_a_policy_that_ignores_it_changes_nothing():
+    """The simulator looks the prompt up in every replica's prefix cache only for a policy
+    that reads cached_tokens: least_loaded told it reads them gives the same run."""
+    import random
+
+    from servelm.router.policies import make_policy
+    from servelm.sim.cost_model import StepCostModel
+    from servelm.sim.fleet import ReplicaSpec, SimRequest, simulate
+
+    class Reads:
+        reads_cached_tokens = True
+
+        def __init__(self):
+            self.inner = make_policy("least_loaded")
+            self.seen_cached = 0
+
+        def pick(self, loads, request):
+            self.seen_cached += sum(x.cached_tokens for x in loads)
+            return self.inner.pick(loads, request)
+
+    rng = random.Random(5)
+    shared = [rng.randrange(100, 900) for _ in range(64)]
+    reqs = [SimRequest(i * 0.01, shared + [rng.randrange(100, 900) for _ in range(20)], 8)
+            for i in range(80)]
+    cost = StepCostModel("t", base_s=0.003, per_decode_token_s=1e-4, per_prefill_token_s=3e-5)
+    spec = ReplicaSpec(num_blocks=400, block_size=16)
+    reads = Reads()
+    a = simulate(reqs, 4, spec, cost, reads)
+    b = simulate(reqs, 4, spec, cost, make_policy("least_loaded"))
+    assert reads.seen_cached > 0  # the lookups ran, and found the shared prefix
+    key = lambda r: (r.sent_time, r.first_token_time, r.end_time, tuple(r.chunk_times))
+    assert list(map(key, a.records)) == list(map(key, b.records))
+    assert [r.runner.busy_s for r in a.replicas] == [r.runner.busy_s for r in b.replicas]
