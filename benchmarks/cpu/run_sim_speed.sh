@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The simulator's speed on the 10,000 req/s 70B question (docs/sim.md): simulated requests
+# per wall second for slices of that fleet (the same load per replica: 12.5 req/s on each of
+# N replicas of Llama-3.1-70B on 8 x H100-SXM, 2,000-token prompts, 300-token answers), and
+# what the whole question (10 minutes of 10,000 req/s = 6,000,000 requests) would take at
+# that speed; the bar is 30 minutes (3,333 req / wall s). Also one cProfile run of the
+# smallest slice, its top functions and the profiler's overhead (wall with / without).
+# Writes benchmarks/results/sim-speed-<UTC>/ (summary.json, summary.md, profile.txt).
+#
+# Run it ALONE on the machine (timed): about 4 minutes.
+#   bash benchmarks/cpu/run_sim_speed.sh
+#   DRY=1 bash benchmarks/cpu/run_sim_speed.sh      # tiny, /tmp only
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+TS=$(date -u +%Y%m%dT%H%M%SZ)
+OUT=${OUT:-benchmarks/results/sim-speed-$TS}
+SLICES=${SLICES:-"8:100:1500 32:400:3000 80:1000:4000"}   # replicas:req/s:requests
+if [ "${DRY:-0}" = 1 ]; then SLICES="2:25:60"; OUT=/tmp/servelm-sim-speed-dry-$TS; fi
+mkdir -p "$OUT"
+FLEET=(--gpu H100-SXM --model Llama-3.1-70B --tp 8 --policy least_loaded --input-len 2000
+       --output-len 300 --max-num-seqs 555 --max-num-batched-tokens 1369
+       --slo-ttft-ms 1000 --slo-tpot-ms 50)
+for s in $SLICES; do
+  IFS=: read -r n rate num <<< "$s"
+  "$PY" -m servelm.cli sim "${FLEET[@]}" --num-replicas "$n" --request-rate "$rate" \
+    --num-prompts "$num" --out "$OUT/slice-$n.json" > /dev/null 2> "$OUT/slice-$n.log"
+done
+first=${SLICES%% *}
+IFS=: read -r n rate num <<< "$first"
+"$PY" -m cProfile -o "$OUT/profile.out" -m servelm.cli sim "${FLEET[@]}" --num-replicas "$n" \
+  --request-rate "$rate" --num-prompts "$num" --out "$OUT/profiled-$n.json" > /dev/null 2>&1
+"$PY" - "$OUT" "$first" <<'PYEOF' | tee "$OUT/summary.md"
+import json, pstats, sys
+from pathlib import Path
+out, first = Path(sys.argv[1]), sys.argv[2].split(":")[0]
+rows = []
+for f in sorted(out.glob("slice-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+    r = json.loads(f.read_text())
+    s = r["sim"]
+    rows.append({"num_replicas": s["num_replicas"], "request_rate": r["load"]["request_rate"],
+                 "num_requests": r["num_requests"], "wall_s": s["wall_s"],
+                 "req_per_wall_s": s["simulated_requests_per_wall_s"],
+                 "bulk_share": s["num_bulk_steps"] / max(1, s["num_steps"]),
+                 "ttft_p50_ms": r["ttft_ms"]["p50"], "goodput": r["goodput"],
+                 "whole_question_h": 6_000_000 / s["simulated_requests_per_wall_s"] / 3600})
+prof = json.loads((out / f"profiled-{first}.json").read_text())["sim"]["wall_s"]
+plain = next(x["wall_s"] for x in rows if str(x["num_replicas"]) == first)
+(out / "summary.json").write_text(json.dumps({"slices": rows, "profiler_overhead":
+                                              prof / plain, "bar_req_per_wall_s": 3333},
+                                             indent=2) + "\n")
+print("| replicas | req/s | requests | wall s | simulated req / wall s | bulk steps | TTFT p50 ms | goodput | 6M requests would take |")
+print("|---|---|---|---|---|---|---|---|---|")
+for x in rows:
+    print(f"| {x['num_replicas']} | {x['request_rate']:g} | {x['num_requests']} | {x['wall_s']:.1f} | "
+          f"{x['req_per_wall_s']:.0f} | {x['bulk_share']:.0%} | {x['ttft_p50_ms']:.0f} | "
+          f"{x['goodput']:.0%} | {x['whole_question_h']:.1f} h |")
+print(f"\nbar: 3,333 simulated req / wall s (6M requests in 30 min); cProfile overhead on the "
+      f"{first}-replica slice: {prof / plain:.2f}x wall")
+with open(out / "profile.txt", "w") as f:
+    pstats.Stats(str(out / "profile.out"), stream=f).sort_stats("tottime").print_stats(30)
+PYEOF
+rm -f "$OUT/profile.out"
+echo "[sim-speed] wrote $OUT; load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
