@@ -47,6 +47,9 @@ class RouterConfig:
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 2**20
     otlp_traces_endpoint: str | None = None  # a span per request, its context passed on
+    # The fleet's SLO spec (servelm/slo.py): a request's class is checked here, once for the
+    # fleet, and sent to the replica as `slo_class`; None: passed through unchecked.
+    slo_spec: str | None = None
 
 
 class RouterMetrics:
@@ -186,6 +189,36 @@ class Router:
                                              self.metrics.ejections.labels(rep.url).inc())
         self.client: httpx.AsyncClient | None = None
         self.tracing = None  # servelm.tracing.Tracing, when traces are configured
+        self.slo = None
+        if config.slo_spec is not None:
+            from servelm.slo import SLOSpec
+
+            self.slo = SLOSpec.load(config.slo_spec)
+            self.by_class = Counter("servelm_router_requests_by_class_total",
+                                    "Requests routed, by SLO class", ["slo_class"],
+                                    registry=self.metrics.registry)
+
+    def _slo_class(self, body: dict, raw: bytes) -> bytes | JSONResponse:
+        """The body with its class named by `slo_class` (a 400 naming the field when the
+        request names no class of the spec)."""
+        from servelm.protocol import InvalidParameterError
+
+        prio, name = body.get("priority"), body.get("slo_class")
+        try:
+            if prio is not None and (not isinstance(prio, int) or isinstance(prio, bool)):
+                raise InvalidParameterError(f"priority must be an integer, got {prio!r}",
+                                            param="priority")
+            if name is not None and not isinstance(name, str):
+                raise InvalidParameterError(f"slo_class must be a string, got {name!r}",
+                                            param="slo_class")
+            cls = self.slo.resolve(prio, name)
+        except InvalidParameterError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
+                                           "param": exc.param, "code": None}}, status_code=400)
+        self.by_class.labels(cls.name).inc()
+        if name == cls.name:
+            return raw
+        return json.dumps({**body, "slo_class": cls.name}).encode()
 
     def pick(self, route: RouteRequest, prompt: list[int] | None, salt, headers,
              exclude: Replica | None = None) -> tuple[Replica | None, int]:
@@ -272,6 +305,11 @@ class Router:
 
     async def _forward(self, request: Request, path: str, raw: bytes, body: dict, headers,
                        span) -> Response:
+        if self.slo is not None and request.method == "POST" and path.endswith("completions"):
+            checked = self._slo_class(body, raw)
+            if isinstance(checked, JSONResponse):
+                return checked
+            raw = checked
         tokens = _estimate_tokens(body)
         is_stream = bool(body.get("stream"))
         prompt = None

@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                    help="bearer token for probing the replicas' /metrics (clients' own keys "
                         "are passed through unchanged)")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--slo-spec", default=None, metavar="FILE",
+                   help="the fleet's SLO classes (JSON, docs/slo.md): a request's priority / "
+                        "slo_class is checked here and sent on as slo_class")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send an OpenTelemetry span per request to this OTLP/HTTP endpoint "
                         "and pass its context to the replica (needs servelm[otel]; without "
@@ -78,7 +81,8 @@ def handler(args) -> int:
         tokenizer = load_tokenizer(resolve_model(args.model))
     app = build_router_app(replicas, make_policy(args.policy),
                            RouterConfig(args.policy, args.request_timeout,
-                                        otlp_traces_endpoint=args.otlp_traces_endpoint),
+                                        otlp_traces_endpoint=args.otlp_traces_endpoint,
+                                        slo_spec=args.slo_spec),
                            tokenizer)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -268,3 +268,46 @@ def test_kv_events_page_through_and_reset_when_a_reader_falls_behind():
     events, nxt, reset = log.since(3)
     assert reset and [e.hash for e in events] == [4, 5, 6, 7, 8] and nxt == 9
     assert log.since(9) == ([], 9, False)
+
+
+def test_the_router_checks_a_requests_slo_class_and_sends_it_by_name(tmp_path):
+    """--slo-spec at the router: a bad class is a 400 naming the field before any replica
+    is chosen; a class named by priority reaches the replica as slo_class (the replica, with
+    the same spec, counts it in that class)."""
+    import json
+
+    from servelm.router.app import RouterConfig, build_router_app
+    from servelm.router.policies import make_policy
+    from servelm.router.replicas import ReplicaSet
+    from servelm.server.app import ServerConfig, build_app
+
+    spec = tmp_path / "slo.json"
+    spec.write_text(json.dumps({"classes": [
+        {"name": "interactive", "priority": 0, "ttft_ms": 60000, "tpot_ms": 60000},
+        {"name": "batch", "priority": 1, "ttft_ms": 60000, "tpot_ms": 60000}]}))
+    engine = make_engine(num_blocks=256, max_num_batched_tokens=64,
+                         runner=FakeRunner(step_s=0.002, block_size=4))
+    rep = _Uvicorn(build_app(engine, ServerConfig(served_model_name="fake",
+                                                  slo_spec=str(spec))), _port())
+    router = _Uvicorn(build_router_app(ReplicaSet([rep.url], 0.2, eject_after=2),
+                                       make_policy("round_robin"),
+                                       RouterConfig(slo_spec=str(spec))), _port())
+    try:
+        _wait(lambda: httpx.get(router.url + "/health").status_code == 200)
+        body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        for extra, param in (({"priority": 9}, "priority"), ({"slo_class": "gold"}, "slo_class"),
+                             ({"priority": "1"}, "priority")):
+            r = httpx.post(router.url + "/v1/completions", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert httpx.post(router.url + "/v1/completions",
+                          json={**body, "priority": 1}).status_code == 200
+        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
+        m = _metrics(router.url)
+        assert m['servelm_router_requests_by_class_total{slo_class="batch"}'] == 1
+        assert m['servelm_router_requests_by_class_total{slo_class="interactive"}'] == 1
+        assert sum(v for k, v in m.items() if k.startswith("servelm_router_requests_total")) == 2
+        _wait(lambda: _metrics(rep.url).get(
+            'servelm_slo_window_requests{slo_class="batch"}') == 1)
+    finally:
+        router.stop()
+        rep.stop()
