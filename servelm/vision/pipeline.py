@@ -66,9 +66,11 @@ class ImagePipeline:
     def _one(self, part: ImagePart):
         image = load_image(part.url, self.limits, part.param)
         try:
-            return self.processor(image)
+            processed = self.processor(image)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise ImageError(str(exc), part.param) from None
+        processed.hash  # noqa: B018  hashing megabytes of pixels: here, not on the event loop
+        return processed
 
 
 __all__ = ["IMAGE_WORKERS", "ImagePipeline", "image_limits", "vision_of"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -30,14 +31,18 @@ class Processed:
     num_tokens: int  # prompt tokens the image fills
     grid_thw: list[int] = field(default_factory=list)
 
-    @property
+    @cached_property
     def hash(self) -> str:
         """Content hash of what the encoder sees: equal for the same picture however it was
         sent (PNG or WebP of the same pixels), different for any pixel or grid change."""
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((self.pixels.shape, self.grid_thw)).encode())
-        h.update(np.ascontiguousarray(self.pixels).tobytes())
+        h.update(self.pixel_bytes)
         return h.hexdigest()
+
+    @cached_property
+    def pixel_bytes(self) -> bytes:
+        return np.ascontiguousarray(self.pixels, dtype=np.float32).tobytes()
 
 
 class ImageProcessor:

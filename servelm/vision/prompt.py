@@ -28,7 +28,7 @@ def expand_image_tokens(ids: list[int], image_token_id: int, images: list,
     prev = 0
     for pos, img in zip(where, images):
         out += ids[prev:pos]
-        inputs.append(ImageInput(img.hash, len(out), img.num_tokens, img.pixels.tobytes(),
+        inputs.append(ImageInput(img.hash, len(out), img.num_tokens, img.pixel_bytes,
                                  list(img.pixels.shape), list(img.grid_thw)))
         out += [image_token_id] * img.num_tokens
         prev = pos + 1
