@@ -21,6 +21,7 @@ import tokenizers
 import torch
 
 from servelm.config import ModelConfig
+from servelm.loader import fp8_blocks
 from servelm.loader.tokenizer import Tokenizer, end_of_generation_ids
 
 __all__ = ["hf_weight_names", "iter_hf_weights", "load_hf_config", "load_hf_tokenizer"]
@@ -79,8 +80,9 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig,
             f"no *.safetensors in {model_dir}; only safetensors checkpoints are supported "
             "(re-save a pytorch_model.bin checkpoint with transformers' save_pretrained)"
         )
+    read = _Reader(files, fp8_blocks.fp8_block_size(model_dir), select)
     if config.architecture not in _LLAMA_NAMED:
-        yield from _iter_all(files, select)
+        yield from _iter_all(files, read)
         return
     wanted = set(hf_weight_names(config))
     seen: set[str] = set()
@@ -90,12 +92,8 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig,
             for name in f.keys():
                 if name in wanted and name not in seen:
                     seen.add(name)
-                    if select is not None:
-                        picked = select(name, f.get_slice(name))
-                        if picked is not None:
-                            yield picked[0], picked[1].to(torch.float32)
-                        continue
-                    yield name, f.get_tensor(name).to(torch.float32)
+                    if (picked := read(f, name)) is not None:
+                        yield picked
     missing = wanted - seen
     if missing:
         raise ValueError(
@@ -106,19 +104,56 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig,
 _LLAMA_NAMED = ("llama", "qwen2", "qwen3")  # the families hf_weight_names describes
 
 
-def _iter_all(files: list[Path], select=None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_all(files: list[Path], read) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     seen: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name not in seen:
+                if name not in seen and not read.is_scale(name):
                     seen.add(name)
-                    if select is None:
-                        yield name, f.get_tensor(name).to(torch.float32)
-                    elif (picked := select(name, f.get_slice(name))) is not None:
-                        yield picked[0], picked[1].to(torch.float32)
+                    if (picked := read(f, name)) is not None:
+                        yield picked
+
+
+class _Reader:
+    """One tensor as (name, float32), through a model-parallel `select` when given; in a
+    block-quantized fp8 checkpoint (loader/fp8_blocks.py) a weight with a scale tensor is
+    read whole with it and dequantized first (select then narrows the float tensor)."""
+
+    def __init__(self, files: list[Path], fp8_block: tuple[int, int] | None, select=None):
+        from safetensors import safe_open
+
+        self.select = select
+        self.fp8_block = fp8_block
+        self.scale_files: dict[str, Path] = {}  # weight name -> file holding its scales
+        if fp8_block is not None:
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        if fp8_blocks.is_scale(name):
+                            self.scale_files[name[:-len(fp8_blocks.SCALE_SUFFIX)]] = file
+
+    def is_scale(self, name: str) -> bool:
+        return self.fp8_block is not None and fp8_blocks.is_scale(name)
+
+    def __call__(self, f, name: str) -> tuple[str, torch.Tensor] | None:
+        scale_file = self.scale_files.get(name)
+        if scale_file is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(scale_file), framework="pt", device="cpu") as g:
+                scale = g.get_tensor(name + fp8_blocks.SCALE_SUFFIX)
+            dense = fp8_blocks.dequantize(f.get_tensor(name), scale, self.fp8_block, name)
+            return (name, dense) if self.select is None else self._narrowed(name, dense)
+        if self.select is None:
+            return name, f.get_tensor(name).to(torch.float32)
+        return self._narrowed(name, f.get_slice(name))
+
+    def _narrowed(self, name, view) -> tuple[str, torch.Tensor] | None:
+        picked = self.select(name, view)
+        return None if picked is None else (picked[0], picked[1].to(torch.float32))
 
 
 def load_hf_tokenizer(model_dir: Path) -> Tokenizer:

@@ -78,8 +78,10 @@ class QuantizedCheckpoint:
 def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | None:
     """The checkpoint's quantization, or None for a float HF directory (or a GGUF file).
 
-    A quantization_config from another tool (GPTQ, AWQ, bitsandbytes, fp8, ...) is an error:
-    its tensors are not laid out as servelm reads them.
+    A block-quantized fp8 checkpoint (DeepSeek's layout) is read as a float one: the loader
+    dequantizes it (servelm/loader/fp8_blocks.py). A quantization_config from another tool
+    (GPTQ, AWQ, bitsandbytes, per-tensor fp8, ...) is an error: its tensors are not laid out
+    as servelm reads them.
     """
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
@@ -88,6 +90,11 @@ def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | None:
     if qc is None:
         return None
     tag = qc.get("quant_method") if isinstance(qc, dict) else None
+    if tag == "fp8" and "weight_block_size" in qc:
+        from servelm.loader.fp8_blocks import fp8_block_size
+
+        fp8_block_size(Path(path))  # a malformed block layout is refused here, by field
+        return None
     if tag != QUANT_METHOD_TAG:
         raise InvalidParameterError(
             f"{path} is quantized with {tag!r} (config.json quantization_config), which "
