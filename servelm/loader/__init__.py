@@ -115,15 +115,15 @@ def iter_weights(source: ModelSource, config: ModelConfig,
     """(HF Llama name, float32 CPU tensor) for every weight; `lm_head.weight` absent if tied.
 
     select: a model-parallel rank's `(name, view) -> (name, tensor) | None` (servelm/parallel/
-    sharding.py); safetensors then read only the slices it asks for, other sources are
-    read whole and narrowed."""
+    sharding.py); safetensors and GGUF then read only the slices it asks for (GGUF: rows, and
+    column blocks where aligned), dummy weights are made whole and narrowed."""
     from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
 
     if source.kind == "hf":
         return hf_loader.iter_hf_weights(source.path, config, select)
     if source.kind == "gguf":
-        weights = gguf_loader.iter_gguf_weights(source.path, config)
-    elif source.kind == "dummy":
+        return gguf_loader.iter_gguf_weights(source.path, config, select)
+    if source.kind == "dummy":
         from servelm.loader.dummy import dummy_weights
 
         weights = dummy_weights(config, seed=0)

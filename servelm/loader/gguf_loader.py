@@ -301,9 +301,63 @@ def _per_expert(name: str, weights: np.ndarray):
         yield hf_name(name, expert=e), weights[e]
 
 
-def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor [out, in]) for every tensor in the file."""
+class _SliceView:
+    """A GGUF tensor read in parts (a model-parallel rank's `select`, servelm/parallel/
+    sharding.py): only the rows asked for are dequantized, and of those only the column
+    blocks asked for when the range falls on the type's block boundaries. Rotary-permuted
+    q/k rows are undone per head, so a slice must take whole heads (the shard rules do)."""
+
+    def __init__(self, tensor, heads: int | None, shift: float):
+        self.tensor, self.heads, self.shift = tensor, heads, shift
+        data = tensor.data
+        self.shape = tuple(int(d) for d in tensor.shape[::-1]) if data.dtype == np.uint8 \
+            else tuple(data.shape)
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0].indices(self.shape[0])
+        data = self.tensor.data[rows[0]:rows[1]]
+        cols = index[1] if len(index) > 1 else slice(None)
+        data, cols = self._column_blocks(data, cols)
+        weight = dequantize(data, self.tensor.tensor_type)
+        if self.heads is not None:
+            per_head = self.shape[0] // self.heads
+            weight = unpermute_rotary(weight, (rows[1] - rows[0]) // per_head)
+        weight = weight[:, cols] if weight.ndim > 1 else weight
+        if self.shift:
+            weight = weight - self.shift
+        return torch.from_numpy(np.array(weight, dtype=np.float32))
+
+    def _column_blocks(self, data: np.ndarray, cols: slice):
+        """Narrow quantized rows to the blocks of `cols` where they align; returns the data
+        and the column slice still to apply after dequantizing."""
+        if data.ndim < 2 or cols == slice(None):
+            return data, cols
+        from gguf import GGML_QUANT_SIZES
+
+        start, stop, _ = cols.indices(self.shape[1])
+        block, nbytes = GGML_QUANT_SIZES[self.tensor.tensor_type]
+        if data.dtype != np.uint8:  # float types: one element is one "block"
+            return data[:, start:stop], slice(None)
+        if start % block or stop % block:
+            return data, cols
+        return data[:, start // block * nbytes:stop // block * nbytes], slice(None)
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig,
+                      select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor [out, in]) for every tensor in the file. select: a
+    model-parallel rank's `(name, view) -> (name, tensor) | None`; a 2-D or 1-D tensor is
+    then read only in the parts it asks for (an expert stack is read whole and split)."""
     for name, tensor, heads, shift in _model_tensors(path, config):
+        if select is not None and not _is_expert_stack(name):
+            picked = select(name, _SliceView(tensor, heads, shift))
+            if picked is not None:
+                yield picked
+            continue
         # dequantize returns numpy shape order (ggml's ne reversed): [out, in] like torch.
         weight = dequantize(tensor.data, tensor.tensor_type)
         if heads is not None:
@@ -313,7 +367,11 @@ def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         parts = _per_expert(name, weight) if _is_expert_stack(name) else [(name, weight)]
         for part_name, part in parts:
             # F32 tensors come back as views of the read-only memory map: copy those only.
-            yield part_name, torch.from_numpy(np.array(part, dtype=np.float32))
+            part = torch.from_numpy(np.array(part, dtype=np.float32))
+            if select is None:
+                yield part_name, part
+            elif (picked := select(part_name, part)) is not None:
+                yield picked
 
 
 def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, Any]]:

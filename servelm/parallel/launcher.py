@@ -122,6 +122,8 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
     parallel = args.parallel_config()
     device = torch.device(args.device)
     world = parallel.world_size
+    if args.parallel_master is not None:
+        return _join_external(args)
     threads, cpus = split_cpus(args, world)
     rank_args = dataclasses.replace(args, num_threads=threads)
     port = _free_port()
@@ -152,3 +154,23 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
         raise
     group.workers = workers
     return rank_args, group
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidParameterError(f"parallel_master must be HOST:PORT, got {text!r}",
+                                    param="parallel_master")
+    return host, int(port)
+
+
+def _join_external(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+    """Rank 0 of workers started elsewhere: host the rendezvous at parallel_master (every
+    interface), wait for them. Their deaths show as failed collectives (no process to poll)."""
+    host, port = parse_master(args.parallel_master)
+    device = torch.device("cuda:0" if torch.device(args.device).type == "cuda" else args.device)
+    logger.info("model parallel: waiting for %d workers at %s:%d",
+                args.parallel_config().world_size - 1, host, port)
+    group = ParallelGroup.join(0, args.parallel_config(), device, host, port, JOIN_TIMEOUT_S)
+    group.workers = WorkerSet({})
+    return args, group

@@ -7,7 +7,14 @@ ModelRunner, drop the result (rank 0's is the replica's). Never: schedules, talk
 end, or keeps running once rank 0 is gone (a broadcast from a dead peer raises; the parent's
 death also ends it).
 
-Run as `python -m servelm.parallel.worker` by servelm/parallel/launcher.py.
+Run as `python -m servelm.parallel.worker` by servelm/parallel/launcher.py (a WorkerStart
+frame on stdin), or on another machine as
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=host MASTER_PORT=port [LOCAL_RANK=i] \
+        python -m servelm.parallel.worker --from-env MODEL [engine flags]
+
+(torchrun's variables; the same engine flags as rank 0's `servelm serve`, whose
+--parallel-master is host:port): it then joins rank 0 there and serves until rank 0 goes.
 """
 
 from __future__ import annotations
@@ -56,9 +63,39 @@ def serve_steps(group, runner) -> None:
         runner.execute(codec.step_decoder.decode(payload))
 
 
-def main() -> int:
-    spec = read_spec()
-    _die_with_parent(spec.parent_pid)
+def spec_from_env(argv: list[str]) -> codec.WorkerStart:
+    """The WorkerStart of a worker started by torchrun (or by hand): RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT (and LOCAL_RANK: the GPU) and the engine flags in argv."""
+    import argparse
+    import dataclasses
+
+    from servelm.config import add_engine_cli_args, engine_args_from_cli
+
+    p = argparse.ArgumentParser(prog="python -m servelm.parallel.worker --from-env")
+    p.add_argument("model")
+    add_engine_cli_args(p)
+    args = engine_args_from_cli(p.parse_args(argv))
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise SystemExit(f"--from-env: {', '.join(missing)} not set")
+    world = args.parallel_config().world_size
+    if int(env["WORLD_SIZE"]) != world:
+        raise SystemExit(f"WORLD_SIZE {env['WORLD_SIZE']} is not tensor x pipeline parallel "
+                         f"size {world}")
+    if args.device.startswith("cuda"):
+        args = dataclasses.replace(args, device=f"cuda:{env.get('LOCAL_RANK', '0')}")
+    return codec.WorkerStart(args, int(env["RANK"]), env["MASTER_ADDR"],
+                             int(env["MASTER_PORT"]), parent_pid=-1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--from-env"]:
+        spec = spec_from_env(argv[1:])
+    else:
+        spec = read_spec()
+        _die_with_parent(spec.parent_pid)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[servelm worker rank {spec.rank} %(process)d] %(message)s")
     if spec.cpus:

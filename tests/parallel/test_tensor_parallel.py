@@ -157,3 +157,22 @@ def test_a_rank_reads_only_its_slices(models):
         o = part["model.layers.0.self_attn.o_proj.weight"]
         assert (o == full["model.layers.0.self_attn.o_proj.weight"].chunk(2, dim=1)[r]).all()
         assert part["model.embed_tokens.weight"].shape[0] == config.vocab_size // 2
+
+
+def test_gguf_slices_read_in_parts_equal_the_whole_tensor_narrowed(default_model_path):
+    """The default model's Q4_1 GGUF: each rank's rows (and aligned column blocks) read and
+    dequantized alone, the rotary permutation undone per head, equal the whole tensors
+    dequantized then narrowed."""
+    from servelm.loader import iter_weights, load_model_config, resolve_model
+    from servelm.parallel.sharding import TensorParallelShard, select_all
+
+    source = resolve_model(str(default_model_path))
+    config = load_model_config(source)
+    shard = TensorParallelShard(config, 1, 2)  # the uneven rank: KV heads 1-2 of 3
+    parts = dict(iter_weights(source, config, shard.select))
+    whole = dict(select_all(shard, iter_weights(source, config)))
+    assert parts.keys() == whole.keys()
+    for name, t in whole.items():
+        assert parts[name].shape == t.shape and (parts[name] == t).all(), name
+    q = parts["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape[0] == 6 * config.head_dim
