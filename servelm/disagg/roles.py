@@ -306,7 +306,12 @@ class PrefillRole(_Role):
         self.stats.finish(t.num_bytes, self.clock() - t.started)
 
     def close(self) -> None:
+        """Stop serving pulls: the channels close, so every transfer ends at the next
+        poll (cancelled, its blocks unpinned)."""
         self.listener.close()
+        for t in self._transfers.values():
+            if t.channel is not None:
+                t.channel.close()
 
 
 class DecodeRole(_Role):
@@ -475,7 +480,7 @@ class DecodeRole(_Role):
         loads, done = [], []
         for t in self._transfers.values():
             for i, data in t.pending.items():
-                loads.append(KVBlock(t.reserved[i - t.first_block], bytes(data)))
+                loads.append(KVBlock(t.reserved[i - t.first_block], data))
                 done.append((t, i))
             t.pending.clear()
         if loads:

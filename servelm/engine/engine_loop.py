@@ -206,8 +206,13 @@ class EngineLoop:
     def _abort_all(self) -> None:
         for rid in list(self._live_ids):
             self.engine.abort(rid)
+        if self.engine.kv_transfer is not None:  # its channels close: transfers end now
+            self.engine.kv_transfer.close()
         while self.engine.has_unfinished:
+            num_steps = self.engine.stats.num_steps
             self._deliver(self.engine.step(), None)
+            if self.engine.stats.num_steps == num_steps:  # only transfer timers left
+                time.sleep(0.01)
         self.report = self.engine.report()
         self.sink.stopped()
 
