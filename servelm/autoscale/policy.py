@@ -29,6 +29,12 @@ Scale to zero (min_replicas 0): a fleet with no work for a whole cool-down goes 
 replicas ("idle"); at zero, any signal (a request the router holds while it has no replica)
 orders replicas at once ("wake"), with no up window: that request is waiting.
 
+With an SLO spec (`slo_spec`, servelm/slo.py), the caller also passes each class's goodput
+over the spec's window; a class below its target (over at least `slo_min_requests`
+requests) orders one more replica ("slo") when nothing is booting and no scale event came in
+the last up_window_s, and holds off any scale-down: the signal's target is a proxy for the
+SLO, and this is the SLO itself.
+
 Counting booting replicas as capacity is what keeps a spike from ordering a replica per tick
 while the first ones boot: once ready + booting covers `wanted`, `load` drops and nothing
 more is ordered.
@@ -69,6 +75,9 @@ class AutoscaleConfig:
     # min_replicas 0 (scale to zero): how long the router holds a request while a replica
     # boots for it, before it answers 503
     hold_timeout_s: float = 300.0
+    # The SLO spec (a path, docs/slo.md): a class missing its goodput target scales up
+    slo_spec: str | None = None
+    slo_min_requests: int = 10  # finished in the window, before a class's goodput counts
 
     def __post_init__(self):
         if self.signal not in SIGNALS:
@@ -80,7 +89,14 @@ class AutoscaleConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise AutoscaleConfigError(f"{name}: must be a number >= 0, got {value!r}")
-        for name in ("min_replicas", "max_replicas"):
+        if self.slo_spec is not None:
+            from servelm.slo import SLOSpec, SLOSpecError
+
+            try:
+                SLOSpec.load(self.slo_spec)
+            except SLOSpecError as exc:
+                raise AutoscaleConfigError(f"slo_spec: {exc}") from None
+        for name in ("min_replicas", "max_replicas", "slo_min_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise AutoscaleConfigError(f"{name}: must be an integer >= 0, got {value!r}")
@@ -151,13 +167,33 @@ class Autoscaler:
         self._last_event: float | None = None
         self.num_scale_ups = 0
         self.num_scale_downs = 0
+        self.slo = None
+        if config.slo_spec is not None:
+            from servelm.slo import SLOSpec
+
+            self.slo = SLOSpec.load(config.slo_spec)
+
+    def slo_missed(self, goodput: dict | None) -> str | None:
+        """The first class below its goodput target, from {class: (goodput, requests)} over
+        the spec's window (None: every class meets it, or too few requests to tell)."""
+        if self.slo is None or not goodput:
+            return None
+        for c in self.slo.classes:
+            value, count = goodput.get(c.name, (None, 0))
+            if value is not None and count >= self.config.slo_min_requests \
+                    and value < c.target:
+                return c.name
+        return None
 
     def wanted(self, total_signal: float) -> int:
         c = self.config
         n = math.ceil(max(0.0, total_signal) / c.target - 1e-9)
         return min(c.max_replicas, max(c.min_replicas, n))
 
-    def decide(self, total_signal: float, num_ready: int, num_booting: int = 0) -> Decision:
+    def decide(self, total_signal: float, num_ready: int, num_booting: int = 0,
+               goodput: dict | None = None) -> Decision:
+        """goodput: {SLO class: (goodput over the spec's window or None, requests counted)},
+        read with an SLO spec only."""
         c = self.config
         now = self.clock()
         capacity = num_ready + num_booting
@@ -184,6 +220,12 @@ class Autoscaler:
             target = min(w for t, w, _ in self._wanted if t >= now - c.up_window_s)
             if target > capacity:
                 return self._event(now, target, capacity, load, wanted, "up")
+        missed = self.slo_missed(goodput)
+        if missed is not None:
+            if num_booting == 0 and capacity < c.max_replicas and (
+                    self._last_event is None or now - self._last_event >= c.up_window_s):
+                return self._event(now, capacity + 1, capacity, load, wanted, f"slo:{missed}")
+            return Decision(capacity, 0, load, wanted, "hold")  # never down while missing
         if self._below_since is not None and now - self._below_since >= c.down_cooldown_s \
                 and (self._last_event is None or now - self._last_event >= c.down_cooldown_s):
             target = max(w for t, _, w in self._wanted if t >= now - c.down_cooldown_s)

@@ -134,6 +134,7 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
     for _ in range(initial_replicas or config.min_replicas):
         fleet.order(t0 - config.boot_s, t0)  # ready when the day starts
     scaler = Autoscaler(config, clock=lambda: now)
+    slo = _SLOWindow(scaler.slo, arrivals) if scaler.slo is not None else None
     records: dict[str, RequestRecord] = {}
     steps: list = []
     order = itertools.count()
@@ -161,7 +162,8 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
             _retire_idle(fleet, now)
             sample, decision = _tick(fleet, scaler, config, now,
                                      next_arrival - arrived_at_tick,
-                                     sum(_held_work(arrivals[i]) for i in held))
+                                     sum(_held_work(arrivals[i]) for i in held),
+                                     slo.goodput(now) if slo is not None else None)
             arrived_at_tick = next_arrival
             timeline.append(sample)
             if decision.delta:
@@ -191,8 +193,10 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
         if n:
             num_steps += n
         else:
-            _step(rep, records)
+            finished = _step(rep, records)
             num_steps += 1
+            if slo is not None:
+                slo.finished(finished, records, rep.clock.now)
         if rep.engine.has_unfinished:
             heapq.heappush(steps, (rep.clock.now, next(order), rep))
         else:
@@ -240,14 +244,42 @@ def _held_work(req: SimRequest) -> int:
     return len(req.prompt_token_ids) + req.max_tokens
 
 
+class _SLOWindow:
+    """Each SLO class's goodput over the spec's window as a server's gauge reads it at a
+    tick: requests count when their last token is out (a step's end), in time order."""
+
+    def __init__(self, spec, arrivals: Sequence[SimRequest]):
+        from servelm.slo import SlidingGoodput
+
+        self.spec = spec
+        self.window = SlidingGoodput(spec)
+        self.classes = {f"r{i}": r.slo.slo_class if r.slo is not None and r.slo.slo_class
+                        in spec.names else spec.default_class for i, r in enumerate(arrivals)}
+        self._pending: list = []  # (finish time, tiebreak, class, met)
+        self._order = itertools.count()
+
+    def finished(self, rids: list[str], records: dict, end_s: float) -> None:
+        for rid in rids:
+            rec, name = records[rid], self.classes[rid]
+            met = rec.is_ok and self.spec.get(name).met(rec.ttft_s, rec.tpot_s)
+            heapq.heappush(self._pending, (end_s, next(self._order), name, met))
+
+    def goodput(self, now: float) -> dict:
+        while self._pending and self._pending[0][0] <= now:
+            t, _, name, met = heapq.heappop(self._pending)
+            self.window.record(name, met, t)
+        return {c: (self.window.goodput(c, now), self.window.count(c, now))
+                for c in self.spec.names}
+
+
 def _tick(fleet: _Fleet, scaler: Autoscaler, config: AutoscaleConfig, now: float,
-          num_arrived: int, held_tokens: int = 0):
+          num_arrived: int, held_tokens: int = 0, goodput: dict | None = None):
     serving = fleet.serving(now)
     signal, tokens = _signal(fleet, config, serving, now, num_arrived)
     if held_tokens and config.signal == "tokens_in_flight":
         signal, tokens = signal + held_tokens, tokens + held_tokens
     booting = fleet.booting(now)
-    decision = scaler.decide(signal, len(serving), len(booting))
+    decision = scaler.decide(signal, len(serving), len(booting), goodput)
     sample = FleetSample(now, len(serving), len(booting), len(fleet.draining()), signal,
                          num_arrived / config.tick_s, tokens)
     return sample, decision

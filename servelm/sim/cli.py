@@ -43,8 +43,13 @@ def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequ
     if args.arrival == "diurnal":
         from servelm.sim.autoscale import diurnal_requests
 
-        return diurnal_requests(rate, args.hour_s, args.input_len, args.output_len,
+        reqs = diurnal_requests(rate, args.hour_s, args.input_len, args.output_len,
                                 args.vocab_size, args.seed)
+        slo = slo_spec(args)
+        default = slo.get(slo.default_class).request_slo()
+        for r in reqs:
+            r.slo = default  # the default class: what a request naming none is served as
+        return reqs
     slo = slo_spec(args)
     if args.class_mix is not None:  # a mix of SLO classes, each request carrying its class
         mix = parse_class_mix(args.class_mix, slo)

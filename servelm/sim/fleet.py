@@ -197,11 +197,13 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         heapq.heappush(steps, (rep.clock.now, next(order), rep))
 
 
-def _step(rep: Replica, records: dict[str, RequestRecord]) -> None:
-    """One Engine.step; its tokens stamped at the step's end."""
+def _step(rep: Replica, records: dict[str, RequestRecord]) -> list[str]:
+    """One Engine.step; its tokens stamped at the step's end. Returns the requests it
+    finished."""
     deltas = rep.engine.step()  # advances rep.clock by the step's cost
     now = rep.clock.now
     rep.last_finish = None
+    finished = []
     for d in deltas:
         rec = records[d.request_id]
         if d.token_ids:
@@ -214,9 +216,11 @@ def _step(rep: Replica, records: dict[str, RequestRecord]) -> None:
             rec.has_usage = True
             rec.usage_prompt_tokens = d.num_prompt_tokens
             rep.last_finish = now
+            finished.append(d.request_id)
     bm, sched = rep.engine.block_manager, rep.engine.scheduler
     rep.timeline.append((now, bm.num_used_blocks / bm.num_blocks, len(sched.waiting),
                          len(sched.running)))
+    return finished
 
 
 __all__ = ["Replica", "ReplicaSpec", "SimRequest", "SimResult", "simulate"]

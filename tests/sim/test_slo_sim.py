@@ -107,3 +107,72 @@ def test_bad_class_flags_name_the_flag(files, flags, message, capsys):
                        "--request-rate", "1", "--num-prompts", "2", "--slo-spec", str(spec),
                        *flags, "--out", str(tmp / "x.json")])
     assert rc == 2 and message in capsys.readouterr().err
+
+
+# -- the autoscaler reading the SLO spec ---------------------------------------------------
+
+def _slo_config(tmp_path, spec=SPEC, **kw):
+    from servelm.autoscale.policy import AutoscaleConfig
+
+    path = tmp_path / "slo.json"
+    path.write_text(json.dumps(spec))
+    return AutoscaleConfig(**{"target": 1e9, "min_replicas": 1, "max_replicas": 4,
+                              "up_window_s": 5, "down_cooldown_s": 30, "tick_s": 1,
+                              "boot_s": 10, "slo_spec": str(path), **kw})
+
+
+def test_a_class_below_its_goodput_target_orders_a_replica_and_holds_off_scale_down(tmp_path):
+    from servelm.autoscale.policy import Autoscaler
+
+    now = [0.0]
+    scaler = Autoscaler(_slo_config(tmp_path), clock=lambda: now[0])
+    ok = {"interactive": (0.95, 50), "batch": (1.0, 20)}
+    miss = {"interactive": (0.80, 50), "batch": (1.0, 20)}  # interactive's target is 90%
+    assert scaler.decide(10, 2, 0, ok).reason != "slo:interactive"
+    d = scaler.decide(10, 2, 0, miss)
+    assert (d.reason, d.delta, d.num_replicas) == ("slo:interactive", 1, 3)
+    now[0] = 1.0  # within up_window_s of that event, or with a replica booting: hold
+    assert scaler.decide(10, 2, 1, miss).delta == 0
+    assert scaler.decide(10, 3, 0, {"interactive": (0.5, 3)}).delta == 0  # 3 < 10 requests
+    # The signal alone (far below its target) would scale down after the cool-down; while
+    # the class misses it holds.
+    now[0] = 100.0
+    for t in range(100, 200):
+        now[0] = float(t)
+        assert scaler.decide(10, 4, 0, {"interactive": (0.85, 50)}).delta == 0
+    with pytest.raises(ValueError, match="slo_spec"):
+        _slo_config(tmp_path, slo_spec=str(tmp_path / "missing.json"))
+
+
+def test_the_simulated_fleet_scales_on_the_slo_where_the_signal_never_would(tmp_path):
+    """Tokens in flight against a target nobody reaches never scales; the SLO spec's
+    interactive class missing its goodput does, and the misses stop."""
+    import numpy as np
+
+    from servelm.router.policies import make_policy
+    from servelm.sim.autoscale import simulate_autoscaled
+
+    loose = {"classes": [{"name": "interactive", "ttft_ms": 2000, "tpot_ms": 200}]}
+    spec = SLOSpec.from_dict(loose)
+    rng = np.random.default_rng(0)
+    t, reqs = 0.0, []
+    while t < 80:
+        t += rng.exponential(1 / 30)
+        reqs.append(SimRequest(t, [int(x) for x in rng.integers(100, 900, 200)], 40,
+                               spec.get("interactive").request_slo()))
+    cost = StepCostModel("linear", base_s=0.02, per_decode_token_s=0.001,
+                         per_prefill_token_s=0.0002)
+    replica = ReplicaSpec(num_blocks=2048, block_size=16, max_num_seqs=32,
+                          max_num_batched_tokens=512)
+    plain = simulate_autoscaled(reqs, replica, cost, make_policy("least_loaded"),
+                                _slo_config(tmp_path, loose, slo_spec=None))
+    guarded = simulate_autoscaled(reqs, replica, cost, make_policy("least_loaded"),
+                                  _slo_config(tmp_path, loose))
+    assert not plain.events
+    reasons = [e.reason for e in guarded.events]
+    assert reasons and all(r == "slo:interactive" for r in reasons)
+    assert guarded.max_replicas > 1
+    met = lambda res: sum(spec.get("interactive").met(r.ttft_s, r.tpot_s) for r in res.records
+                          if r.is_ok)
+    assert len(guarded.records) == len(plain.records) == len(reqs)  # nothing dropped
+    assert met(guarded) > 1.5 * met(plain)
