@@ -118,7 +118,11 @@ class MLAttention(nn.Module):
 
 class DeepseekV2ForCausalLM(MixtralForCausalLM):
     family = "deepseek_v2"
-    quantizable = False  # the latent attention reads kv_b_proj's float weight (absorbed)
+    # int8 / int4 weight-only: the q, kv_a and o projections, dense and shared MLPs, every
+    # routed expert and the head (decoder.py); kv_b stays float (a plain tensor, not a
+    # Linear): decode absorbs it into the query and the output, which a quantized layer's
+    # packed codes cannot be
+    quantizable = True
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         if not config.is_mla:
