@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from servelm.disagg.transfer import FALLBACK_CAUSES
+
 # TransferStats field -> (metric name, help); cumulative in the report
 _COUNTERS = {
     "num_started": ("servelm_kv_transfers_started_total", "KV transfers begun"),
@@ -50,6 +52,8 @@ class DisaggMetrics:
                                  "Transfers that ended without every block (decode: the rest "
                                  "computed here; prefill: cancelled / expired), by cause",
                                  ["cause"], registry=registry)
+        for cause in FALLBACK_CAUSES:  # every cause on the page from the start, at 0
+            self.fallbacks.labels(cause)
         self._seen: dict[str, float] = {}
 
     def _inc(self, counter, key: str, value: float) -> None:

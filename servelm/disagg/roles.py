@@ -152,7 +152,8 @@ class PrefillRole(_Role):
                            "it", tid, request.request_id)
             return False
         seq = seqs[0]  # the decode worker runs the n continuations; one prompt is computed
-        t.seq, t.tokens, t.extra_key = seq, list(seq.token_ids), seq.extra_key
+        # the prefix cache's keys (an image's positions carry its content hash)
+        t.seq, t.tokens, t.extra_key = seq, list(seq.cache_token_ids), seq.extra_key
         t.own_hashes = self._hashes(t.tokens, t.extra_key, len(t.tokens) // self.block_size)
         self._by_seq[seq.seq_id] = t
         return False  # computed like any request
@@ -360,6 +361,8 @@ class DecodeRole(_Role):
     def _refusal(self, request, seq) -> str | None:
         if request.lora_name is not None:
             return "lora"  # adapter ids differ between workers: KV would not be comparable
+        if request.images:
+            return "images"  # not tested across workers yet: the prompt is computed here
         if seq.params.needs_prompt_states:
             return "prompt_states"  # prompt logprobs / pooling need every position computed
         return None
@@ -370,7 +373,8 @@ class DecodeRole(_Role):
 
     def _start(self, tid: str, request_id: str, seqs, channel, num_full: int) -> bool:
         seq, bs = seqs[0], self.block_size
-        match = self.bm.prefix_cache.match(seq.token_ids, seq.extra_key, num_full * bs,
+        keys = list(seq.cache_token_ids)  # what the prefix cache files blocks under
+        match = self.bm.prefix_cache.match(keys, seq.extra_key, num_full * bs,
                                            record=False)
         have = len(match.blocks)
         want = num_full - have
@@ -385,8 +389,8 @@ class DecodeRole(_Role):
         self.bm.pin(match.blocks)  # the hit must survive until the import is cached
         reserved = self.bm.reserve(want)
         now = self.clock()
-        hashes = self._hashes(seq.token_ids, seq.extra_key, num_full)[have:]
-        t = RecvTransfer(tid, request_id, seqs, list(seq.token_ids), seq.extra_key, channel,
+        hashes = self._hashes(keys, seq.extra_key, num_full)[have:]
+        t = RecvTransfer(tid, request_id, seqs, keys, seq.extra_key, channel,
                          have, hashes, list(match.blocks), reserved,
                          now + self.timeouts.lease_s, now)
         self._transfers[tid] = t

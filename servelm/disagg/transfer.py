@@ -57,10 +57,11 @@ class RecvState(enum.Enum):
     COMMITTED = "committed"
 
 
-# Why a decode worker computed (part of) a prompt itself: the labels of fallbacks_total.
-FALLBACK_CAUSES = ("no_blocks", "prompt_states", "lora", "connect", "peer_lost",
+# The labels of fallbacks_total: why a decode worker computed (part of) a prompt itself, and
+# how a prefill worker's transfer ended without an Ack (cancelled, expired).
+FALLBACK_CAUSES = ("no_blocks", "prompt_states", "lora", "images", "connect", "peer_lost",
                    "lease_expired", "checksum", "frame_lost", "prefill_cancelled", "aborted",
-                   "layout_mismatch")
+                   "layout_mismatch", "cancelled", "expired")
 
 
 @dataclass
