@@ -138,14 +138,14 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
         from servelm.quant.checkpoint import read_quantized_checkpoint
 
         checkpoint = read_quantized_checkpoint(source.path)
+    select = None  # a model-parallel rank reads only its slices (servelm/parallel/sharding.py)
     if parallel is not None:
-        parallel_build.shard_for(parallel, config)
-        if checkpoint is not None or args.quantization == "gguf":
-            raise InvalidParameterError("quantized checkpoints (servelm quantize output, "
-                                        "--quantization gguf) do not shard yet; int8/int4 "
-                                        "from float weights do", param="tensor_parallel_size")
-        weights = iter_weights(source, config, select=parallel.shard.select)
-    elif checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
+        select = parallel_build.shard_for(parallel, config).select
+        if checkpoint is not None:
+            raise InvalidParameterError("quantized checkpoints (servelm quantize output) do "
+                                        "not shard yet; --quantization int8/int4/gguf do",
+                                        param="tensor_parallel_size")
+    if checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
         args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
         weights = checkpoint.iter_weights(config)
     elif args.quantization == "gguf":  # the file's quantized blocks, not their float values
@@ -155,9 +155,9 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
                                         "or int4)", param="quantization")
         from servelm.loader.gguf_loader import iter_gguf_quantized_weights
 
-        weights = iter_gguf_quantized_weights(source.path, config)
+        weights = iter_gguf_quantized_weights(source.path, config, select)
     else:
-        weights = iter_weights(source, config)
+        weights = iter_weights(source, config, select)
     engine = assemble_engine(args, config, weights, tokenizer, source.name,
                              prepared_key=None if checkpoint is not None else key,
                              parallel=parallel)

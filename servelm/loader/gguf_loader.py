@@ -374,8 +374,33 @@ def iter_gguf_weights(path: Path, config: ModelConfig,
                 yield picked
 
 
-def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+class _BlocksView(_SliceView):
+    """A 2-D Q8_0/Q4_0/Q4_1 tensor read in parts as GGUFBlocks (kept quantized): rows, and
+    columns in whole blocks (a column split inside a block cannot keep its bytes)."""
+
+    def __getitem__(self, index):
+        from servelm.quant.gguf_blocks import GGUFBlocks
+
+        index = index if isinstance(index, tuple) else (index,)
+        r0, r1, _ = index[0].indices(self.shape[0])
+        data = np.asarray(self.tensor.data[r0:r1])
+        cols = index[1] if len(index) > 1 else slice(None)
+        data, rest = self._column_blocks(data, cols)
+        if rest != slice(None):
+            raise ValueError(f"{self.tensor.name}: columns {cols} of {self.shape} are not whole "
+                             f"{self.tensor.tensor_type.name} blocks; this split of "
+                             "tensor_parallel_size needs a float load (drop --quantization gguf)")
+        c0, c1, _ = cols.indices(self.shape[1])
+        if self.heads is not None:
+            data = unpermute_rotary(data, (r1 - r0) // (self.shape[0] // self.heads))
+        return GGUFBlocks(self.tensor.tensor_type.name,
+                          torch.from_numpy(np.array(data, dtype=np.uint8)), (r1 - r0, c1 - c0))
+
+
+def iter_gguf_quantized_weights(path: Path, config: ModelConfig,
+                                select=None) -> Iterator[tuple[str, Any]]:
     """Like `iter_gguf_weights`, but 2-D Q8_0/Q4_0/Q4_1 tensors come as their raw blocks.
+    select: a model-parallel rank's parts (see iter_gguf_weights), blocks kept quantized.
 
     Yields (HF name, `servelm.quant.gguf_blocks.GGUFBlocks` [out rows of block bytes]) for
     those, (HF name, float32 tensor) for the rest. llama's q/k row permutation is undone on the
@@ -385,6 +410,11 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tup
 
     for name, tensor, heads, shift in _model_tensors(path, config):
         is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
+        if select is not None and not _is_expert_stack(name):
+            view = (_BlocksView if is_blocks else _SliceView)(tensor, heads, shift)
+            if (picked := select(name, view)) is not None:
+                yield picked
+            continue
         # Blocks: [out, blocks_per_row * block_bytes] uint8; floats: [out, in] float32.
         data = np.asarray(tensor.data) if is_blocks else dequantize(tensor.data,
                                                                    tensor.tensor_type)
@@ -398,7 +428,11 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig) -> Iterator[tup
                                    torch.from_numpy(np.array(data, dtype=np.uint8)), shape)
         elif _is_expert_stack(name):  # 3-D: the experts' float values, one by one
             for part_name, part in _per_expert(name, data):
-                yield part_name, torch.from_numpy(np.array(part, dtype=np.float32))
+                part = torch.from_numpy(np.array(part, dtype=np.float32))
+                if select is None:
+                    yield part_name, part
+                elif (picked := select(part_name, part)) is not None:
+                    yield picked
         else:
             yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 

@@ -162,7 +162,7 @@ class TensorParallelShard:
             return name, _chunk(view, 0, r, n)
         if m and m[1] == "gate_up_proj":  # fused [gate; up]
             half = _shape(view)[0] // 2
-            return name, torch.cat([_slice(view, 0, i * half + r * half // n, half // n)
+            return name, _cat_rows([_slice(view, 0, i * half + r * half // n, half // n)
                                     for i in (0, 1)])
         if m and m[1] == "down_proj":
             return name, self._row_parallel(view, m[2])
@@ -187,7 +187,7 @@ class TensorParallelShard:
             return self._head_rows(view, 0, self.kv_heads, c.num_kv_heads)
         if proj == "qkv_proj":
             q, kv = c.q_size, c.kv_size
-            return torch.cat([self._head_rows(view, 0, self.q_heads, c.num_heads, q),
+            return _cat_rows([self._head_rows(view, 0, self.q_heads, c.num_heads, q),
                               self._head_rows(view, q, self.kv_heads, c.num_kv_heads, kv),
                               self._head_rows(view, q + kv, self.kv_heads, c.num_kv_heads,
                                               kv)])
@@ -220,6 +220,12 @@ class TensorParallelShard:
         part = _slice(view, 0, min(start, total), max(0, min(per, total - start)))
         if part.shape[0] == per:
             return part
+        if not isinstance(part, torch.Tensor):  # GGUF blocks: zero bytes decode to zeros
+            from servelm.quant.gguf_blocks import GGUFBlocks
+
+            pad = GGUFBlocks(part.type_name, part.data.new_zeros(
+                (per - part.shape[0], part.data.shape[1])), (per - part.shape[0], part.shape[1]))
+            return _cat_rows([part, pad])
         pad = torch.zeros((per - part.shape[0], *part.shape[1:]), dtype=part.dtype)
         return torch.cat([part, pad])
 
@@ -247,6 +253,15 @@ class TensorParallelShard:
             return name, torch.cat([full[:, i * half:(i + 1) * half].chunk(n, dim=1)[r]
                                     for i in (0, 1)], dim=1).contiguous()
         return name, _chunk(view, 2, r, n)
+
+
+def _cat_rows(parts: list):
+    """Stack row blocks: float tensors, or GGUF blocks kept quantized."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    from servelm.quant.gguf_blocks import cat_rows
+
+    return cat_rows(parts)
 
 
 def _shape(view) -> tuple[int, ...]:

@@ -159,6 +159,7 @@ def test_a_rank_reads_only_its_slices(models):
         assert part["model.embed_tokens.weight"].shape[0] == config.vocab_size // 2
 
 
+@pytest.mark.slow  # the default model, read whole for comparison
 def test_gguf_slices_read_in_parts_equal_the_whole_tensor_narrowed(default_model_path):
     """The default model's Q4_1 GGUF: each rank's rows (and aligned column blocks) read and
     dequantized alone, the rotary permutation undone per head, equal the whole tensors
@@ -176,3 +177,24 @@ def test_gguf_slices_read_in_parts_equal_the_whole_tensor_narrowed(default_model
         assert parts[name].shape == t.shape and (parts[name] == t).all(), name
     q = parts["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape[0] == 6 * config.head_dim
+
+
+@pytest.mark.slow  # builds the default model three times
+def test_default_model_tp2_keeps_its_gguf_blocks_quantized(default_model_path):
+    """The default model (3 KV heads: split 1 and 2) with --quantization gguf: each rank
+    keeps its rows and column blocks of the Q4_1 file as blocks, greedy as one process."""
+    from servelm.loader.model_cache import DEFAULT_MODEL
+    from servelm.quant.quantized_linear import QuantizedLinear
+
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 20, 30]]
+    ref_tokens, ref_lps = run_greedy(build(DEFAULT_MODEL, quantization="gguf"), prompts)
+    engine = build(DEFAULT_MODEL, quantization="gguf", tensor_parallel_size=2)
+    try:
+        attn = engine.runner.model.layers[0].self_attn
+        assert isinstance(attn.o_proj, QuantizedLinear) and attn.num_kv_heads == 1
+        assert attn.o_proj.in_features == 3 * 64  # rank 0: one KV head's 3 query heads
+        tokens, lps = run_greedy(engine, prompts)
+    finally:
+        engine.runner.close()
+    assert tokens == ref_tokens
+    assert max_logprob_diff(lps, ref_lps) < 1e-3
