@@ -39,9 +39,12 @@ def test_requests_are_counted_in_the_class_they_name(server):
     assert _post(server, slo_class="interactive").status_code == 200
     assert _post(server, priority=1).status_code == 200  # batch, by priority
     assert _post(server, slo_class="batch", priority=1).status_code == 200
+    # n choices are one request: judged once, when its last choice finishes
+    assert _post(server, slo_class="batch", n=2).status_code == 200
     m = server.wait_idle()
     assert m['servelm_slo_window_requests{slo_class="interactive"}'] == 2
-    assert m['servelm_slo_window_requests{slo_class="batch"}'] == 2
+    assert m['servelm_slo_window_requests{slo_class="batch"}'] == 3
+    assert not server.state.metrics.request_classes  # nothing left behind
     # interactive's targets are a minute: met; batch's a microsecond: missed
     assert m['servelm_slo_goodput_ratio{slo_class="interactive"}'] == 1.0
     assert m['servelm_slo_goodput_ratio{slo_class="batch"}'] == 0.0
