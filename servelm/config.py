@@ -196,14 +196,14 @@ class ModelConfig:
         """Normalise a Hugging Face config.json dictionary (Llama, Qwen2/3, Mixtral,
         Qwen-MoE, DeepSeek-V2/V3, and multimodal wrappers that nest the LM under
         `text_config`). A missing or malformed field is a ValueError naming it."""
-        vision = vision_config_from_hf(cfg)
+        vision, top = vision_config_from_hf(cfg), cfg
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", "")}
         try:
             config = cls._from_hf(cfg, name, source)
             if vision is not None:  # the family runs the whole model, encoder included
                 config = config.replace(architecture=vision.family, vision=vision,
-                                        **vision.text_overrides(cfg))
+                                        **vision.text_overrides(cfg, top))
             return config
         except KeyError as e:
             raise ValueError(f"config.json has no {e.args[0]!r}") from None

@@ -92,10 +92,10 @@ class Qwen2VisionTower(nn.Module):
         super().__init__()
         self.dim = int(enc["embed_dim"])
         self.num_heads = int(enc["num_heads"])
-        self.patch = int(enc.get("patch_size", 14))
+        self.patch = int(enc.get("patch_size", enc.get("spatial_patch_size", 14)))
         self.temporal = int(enc.get("temporal_patch_size", 2))
         self.merge = int(enc.get("spatial_merge_size", 2))
-        channels = int(enc.get("in_channels", 3))
+        channels = int(enc.get("in_channels", enc.get("in_chans", 3)))  # older configs
         self.patch_dim = channels * self.temporal * self.patch ** 2
         self.rope_theta = float((enc.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         # Conv3d with stride == kernel over one patch is a matmul: kept as a linear

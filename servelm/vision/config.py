@@ -42,11 +42,21 @@ class VisionConfig:
     def processor(self) -> dict[str, Any]:
         return json.loads(self.processor_json)
 
-    def text_overrides(self, text_cfg: dict[str, Any]) -> dict[str, Any]:
-        """ModelConfig fields the text config.json section leaves implicit for this family."""
-        if self.family == "qwen2_vl":  # Qwen2's biased q/k/v projections
-            return {"attention_bias": bool(text_cfg.get("attention_bias", True))}
-        return {}
+    def text_overrides(self, text_cfg: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig fields the text section leaves implicit for this family: a tied head
+        declared only at the top level (Qwen2-VL-2B), Qwen2's biased q/k/v projections, and
+        M-RoPE's rope_scaling, which is VisionConfig.mrope_section here, not a scaling."""
+        out: dict[str, Any] = {}
+        if "tie_word_embeddings" not in text_cfg and "tie_word_embeddings" in top:
+            out["tie_word_embeddings"] = bool(top["tie_word_embeddings"])
+        if self.family == "qwen2_vl":
+            out["attention_bias"] = bool(text_cfg.get("attention_bias", True))
+            rope = text_cfg.get("rope_scaling") or text_cfg.get("rope_parameters") or {}
+            kind = rope.get("rope_type") or rope.get("type") or "default"
+            if kind not in ("default", "mrope"):
+                raise ValueError(f"qwen2_vl: rope type {kind!r} is not supported (M-RoPE only)")
+            out["rope_scaling"] = None
+        return out
 
     def with_processor(self, processor: dict[str, Any]) -> VisionConfig:
         return replace(self, processor_json=json.dumps(processor, sort_keys=True))

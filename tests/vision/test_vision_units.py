@@ -161,3 +161,30 @@ def test_images_cross_the_codec():
     assert again.seqs[0].new.images == [img]
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=ModelConfig)
     assert decoded.vision == config.vision and decoded.architecture == "qwen2_vl"
+
+
+def test_qwen2_vl_2b_config_as_transformers_4_wrote_it():
+    """Everything top-level, a tied head declared there only, rope_scaling {"type": "mrope"},
+    the vision config's older key names: the model built from it has Qwen2-VL-2B's
+    2,208,985,600 parameters (its published count)."""
+    import torch
+
+    from servelm.models import get_model_class
+
+    cfg = {"model_type": "qwen2_vl", "hidden_size": 1536, "intermediate_size": 8960,
+           "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2,
+           "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "tie_word_embeddings": True, "vocab_size": 151936, "image_token_id": 151655,
+           "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                             "in_chans": 3, "hidden_size": 1536, "spatial_patch_size": 14,
+                             "spatial_merge_size": 2, "temporal_patch_size": 2},
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+    config = ModelConfig.from_hf_config(cfg)
+    assert (config.architecture, config.tie_word_embeddings, config.attention_bias) == \
+        ("qwen2_vl", True, True)
+    assert config.rope_scaling is None and config.vision.mrope_section == (16, 24, 24)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, None)
+    assert sum(p.numel() for p in model.parameters()) == 2_208_985_600
+    with pytest.raises(ValueError, match="model_type 'idefics3' is not supported"):
+        ModelConfig.from_hf_config({**cfg, "model_type": "idefics3"})
