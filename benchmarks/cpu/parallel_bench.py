@@ -144,7 +144,7 @@ def plot(result: dict, path: str) -> None:
     runs = result["decode"]
     labels = [f"{r['label']}\n{r['num_prompts']} stream(s)" for r in runs]
     b.bar(range(len(runs)), [r["decode_tok_s"] or 0 for r in runs])
-    b.set_xticks(range(len(runs)), labels, fontsize=7)
+    b.set_xticks(range(len(runs)), labels, fontsize=7, rotation=20)
     b.set_ylabel("decode tok/s (2 cores in all)")
     fig.suptitle(f"tensor parallel on the CPU, {result['model']} ({result['commit']})")
     fig.tight_layout()
