@@ -9,9 +9,22 @@
 # Run it ALONE on the machine: 2 cores shared with anything else make both the calibration
 # and the measurement wrong (and differently wrong), so the comparison means nothing.
 #
-#   bash benchmarks/cpu/run_sim_validation.sh           # ~25 min on 2 cores
+#   bash benchmarks/cpu/run_sim_validation.sh           # all stages, ~25 min on 2 cores
 #   KNEE=2.0 bash benchmarks/cpu/run_sim_validation.sh  # skip the sweep that finds the knee
 #   DRY=1 bash benchmarks/cpu/run_sim_validation.sh     # tiny end-to-end check, /tmp only
+#
+# Or in stages of a few minutes each, into one OUT folder (each stage reads what the earlier
+# ones wrote there; the knee from the last record is 1 req/s):
+#   export OUT=benchmarks/results/sim-validation-$(date -u +%Y%m%dT%H%M%SZ)
+#   STAGE=calibrate bash benchmarks/cpu/run_sim_validation.sh                   # ~4 min
+#   STAGE=measure KNEE=1 RUNS=light bash benchmarks/cpu/run_sim_validation.sh   # ~3.5 min
+#   STAGE=measure KNEE=1 RUNS="knee overload" bash benchmarks/cpu/run_sim_validation.sh
+#   STAGE=replay bash benchmarks/cpu/run_sim_validation.sh       # seconds: the tables
+#
+# The replay prints two error tables: the calibrated model as it is (the validation), and
+# the same model times one factor fitted to the light run's TPOT p50 (`servelm sim
+# --cost-scale`): how much of the gap one constant explains (light is then fitted, the
+# knee and overload still predicted).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -38,7 +51,10 @@ OUT=${OUT:-benchmarks/results/sim-validation-$TS}
 TEST_DATA=${TEST_DATA:-tests/sim/data}
 LOGS=${LOGS:-/tmp/servelm-sim-validation-$TS}
 READY_TIMEOUT=${READY_TIMEOUT:-900}
+STAGE=${STAGE:-all}
+RUNS=${RUNS:-light knee overload}
 mkdir -p "$OUT" "$LOGS" "$TEST_DATA"
+stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
 
 if awk '{exit !($1 > 1.0)}' /proc/loadavg; then
   echo "[validate] WARNING: load average $(cut -d' ' -f1-3 /proc/loadavg): the machine is" \
@@ -46,6 +62,7 @@ if awk '{exit !($1 > 1.0)}' /proc/loadavg; then
 fi
 
 # 1. The step-cost model, on the engine the server will run.
+if stage calibrate; then
 "$PY" -m servelm.cli bench calibrate "$MODEL" "${ENGINE[@]}" --no-progress \
   --out "$OUT/cost-model.json" > "$LOGS/calibrate.log"
 "$PY" - "$OUT/cost-model.json" >&2 <<'EOF'
@@ -54,6 +71,9 @@ fit = json.load(open(sys.argv[1]))["fit"]
 print("[validate] calibrated: mean error {:.1%}, p90 {:.1%} over {} steps".format(
     fit["mean_abs_rel_error"], fit["p90_abs_rel_error"], fit["num_samples"]))
 EOF
+fi
+
+if stage measure; then
 
 # 2. The server, alone.
 SERVER_PID=""
@@ -114,28 +134,39 @@ LIGHT=$("$PY" -c "print(round($KNEE / 4, 4))")
 OVER=$("$PY" -c "print(round($KNEE * 2, 4))")
 echo "[validate] rates: light $LIGHT, knee $KNEE, overload $OVER req/s" >&2
 
-# 4. The three recorded runs.
-for name in light knee overload; do
+# 4. The recorded runs (RUNS: all three, or some of them in this stage).
+for name in $RUNS; do
   case $name in light) rate=$LIGHT ;; knee) rate=$KNEE ;; overload) rate=$OVER ;; esac
   bench "$OUT/serve-$name.json" --request-rate "$rate" --num-prompts "$NUM_PROMPTS" \
     --warmup 2 --record-requests "$OUT/trace-$name.jsonl"
 done
 stop_server
+fi
 
-# 5. The same requests, simulated on one replica with the calibrated model.
+stage replay || exit 0
+# 5. The same requests, simulated on one replica with the calibrated model, as it is and
+#    scaled by one factor fitted to the light run's TPOT p50.
 for name in light knee overload; do
   "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" --trace "$OUT/trace-$name.jsonl" \
     "${SLO[@]}" --out "$OUT/sim-$name.json" > /dev/null
 done
-"$PY" - "$OUT" <<'EOF' | tee "$OUT/error-table.md"
+SCALE=$("$PY" -c "import json; m = json.load(open('$OUT/serve-light.json')); s = json.load(open('$OUT/sim-light.json')); print(round(m['tpot_ms']['p50'] / s['tpot_ms']['p50'], 4))")
+for name in light knee overload; do
+  "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" --trace "$OUT/trace-$name.jsonl" \
+    "${SLO[@]}" --cost-scale "$SCALE" --out "$OUT/sim-scaled-$name.json" > /dev/null
+done
+for variant in "" "scaled-"; do
+"$PY" - "$OUT" "$variant" "$SCALE" <<'EOF' | tee "$OUT/error-table${variant:+-scaled}.md"
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, variant, scale = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+if variant:
+    print(f"The calibrated model x{scale} (the light run's measured / simulated TPOT p50):\n")
 print("| rate | metric | measured p50 / p90 / p99 (ms) | simulated p50 / p90 / p99 (ms) | error p50 / p90 / p99 |")
 print("|---|---|---|---|---|")
 for name in ("light", "knee", "overload"):
     m = json.loads((out / f"serve-{name}.json").read_text())
-    s = json.loads((out / f"sim-{name}.json").read_text())
+    s = json.loads((out / f"sim-{variant}{name}.json").read_text())
     for key in ("ttft_ms", "tpot_ms"):
         ps = ("p50", "p90", "p99")
         err = [(s[key][p] - m[key][p]) / m[key][p] for p in ps]
@@ -145,6 +176,7 @@ for name in ("light", "knee", "overload"):
               + " / ".join(f"{e:+.0%}" for e in err) + " |")
     print(f"| {name} | goodput | {m['goodput']:.0%} | {s['goodput']:.0%} | |")
 EOF
+done
 
 # 6. The CI record: the light and knee traces and the model they are replayed with.
 cp "$OUT/cost-model.json" "$TEST_DATA/validation-cost-model.json"

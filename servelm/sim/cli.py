@@ -24,7 +24,7 @@ from servelm.config import SCHEDULING_POLICIES
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
-from servelm.sim.cost_model import StepCostModel
+from servelm.sim.cost_model import StepCostModel, StepShape
 from servelm.sim.roofline import roofline_from_args
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 from servelm.slo import (SLOSpec, class_workload, goodput_by_class, parse_class_lengths,
@@ -189,6 +189,24 @@ def render_class_table(by_class: dict) -> str:
         lines.append(f"{name:<12} {row['num_requests']:>9} {row['num_met']:>5} "
                      f"{row['num_rejected']:>9} {row['goodput']:>8.1%} {row['target']:>7.0%}")
     return "\n".join(lines)
+
+
+class ScaledCost:
+    """A cost model whose every step takes `scale` times as long (--cost-scale): one
+    calibration factor, e.g. fitted to a measured run's TPOT."""
+
+    def __init__(self, inner, scale: float):
+        if not 0 < scale < math.inf:
+            raise ValueError(f"--cost-scale: must be positive, got {scale}")
+        self.inner, self.scale = inner, scale
+        self.name = f"{inner.name} x{scale:g}"
+        self.fit = {**inner.fit, "scale": scale}
+
+    def predict(self, shape) -> float:
+        return self.inner.predict(shape) * self.scale
+
+    def step_time(self, *shape) -> float:
+        return self.inner.predict(StepShape(*shape)) * self.scale
 
 
 def _hit_rate(replicas) -> float:
@@ -362,6 +380,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
     try:
         cost = roofline_from_args(args) if args.gpu else StepCostModel.load(args.cost_model)
+        if args.cost_scale != 1.0:
+            cost = ScaledCost(cost, args.cost_scale)
         spec = replica_spec(args, cost)
         make_policy(args.policy)
         rates = check_load_flags(args)
@@ -511,6 +531,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="each replica's scheduler policy (as `servelm serve`); slo predicts "
                         "with the cost model simulated")
+    p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
+                   help="every step takes X times the cost model's time (one calibration "
+                        "factor; default 1)")
     p.add_argument("--no-bulk", action="store_true",
                    help="run every decode step through the engine (the same result as the "
                         "default bulk advance of plain decode steps, slower: for checking)")

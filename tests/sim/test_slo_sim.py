@@ -176,3 +176,20 @@ def test_the_simulated_fleet_scales_on_the_slo_where_the_signal_never_would(tmp_
                           if r.is_ok)
     assert len(guarded.records) == len(plain.records) == len(reqs)  # nothing dropped
     assert met(guarded) > 1.5 * met(plain)
+
+
+def test_cost_scale_stretches_every_step(files):
+    spec, cost, tmp = files
+    out = {}
+    for scale in ("1", "2"):
+        path = tmp / f"s{scale}.json"
+        assert servelm_main(["sim", "--cost-model", str(cost), "--num-blocks", "512",
+                             "--request-rate", "0.5", "--num-prompts", "1", "--input-len", "64",
+                             "--output-len", "16", "--cost-scale", scale,
+                             "--out", str(path)]) == 0
+        out[scale] = json.loads(path.read_text())
+    assert out["2"]["tpot_ms"]["p50"] == pytest.approx(2 * out["1"]["tpot_ms"]["p50"])
+    assert out["2"]["sim"]["cost_model"] == "cpu-like x2"
+    assert servelm_main(["sim", "--cost-model", str(cost), "--num-blocks", "64",
+                         "--request-rate", "1", "--cost-scale", "0", "--out",
+                         str(tmp / "x.json")]) == 2
