@@ -781,6 +781,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
+        if self.slo_cost_model is not None and self.scheduling_policy != "slo":
+            raise ValueError("slo_cost_model: the step-cost model is for --scheduling-policy "
+                             f"slo, not {self.scheduling_policy!r}")
         if not isinstance(self.lora_modules, tuple):  # argparse: a list, or None
             mods = self.lora_modules
             object.__setattr__(self, "lora_modules",

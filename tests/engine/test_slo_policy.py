@@ -253,3 +253,14 @@ def _collect(deltas, outputs):
             key = (d.request_id, d.index)
             assert key not in outputs.get(d.request_id, set()), "finished twice"
             outputs.setdefault(d.request_id, set()).add(key)
+
+
+def test_the_policy_flags_are_checked_by_name():
+    from servelm.config import EngineArgs, SchedulerConfig
+
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerConfig(scheduling_policy="edf")
+    with pytest.raises(ValueError, match="slo_cost_model"):
+        EngineArgs(model="m", slo_cost_model="cost.json")  # fcfs: nothing would read it
+    args = EngineArgs(model="m", scheduling_policy="slo", slo_cost_model="cost.json")
+    assert args.scheduler_config().scheduling_policy == "slo"
