@@ -187,3 +187,16 @@ def test_prefix_cache_keys_image_positions_by_hash(hf, config, prompt):
     again = _generate(engine, [_greedy("a2", ids, images, n=4)])["a2"]  # same image: a hit
     assert again == first
     assert engine.block_manager.prefix_cache.stats.num_hit_tokens - hits >= 12
+
+
+def test_greedy_through_preemption(hf, config, prompt, hf_tokens):
+    """Two image requests in a pool too small for both: one is preempted and recomputed from
+    its prompt (its images looked up again), and both keep their tokens."""
+    ids, images = prompt
+    shifted = [type(img)(img.hash, img.offset + 1, img.num_tokens, img.pixels, img.shape,
+                         img.grid_thw) for img in images]
+    alone = _generate(_engine(hf, config), [_greedy("b", [13] + ids, shifted)])["b"]
+    engine = _engine(hf, config, num_blocks=14)
+    out = _generate(engine, [_greedy("a", ids, images), _greedy("b", [13] + ids, shifted)])
+    assert engine.scheduler.num_preemptions > 0
+    assert out["a"] == hf_tokens and out["b"] == alone
