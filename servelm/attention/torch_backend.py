@@ -69,6 +69,11 @@ class TorchAttentionBackend:
         self.mla_kernel_calls = 0  # layers decoded by it (tests check it ran)
         self.deterministic = False
         self.deterministic_steps = 0  # forward calls on the per-row path (tests check it ran)
+        # A chunk after cached context attends it without a [Q, C] mask (_prefill_after): CPU,
+        # where torch has the flash kernel that returns log-sum-exps; not MLA (its own path).
+        self.split_prefill = (_FLASH_CPU is not None and kv_cache.k.device.type == "cpu"
+                              and not kv_cache.is_mla)
+        self.split_prefill_calls = 0  # chunks that took it (tests check it ran)
 
     def set_deterministic(self) -> None:
         """Every token through the per-row kernel from now on (see the module doc)."""
@@ -105,6 +110,9 @@ class TorchAttentionBackend:
                 continue
             pos = torch.arange(total, device=device)
             prefill_slots.append(batch.block_tables[i, pos // bs] * bs + pos % bs)
+            if self.split_prefill:  # no mask: at 128k keys one is Q x 128k bytes a chunk
+                prefill_masks.append(None)
+                continue
             q_pos = torch.arange(ctx, total, device=device)
             prefill_masks.append(pos[None, :] <= q_pos[:, None])
         return TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks,
@@ -134,6 +142,10 @@ class TorchAttentionBackend:
             slots = meta.prefill_slots[j]
             if slots is None:
                 outs.append(self._prefill(q[s:e], k[s:e], v[s:e], None, *scales))
+            elif meta.prefill_masks[j] is None:  # split_prefill: context, then the chunk
+                ctx = slots[:slots.shape[0] - (e - s)]
+                outs.append(self._prefill_after(q[s:e], _gather(k_cache, ctx),
+                                                _gather(v_cache, ctx), k[s:e], v[s:e], *scales))
             else:
                 outs.append(self._prefill(q[s:e], _gather(k_cache, slots), _gather(v_cache, slots),
                                           meta.prefill_masks[j], *scales))
@@ -199,6 +211,32 @@ class TorchAttentionBackend:
 
 
     # -- multi-head latent attention (MLA) --------------------------------------------------
+
+    def _prefill_after(self, q, k_ctx, v_ctx, k, v, k_scale=None, v_scale=None):
+        """A chunk after C cached positions, with no [Q, C + Q] mask: the chunk's queries
+        attend the context (every key visible) and the chunk itself (causal) in two flash
+        calls, and the two softmaxes are merged by their log-sum-exps l1, l2:
+
+            out = (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2)      (one softmax over all keys)
+
+        q: [Q, H, D]; k_ctx, v_ctx: [C, K, D]; k, v: [Q, K, D] -> [Q, H, D]."""
+        self.split_prefill_calls += 1
+        group = q.shape[1] // k.shape[1]
+        qt = q.transpose(0, 1)[None]  # [1, H, Q, D]
+        if k_scale is not None:
+            qt = qt * k_scale.repeat_interleave(group).view(-1, 1, 1).to(q.dtype)
+
+        def heads(x):  # [N, K, D] -> [1, H, N, D] (the flash kernel takes no GQA)
+            return x.to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)[None]
+
+        o1, l1 = _FLASH_CPU(qt, heads(k_ctx), heads(v_ctx), 0.0, False, scale=self.scale)[:2]
+        o2, l2 = _FLASH_CPU(qt, heads(k), heads(v), 0.0, True, scale=self.scale)[:2]
+        m = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+        out = ((o1.float() * w1 + o2.float() * w2) / (w1 + w2))[0].to(q.dtype)
+        if v_scale is not None:
+            out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
+        return out.transpose(0, 1)
 
     def forward_mla(self, layer: int, entry: torch.Tensor, batch: ForwardBatch,
                     q_decode: torch.Tensor, q_prefill: torch.Tensor, expand, scale: float,
@@ -342,6 +380,10 @@ def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+# (out [B, H, Q, D], logsumexp [B, H, Q], ...) = op(q, k, v, dropout_p, is_causal, scale=)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
