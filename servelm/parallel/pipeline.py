@@ -16,6 +16,8 @@ sends are asynchronous), so after the first micro-batch both stages work at once
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from servelm.runner.forward_batch import ForwardBatch
@@ -32,7 +34,7 @@ def split_batch(fb: ForwardBatch, num_micro: int) -> list[tuple[int, int, Forwar
             bounds.append(i)
     bounds.append(num_seqs)
     out = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in pairwise(bounds):
         lo, hi = qsl[a], qsl[b]
         out.append((lo, hi, ForwardBatch(
             input_ids=fb.input_ids[lo:hi], positions=fb.positions[lo:hi],

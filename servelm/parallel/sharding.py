@@ -120,8 +120,8 @@ class TensorParallelShard:
         c, n = self.config, self.size
         q0, q1 = self.q_heads
         k0, k1 = self.kv_heads
-        changes = dict(num_heads=q1 - q0, num_kv_heads=k1 - k0,
-                       intermediate_size=c.intermediate_size // n, vocab_size=self.vocab[1])
+        changes = {"num_heads": q1 - q0, "num_kv_heads": k1 - k0,
+                   "intermediate_size": c.intermediate_size // n, "vocab_size": self.vocab[1]}
         if c.is_mla:  # the latent cache is one entry whatever the heads
             changes["num_kv_heads"] = max(1, c.num_kv_heads // n)
         if self.num_stages > 1:  # a shallower model: the stage's layers, renumbered

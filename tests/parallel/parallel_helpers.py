@@ -12,7 +12,6 @@ PROMPTS = [[5, 17, 99, 3, 250, 11, 42], [7, 8, 9], list(range(20, 50))]
 def save_tiny(family: str, root: Path, **overrides) -> str:
     """A tiny random-weight `family` checkpoint under root (once per name), its path."""
     import tokenizers
-
     from tiny_families import FAMILIES, make_tiny_family_model
     from tiny_models import TINY_ARCHS, make_tiny_hf_model
 

@@ -7,7 +7,6 @@ within float32 tolerance, as TP=2 does."""
 from __future__ import annotations
 
 import pytest
-
 from parallel_helpers import build, max_logprob_diff, run_greedy, save_tiny
 
 
@@ -43,7 +42,7 @@ def test_tp1_pp2_is_the_single_process_computation(models):
     assert facts["sends"] >= 4 + 2 * 7
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_tp2_pp2_matches_one_process(models, family):
     path = save_tiny(family, models, num_hidden_layers=4)
     ref_tokens, ref_lps = run_greedy(build(path))

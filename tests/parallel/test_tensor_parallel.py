@@ -11,10 +11,9 @@ the embedding all-reduce adds zeros (exact) and the head's all-gather concatenat
 from __future__ import annotations
 
 import pytest
+from parallel_helpers import PROMPTS, build, max_logprob_diff, run_greedy, save_tiny
 
 from servelm.parallel.sharding import TensorParallelShard
-
-from parallel_helpers import PROMPTS, build, max_logprob_diff, run_greedy, save_tiny
 
 # (family, overrides): every family the engine serves, with MQA (fewer KV heads than ranks:
 # each rank holds a copy of the one KV head) and an MLA model in both DeepSeek variants.

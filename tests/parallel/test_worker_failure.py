@@ -14,11 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from parallel_helpers import save_tiny
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
-from live_server import MODEL, LiveServer  # noqa: E402
+from live_server import MODEL, LiveServer
 
 
 def _children(pid: int) -> list[int]:
@@ -119,6 +118,7 @@ def test_a_killed_worker_fails_every_request_and_leaves_no_process(tiny_path):
         server.stop()
 
 
+@pytest.mark.slow  # a second replica start
 def test_a_worker_exits_when_rank_0_dies(tiny_path):
     client = _spawn(tiny_path)
     core = client.proc.pid
