@@ -105,6 +105,9 @@ def check_model_supports_lora(model_config) -> None:
     if model_config.num_experts:
         raise InvalidParameterError("LoRA adapters are not supported on mixture-of-experts "
                                     f"models ({model_config.architecture})", param="enable_lora")
+    if getattr(model_config, "vision", None) is not None:
+        raise InvalidParameterError("LoRA adapters are not supported on vision-language models "
+                                    f"({model_config.architecture})", param="enable_lora")
 
 
 def read_adapter(path: str, model_config, max_rank: int) -> AdapterSpec:

@@ -89,6 +89,9 @@ class ModelRunner:
         # Vision-language models: images encoded and placed per step (servelm/vision/runner.py)
         self.vision = (VisionRunner(model, model_config.vision, device, 16384)
                        if model_config.vision is not None else None)
+        if self.vision is not None and deterministic:
+            raise ValueError("--deterministic: vision-language models are not supported (the "
+                             "encoder's kernels are not batch-invariant)")
         # --deterministic: batch-invariant linears and per-row attention (runner/
         # deterministic.py), before the decode stack is built from the model's layers.
         self.deterministic = deterministic

@@ -200,3 +200,19 @@ def test_greedy_through_preemption(hf, config, prompt, hf_tokens):
     out = _generate(engine, [_greedy("a", ids, images), _greedy("b", [13] + ids, shifted)])
     assert engine.scheduler.num_preemptions > 0
     assert out["a"] == hf_tokens and out["b"] == alone
+
+
+def test_greedy_with_ngram_speculation(hf, config, prompt, hf_tokens):
+    """Drafts are verified at M-RoPE positions past the prompt (p + delta): same tokens."""
+    ids, images = prompt
+    engine = _engine(hf, config, speculative_method="ngram", num_speculative_tokens=3,
+                     spec_ngram_min=1, spec_adaptive=False)
+    assert _generate(engine, [_greedy("a", ids, images)])["a"] == hf_tokens
+    assert engine.stats.spec_num_proposed > 0
+
+
+@pytest.mark.parametrize("kw,match", [({"deterministic": True}, "deterministic"),
+                                      ({"enable_lora": True}, "LoRA")])
+def test_unsupported_engine_options_are_refused_by_name(hf, config, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(hf, config, **kw)
