@@ -781,6 +781,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
+        self.kv_tiers_config()  # likewise the KV tier flags (--kv-disk-dir needs --kv-disk-gb)
         if self.slo_cost_model is not None and self.scheduling_policy != "slo":
             raise ValueError("slo_cost_model: the step-cost model is for --scheduling-policy "
                              f"slo, not {self.scheduling_policy!r}")

@@ -4,6 +4,8 @@ counters reach Prometheus."""
 
 import random
 
+import pytest
+
 from prometheus_client import CollectorRegistry, generate_latest
 from tiers_helpers import run, tiered_engine
 
@@ -53,3 +55,26 @@ def test_tier_counters_reach_prometheus(tmp_path):
     assert f'servelm_kv_tier_used_bytes{{tier="host"}} {float(host.used_bytes)}' in text
     assert 'servelm_kv_tier_decisions_total{decision="reload"} 1.0' in text
     assert host.num_hits + disk.num_hits == 9
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(kv_disk_dir="/tmp/x"), "kv_disk_gb"),
+    (dict(kv_disk_gb=1.0), "kv_disk_dir"),
+    (dict(kv_host_memory_gb=-1.0), "kv_host_memory_gb"),
+    (dict(kv_host_memory_gb=1.0, kv_reload_policy="sometimes"), "kv_reload_policy"),
+])
+def test_bad_tier_flags_are_refused_by_name(kwargs, param):
+    from servelm.config import EngineArgs
+
+    with pytest.raises(ValueError, match=param):
+        EngineArgs(model="m", **kwargs)
+
+
+def test_tiers_need_the_prefix_cache():
+    from fake_runner import make_engine
+
+    from servelm.kv_tiers.host_tier import HostTier
+    from servelm.kv_tiers.tiers import KVTiers
+
+    with pytest.raises(ValueError, match="prefix cache"):
+        make_engine(prefix_caching=False).use_kv_tiers(KVTiers([HostTier(1024)], 4, 32))
