@@ -92,6 +92,9 @@ class ModelRunner:
         if self.vision is not None and deterministic:
             raise ValueError("--deterministic: vision-language models are not supported (the "
                              "encoder's kernels are not batch-invariant)")
+        if self.vision is not None and getattr(proposer, "num_layers", None) is not None:
+            raise ValueError("spec_draft_layers: vision-language models are not supported "
+                             "(--speculative-method ngram is)")
         # --deterministic: batch-invariant linears and per-row attention (runner/
         # deterministic.py), before the decode stack is built from the model's layers.
         self.deterministic = deterministic

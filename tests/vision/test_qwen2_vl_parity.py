@@ -211,8 +211,9 @@ def test_greedy_with_ngram_speculation(hf, config, prompt, hf_tokens):
     assert engine.stats.spec_num_proposed > 0
 
 
-@pytest.mark.parametrize("kw,match", [({"deterministic": True}, "deterministic"),
-                                      ({"enable_lora": True}, "LoRA")])
+@pytest.mark.parametrize("kw,match", [
+    ({"deterministic": True}, "deterministic"), ({"enable_lora": True}, "LoRA"),
+    ({"speculative_method": "draft", "spec_draft_layers": 1}, "spec_draft_layers")])
 def test_unsupported_engine_options_are_refused_by_name(hf, config, kw, match):
     with pytest.raises(ValueError, match=match):
         _engine(hf, config, **kw)
