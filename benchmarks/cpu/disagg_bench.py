@@ -9,7 +9,8 @@
    both setups. The decode worker's /metrics gives the KV bytes and seconds per transfer.
 2. KV transport throughput on loopback: FRAMES frames of one block of the model's KV each
    through tcp and shm (raw, and with the crc32 both roles compute), against this machine's
-   memory copy bandwidth (numpy, one buffer copied into another).
+   memory copy bandwidth (numpy, one buffer copied into another), and `plan disagg`'s
+   break-even bandwidth with the measured prefill time of each long prompt.
 
 Writes result.json and disagg.png under --out.
 
@@ -265,6 +266,21 @@ def block_nbytes(model: str, block_size: int = 16) -> int:
     return int(kv_bytes_per_token(config, 4) * block_size)  # float32 KV (the CPU default)
 
 
+def break_even(result: dict, kv_bytes_per_token: float) -> dict:
+    """`plan disagg`'s break-even (KV bytes of the prompt / its prefill time) with this
+    machine's measured prefill time (the colocated long prompt's TTFT) in place of the
+    planner's model, and each transport's transfer time over that prefill time (below 1:
+    the transfer hides behind the prefill it overlaps)."""
+    colocated = result["runs"][0]["long_ttft_s"]
+    out = {}
+    for n, ttft in colocated.items():
+        nbytes = int(n) * kv_bytes_per_token
+        out[n] = {"kv_bytes": nbytes, "prefill_s": ttft, "break_even_Bps": nbytes / ttft,
+                  "transfer_over_prefill": {k: nbytes / bps / ttft
+                                            for k, bps in result["transport"]["Bps"].items()}}
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -324,6 +340,7 @@ def main() -> None:
             key = name + (" + crc32" if crc else "")
             result["transport"]["Bps"][key] = transport_throughput(name, nbytes, a.frames, crc)
             print(f"{key}: {result['transport']['Bps'][key] / 1e9:.2f} GB/s", file=sys.stderr)
+    result["break_even"] = break_even(result, nbytes / 16)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
