@@ -30,6 +30,23 @@ def test_blocks_move_and_decode_computes_only_the_tail():
     pair.check_clean()
 
 
+def test_blocks_cross_while_the_prompt_is_computed():
+    pair = Pair()
+    tokens = prompt(25 * BLOCK + 1)  # four prefill chunks of 32 tokens
+    rid = pair.submit(tokens)
+    loaded_while_computing = []
+    while pair.prefill.num_requests:
+        pair.step()
+        loaded_while_computing.append(sum(len(t.loaded)
+                                          for t in pair.d_role._transfers.values()))
+    # blocks of the first chunks were in the decode pool before the last chunk ran
+    assert len(loaded_while_computing) >= 4 and 0 < loaded_while_computing[-2] < 25
+    pair.run()
+    _expect(pair, rid, tokens)
+    assert pair.d_role.stats.num_completed == 1
+    pair.check_clean()
+
+
 def test_block_multiple_prompt_keeps_one_token_to_compute():
     pair = Pair()
     tokens = prompt(3 * BLOCK)
