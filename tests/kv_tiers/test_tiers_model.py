@@ -49,3 +49,37 @@ def test_reload_from_host_and_disk_gives_the_recomputed_tokens(tiny_hf, tmp_path
     assert tiered.stats.num_computed_prompt_tokens - computed == 120 - 116
     assert again == want
     kv.close()
+
+
+def test_disk_tier_found_again_after_a_restart_only_by_the_same_weights(tiny_hf, tmp_path,
+                                                                        monkeypatch):
+    rng = random.Random(1)
+    history = [rng.randrange(5, 380) for _ in range(60)]
+    others = [[rng.randrange(5, 380) for _ in range(60)] for _ in range(2)]
+    kw = dict(num_blocks=20, block_size=4, max_num_batched_tokens=64,
+              kv_disk_dir=str(tmp_path), kv_disk_gb=0.01, kv_reload_policy="always")
+    hf = tiny_hf("llama", seed=3)
+    first = make_tiny_engine(hf, **kw)
+    want, _ = _generate(first, "h", history)
+    for i, p in enumerate(others):
+        _generate(first, f"o{i}", p)
+    first.kv_tiers.close()
+    stored = first.kv_tiers.by_name["disk"].stats.num_blocks
+    assert stored >= 14
+    # Another model (other weights, same shapes): its own directory, nothing of ours read.
+    other = make_tiny_engine(tiny_hf("llama", seed=4), **kw)
+    assert other.kv_tiers.by_name["disk"].stats.num_blocks == 0
+    assert other.kv_tiers.by_name["disk"].dir != first.kv_tiers.by_name["disk"].dir
+    other.kv_tiers.close()
+    # Another servelm version: likewise.
+    import servelm.kv_tiers.build as build
+    monkeypatch.setattr(build, "__version__", "0.0.0-other")
+    assert make_tiny_engine(hf, **kw).kv_tiers.by_name["disk"].stats.num_blocks == 0
+    monkeypatch.undo()
+    # The same model again (a restart): the blocks are found and reloaded.
+    again = make_tiny_engine(hf, **kw)
+    assert again.kv_tiers.by_name["disk"].stats.num_blocks == stored
+    got, timings = _generate(again, "h", history)
+    assert timings.cache_explain["disk_tokens"] == 56 and got == want
+    assert again.stats.num_computed_prompt_tokens == 60 - 56
+    again.kv_tiers.close()
