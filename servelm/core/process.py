@@ -113,6 +113,7 @@ class EngineCore:
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.loop = EngineLoop(engine, _SocketSink(self.out))
         self.front_end_gone = False
+        self.failed: str | None = None  # set by fail()
 
     def run(self) -> int:
         reader = threading.Thread(target=self._read, name="servelm-core-reader", daemon=True)
@@ -120,7 +121,7 @@ class EngineCore:
         writer.start()
         reader.start()
         self.loop.run()  # returns after stop() (front end gone or Shutdown) or a crash
-        crashed = self.loop.dead_error is not None
+        crashed = self.loop.dead_error is not None or self.failed is not None
         bm = self.engine.block_manager
         live = self.engine.scheduler.live_sequences()
         logger.warning("engine core stopping (%s): %d sequences hold blocks, %d of %d blocks "
@@ -130,6 +131,13 @@ class EngineCore:
         self.out.put(None)  # the writer flushes what is queued, then ends
         writer.join(5.0)
         return 1 if crashed else 0
+
+    def fail(self, cause: str) -> None:
+        """The engine broke outside a step (a model-parallel worker died while idle): tell
+        the front end why, then stop (any thread)."""
+        self.failed = cause
+        self.out.put(codec.frame(Fatal(cause)))
+        self.loop.stop()
 
     def _read(self) -> None:
         try:
@@ -191,7 +199,11 @@ def serve(path: str) -> int:
         sock.sendall(codec.frame(Fatal(f"engine build failed: {exc}")))
         return 1
     sock.sendall(codec.frame(Ready(describe_engine(engine))))
-    return EngineCore(engine, sock).run()
+    core = EngineCore(engine, sock)
+    watch = getattr(engine.runner, "watch_workers", None)
+    if watch is not None:  # model-parallel (servelm/parallel/runner.py): fail at a death
+        watch(core.fail)
+    return core.run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,8 @@ stopped, and the engine loop fails every request it holds (servelm/engine/engine
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from servelm.core import codec
 from servelm.core.contract import StepDescription, StepResult
@@ -42,6 +44,7 @@ class ParallelRunner:
         self.kv_cache = local.kv_cache
         self.backend = local.backend
         self.cpu_stack = None
+        self._closed = False
 
     def execute(self, step: StepDescription) -> StepResult:
         if step.kv_saves or step.kv_loads:
@@ -70,8 +73,22 @@ class ParallelRunner:
             raise WorkerDiedError(f"cannot step: {dead}")
 
     def _stop(self) -> None:
+        self._closed = True  # the watcher stops: whoever called this reports the failure
         self.workers.terminate()
         self.group.leave()
+
+    def watch_workers(self, on_death, every_s: float = 0.2) -> None:
+        """Call on_death(cause) once if a worker dies, also while no step runs (the engine
+        core reports the replica dead at once instead of at its next step)."""
+        def watch() -> None:
+            while not self._closed:
+                dead = self.workers.dead()
+                if dead:
+                    on_death(f"model-parallel {dead}")
+                    return
+                time.sleep(every_s)
+
+        threading.Thread(target=watch, name="servelm-worker-watch", daemon=True).start()
 
     def score(self, items):
         raise InvalidParameterError("scoring outside a step is not supported with "
@@ -80,6 +97,7 @@ class ParallelRunner:
 
     def close(self) -> None:
         """Tell the workers to stop, then make sure they did."""
+        self._closed = True
         if not self.workers.dead():
             try:
                 self.group.broadcast_bytes(STOP)

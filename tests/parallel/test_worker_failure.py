@@ -127,3 +127,19 @@ def test_a_worker_exits_when_rank_0_dies(tiny_path):
     os.kill(core, signal.SIGKILL)
     _wait(lambda: not _alive(workers[0]), 10)
     client.proc.wait(5)
+
+
+@pytest.mark.slow  # a replica start of its own
+def test_a_worker_killed_while_idle_turns_health_503_without_a_request(tiny_path):
+    client = _spawn(tiny_path)
+    server = LiveServer(client)
+    core = client.proc.pid
+    try:
+        workers = _workers(core)
+        assert httpx.get(server.url + "/health").status_code == 200
+        os.kill(workers[0], signal.SIGKILL)
+        _wait(lambda: httpx.get(server.url + "/health").status_code == 503, 5)
+        assert "worker rank 1" in httpx.get(server.url + "/health").text
+        _wait(lambda: not _alive(core), 15)
+    finally:
+        server.stop()
