@@ -194,6 +194,14 @@ def handler(args) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))  # fail before the slow model load if the port is taken
+    if args.slo_spec is not None:  # and if the SLO spec cannot be used
+        from servelm.slo import SLOSpec, SLOSpecError
+
+        try:
+            SLOSpec.load(args.slo_spec)
+        except SLOSpecError as exc:
+            print(f"servelm serve: error: {exc}", file=sys.stderr)
+            return 2
     engine_args = _with_kv_address(engine_args_from_cli(args), args)
     if args.engine_core == "process":
         engine, built = _start_core(engine_args)

@@ -65,3 +65,12 @@ def test_the_early_refusal_is_a_429_with_retry_after():
     assert err.status == 429 and err.code == "slo_unattainable" and err.param == "slo_class"
     resp = err.response()
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+
+
+def test_a_bad_spec_stops_serve_before_the_model_loads(tmp_path, capsys):
+    from servelm.cli import main
+
+    bad = tmp_path / "slo.json"
+    bad.write_text(json.dumps({"classes": [{"name": "a", "ttft_ms": 1}]}))
+    assert main(["serve", "no-such-model", "--port", "0", "--slo-spec", str(bad)]) == 2
+    assert "classes[0].tpot_ms: required" in capsys.readouterr().err
