@@ -21,6 +21,12 @@
 #   STAGE=measure KNEE=1 RUNS="knee overload" bash benchmarks/cpu/run_sim_validation.sh
 #   STAGE=replay bash benchmarks/cpu/run_sim_validation.sh       # seconds: the tables
 #
+# THREADS=1 (default 2) gives the engine one core and leaves the other to the HTTP front end:
+# the last record's gap (served steps slower than calibrated ones, more so as streams grow)
+# looks like the front end taking CPU from the engine's two threads; with one thread each,
+# calibration and serving should see the same engine. A hypothesis to check with this
+# script, not a measured fact.
+#
 # The replay prints two error tables: the calibrated model as it is (the validation), and
 # the same model times one factor fitted to the light run's TPOT p50 (`servelm sim
 # --cost-scale`): how much of the gap one constant explains (light is then fitted, the
