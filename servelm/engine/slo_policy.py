@@ -44,9 +44,6 @@ from servelm.protocol import EngineRequest, InvalidParameterError
 
 StepTime = Callable[[int, int, int, int, int], float]
 
-_BEST_EFFORT = math.inf  # the priority of a request with no class
-
-
 class SLOUnattainableError(InvalidParameterError):
     """A request refused at admission: its TTFT cannot be met behind the current queue.
     Over HTTP a 429 (servelm/server/errors.py), the reason in the message."""
@@ -77,8 +74,8 @@ class SLOPolicy:
 
     def _key(self, seq, now: float, per_token_s: float) -> tuple:
         slo = seq.slo
-        if slo is None:
-            return (0, _BEST_EFFORT, seq.timings.arrival_time)
+        if slo is None:  # best effort: after every request with a class, in arrival order
+            return (2, 0, seq.timings.arrival_time)
         if seq.num_output_tokens > 0:  # resumed after preemption: TTFT already met or missed
             return (0, slo.priority, -math.inf)
         slack = (seq.timings.arrival_time + slo.ttft_s - now

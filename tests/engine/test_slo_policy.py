@@ -264,3 +264,18 @@ def test_the_policy_flags_are_checked_by_name():
         EngineArgs(model="m", slo_cost_model="cost.json")  # fcfs: nothing would read it
     args = EngineArgs(model="m", scheduling_policy="slo", slo_cost_model="cost.json")
     assert args.scheduler_config().scheduling_policy == "slo"
+
+
+def test_best_effort_requests_go_after_every_class_even_a_doomed_one():
+    spec = SLOSpec.from_dict(SPEC)
+    clock = Clock()
+    engine = _engine(clock, max_num_batched_tokens=8, max_num_seqs=1, num_blocks=64)
+    engine.add_request(_req("first", 4, "batch", spec, max_tokens=30))
+    engine.step()
+    clock.now = 0.5
+    engine.add_request(EngineRequest("none", list(range(5, 9)), SamplingParams(max_tokens=4),
+                                     arrival_time=0.01))
+    engine.add_request(_req("doomed", 4, "interactive", spec, arrival=0.02))
+    engine.add_request(_req("batch", 4, "batch", spec, arrival=0.4))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["batch", "doomed", "none"]
