@@ -92,13 +92,19 @@ class Experts(nn.Module):
                              persistent=False)
         self.num_cpu_kernel_calls = 0  # steps through cpu_kernels' moe_experts (tests check)
 
-    def quantize_experts(self, quant) -> None:
+    def quantize_experts(self, quant, blocks_of=None) -> None:
         """Each expert's two matrices as `quant`'s layers (int8 / int4 through servelm's
-        quantized GEMMs); the float stacks are dropped."""
-        self.q13 = nn.ModuleList(quant.from_float(self.w13.data[e], None)
-                                 for e in range(self.num_experts))
-        self.q2 = nn.ModuleList(quant.from_float(self.w2.data[e], None)
-                                for e in range(self.num_experts))
+        quantized GEMMs); the float stacks are dropped. blocks_of(expert, "w13" | "w2"): a
+        GGUF file's blocks for that matrix (--quantization gguf: kept as they are), or None
+        to quantize the float values."""
+        def build(e: int, which: str):
+            blocks = blocks_of(e, which) if blocks_of is not None else None
+            if blocks is not None:
+                return quant.from_blocks(blocks, None)
+            return quant.from_float(getattr(self, which).data[e], None)
+
+        self.q13 = nn.ModuleList(build(e, "w13") for e in range(self.num_experts))
+        self.q2 = nn.ModuleList(build(e, "w2") for e in range(self.num_experts))
         del self.w13, self.w2
         self.w13 = self.w2 = None
 

@@ -410,6 +410,10 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig,
 
     for name, tensor, heads, shift in _model_tensors(path, config):
         is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
+        if (select is None and _is_expert_stack(name) and len(tensor.shape) == 3
+                and tensor.tensor_type.name in BLOCK_BYTES):
+            yield from _expert_blocks(name, tensor)  # each expert's rows kept quantized
+            continue
         if select is not None and not _is_expert_stack(name):
             view = (_BlocksView if is_blocks else _SliceView)(tensor, heads, shift)
             if (picked := select(name, view)) is not None:
@@ -435,6 +439,19 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig,
                     yield picked
         else:
             yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+
+
+def _expert_blocks(name: str, tensor) -> Iterator[tuple[str, Any]]:
+    """A stacked [experts, out, in] Q8_0/Q4_0/Q4_1 tensor as one GGUFBlocks per expert
+    (rows of whole blocks: an expert's slice of the stack is its own bytes)."""
+    from servelm.quant.gguf_blocks import GGUFBlocks
+
+    data = np.asarray(tensor.data)  # [experts, out, bytes per row] uint8
+    out, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml's ne: [in, out, experts]
+    for e in range(data.shape[0]):
+        yield hf_name(name, expert=e), GGUFBlocks(
+            tensor.tensor_type.name, torch.from_numpy(np.array(data[e], dtype=np.uint8)),
+            (out, cols))
 
 
 # --- tokenizer ----------------------------------------------------------------------------

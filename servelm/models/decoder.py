@@ -39,8 +39,9 @@ class Placement(NamedTuple):
 Rule = tuple[str, Callable[[re.Match], Placement | None]]
 
 
-# weight-only methods built from float weights, per linear (servelm/quant/methods.py)
-_EXPERT_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256")
+# weight-only methods built from float weights, per linear (servelm/quant/methods.py), and
+# 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (float values elsewhere)
+_EXPERT_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf")
 
 
 class DecoderLM(nn.Module):
@@ -53,6 +54,8 @@ class DecoderLM(nn.Module):
 
     def __init__(self, config: ModelConfig, quant=None):
         super().__init__()
+        # (param name, expert or None) -> {first row: GGUF blocks} under --quantization gguf
+        self._gguf_blocks: dict[tuple[str, int | None], dict[int, object]] = {}
         if quant is not None and not (self.quantizable and quant.name in _EXPERT_METHODS):
             raise ValueError(f"quantization {getattr(quant, 'name', quant)!r} is not supported "
                              f"for the {self.family or config.architecture} family (float only"
@@ -105,21 +108,45 @@ class DecoderLM(nn.Module):
             return
         from servelm.layers.moe import MoE
 
-        for layer in self.layers:
-            for parent in list(layer.modules()):
+        if self.quant.name == "gguf" and not self._gguf_blocks:
+            raise ValueError("quantization 'gguf' needs a GGUF file's quantized blocks; these "
+                             "weights came as floats (use int8 or int4)")
+        for i, layer in enumerate(self.layers):
+            for path, parent in list(layer.named_modules(prefix=f"layers.{i}")):
                 if hasattr(parent, "quantize_experts"):
-                    parent.quantize_experts(self.quant)
+                    parent.quantize_experts(self.quant, lambda e, w, p=path: self._blocks_of(
+                        f"{p}.{w}", e, getattr(parent, w).shape[1]))
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear:
                         continue
                     if isinstance(parent, MoE) and name in ("gate", "shared_gate"):
                         continue
                     bias = None if child.bias is None else child.bias.data
-                    setattr(parent, name, self.quant.from_float(child.weight.data, bias))
+                    blocks = self._blocks_of(f"{path}.{name}.weight", None, child.out_features)
+                    setattr(parent, name, self.quant.from_float(child.weight.data, bias)
+                            if blocks is None else self.quant.from_blocks(blocks, bias))
+        self._gguf_blocks = {}
         head = self.quant.lm_head_method()
         if head is not None:
             source = self.embed_tokens if self.lm_head is None else self.lm_head
             self.lm_head = head.from_float(source.weight.data, None)
+
+    def _blocks_of(self, target: str, expert: int | None, num_rows: int):
+        """The GGUF blocks loaded for every row of `target` (one expert's slice of it), of
+        one type, fused; None where any row came as floats or types differ (then the
+        layer is built from the float values)."""
+        parts = self._gguf_blocks.get((target, expert))
+        if not parts:
+            return None
+        from servelm.quant.gguf_blocks import cat_rows
+
+        rows = sorted(parts)
+        blocks = [parts[r] for r in rows]
+        offsets = [sum(b.shape[0] for b in blocks[:j]) for j in range(len(blocks))]
+        if (rows != offsets or sum(b.shape[0] for b in blocks) != num_rows
+                or len({b.type_name for b in blocks}) != 1):
+            return None
+        return cat_rows(blocks)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -157,7 +184,9 @@ class DecoderLM(nn.Module):
                 dst = dst[p.expert]
             if p.rows is not None:
                 dst = dst.narrow(0, *p.rows)
-            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: their float values
+            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: kept, and their values
+                start = 0 if p.rows is None else p.rows[0]
+                self._gguf_blocks.setdefault((p.target, p.expert), {})[start] = tensor
                 tensor = tensor.dequantize()
             if dst.shape != tensor.shape:
                 raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != model "

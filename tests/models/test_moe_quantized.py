@@ -95,4 +95,6 @@ def test_families_without_the_hook_refuse_by_name():
     with pytest.raises(ValueError, match="'int8' is not supported for the gemma2 family"):
         _engine(hf, "int8")
     with pytest.raises(ValueError, match="int8, int4"):
+        _engine(make_tiny_family_model("mixtral"), "fp8")
+    with pytest.raises(ValueError, match="'gguf' needs a GGUF file"):  # float weights given
         _engine(make_tiny_family_model("mixtral"), "gguf")
