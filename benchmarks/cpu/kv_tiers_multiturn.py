@@ -2,10 +2,10 @@
 with the KV tiers (host memory, disk) reloading each history against recomputing it, per
 history length, and the crossover against `servelm plan offload`'s.
 
-For each history length L: NUM_CONVS conversations each prefill an L-token history (turn
-1), other prompts then push every history out of the device pool, and each conversation
-returns with its history + 16 new tokens, one at a time (so TTFT is the reload or the
-recompute, not queueing). Modes: "recompute" (no tiers), "host" (--kv-host-memory-gb,
+For each history length L: --num-convs conversations each prefill an L-token history (turn
+1; all lengths' histories together are larger than the device pool), other prompts then
+push the last of them out, and each conversation returns with its history + 16 new tokens,
+one at a time (so TTFT is the reload or the recompute, not queueing). Modes: "recompute" (no tiers), "host" (--kv-host-memory-gb,
 reload always), "disk" (--kv-disk-dir only, reload always; reads go through the page
 cache) and "cost" (host + disk, the engine's own reload-or-recompute decision). Each
 returning turn's cache explain (tokens per tier, decision, estimated reload and recompute
@@ -58,28 +58,36 @@ def _one(engine, rid: str, prompt: list[int], max_tokens: int):
     return timings
 
 
-def run_length(engine, args, mode: str, length: int) -> list[dict]:
+def run_mode(engine, args, mode: str, lengths: list[int]) -> list[dict]:
+    """Turn 1 of every conversation (all lengths), one flush of the pool, then every
+    returning turn: the histories together are larger than the pool, and the flush pushes
+    out the last of them."""
     pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
-    rng = random.Random(length)
+    rng = random.Random(0)
     vocab = engine.vocab_size
-    histories = [[rng.randrange(100, vocab - 100) for _ in range(length)]
-                 for _ in range(args.num_convs)]
-    for i, h in enumerate(histories):
+
+    def tokens(n):
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    convs = [(n, tokens(n)) for n in lengths for _ in range(args.num_convs)]
+    for i, (_, h) in enumerate(convs):
         _one(engine, f"t1-{i}", h, 1)
     flushed = 0
-    while flushed < pool_tokens + pool_tokens // 4:  # every history out of the device pool
+    while flushed < pool_tokens + pool_tokens // 4:
         n = min(2048, pool_tokens // 2)
-        _one(engine, f"flush-{flushed}", [rng.randrange(100, vocab - 100) for _ in range(n)], 1)
+        _one(engine, f"flush-{flushed}", tokens(n), 1)
         flushed += n
     if engine.kv_tiers is not None:
         engine.kv_tiers.io.drain()
     rows = []
-    for i, h in enumerate(histories):
-        prompt = h + [rng.randrange(100, vocab - 100) for _ in range(16)]
+    for i, (n, h) in enumerate(convs):
+        prompt = h + tokens(16)
         t = _one(engine, f"t2-{i}", prompt, args.output_len)
-        rows.append({"mode": mode, "history_tokens": length, "prompt_tokens": len(prompt),
+        rows.append({"mode": mode, "history_tokens": n, "prompt_tokens": len(prompt),
                      "ttft_s": t.ttft_s, "num_cached_tokens": t.num_cached_tokens,
                      "cache_explain": t.cache_explain})
+        print(f"{mode:9s} L={n:5d}: TTFT {t.ttft_s * 1e3:.1f} ms "
+              f"{(t.cache_explain or {}).get('decision', '')}", flush=True)
     if engine.kv_tiers is not None:
         rows[-1]["tier_stats"] = engine.kv_tiers.stats()
     return rows
@@ -96,7 +104,7 @@ def planner_crossover(model: str, tiers_bw: dict[str, float]) -> dict:
                                                 if measured else None)):
             if extra is None:
                 continue
-            res = subprocess.run(base + extra, capture_output=True, text=True)
+            res = subprocess.run(base + extra, capture_output=True, text=True, check=False)
             if res.returncode == 0:
                 plan = json.loads(res.stdout)
                 out[f"{tier}_{label}"] = {k: plan.get(k) for k in (
@@ -153,7 +161,7 @@ def main() -> None:
     p.add_argument("--planner-model", default="SmolLM2-135M")
     p.add_argument("--lengths", default="128,256,512,1024,2048")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--num-convs", type=int, default=3)
+    p.add_argument("--num-convs", type=int, default=2)
     p.add_argument("--output-len", type=int, default=2)
     p.add_argument("--pool-bytes", type=int, default=160 * 2**20)  # ~4k tokens of this model
     p.add_argument("--threads", type=int, default=2)
@@ -167,10 +175,7 @@ def main() -> None:
         disk_dir = tempfile.mkdtemp(prefix="servelm-kv-bench-")
         try:
             engine = _engine(args.model, mode, args.pool_bytes, args.threads, disk_dir)
-            for length in [int(x) for x in args.lengths.split(",")]:
-                rows += run_length(engine, args, mode, length)
-                print(f"{mode:9s} L={length:5d}: TTFT " + " ".join(
-                    f"{r['ttft_s'] * 1e3:.1f}ms" for r in rows[-args.num_convs:]), flush=True)
+            rows += run_mode(engine, args, mode, [int(x) for x in args.lengths.split(",")])
             if engine.kv_tiers is not None:
                 engine.kv_tiers.close()
         finally:

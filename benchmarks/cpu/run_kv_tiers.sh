@@ -12,7 +12,7 @@ TS=$(date -u +%Y%m%dT%H%M%SZ)
 echo "load before: $(cat /proc/loadavg)" >&2
 if [[ "${WHICH:-both}" != long ]]; then
   $PY benchmarks/cpu/kv_tiers_multiturn.py --lengths "${LENGTHS:-128,256,512,1024,2048}" \
-      --num-convs "${NUM_CONVS:-3}" --out-dir "benchmarks/results/kv-tiers-multiturn-$TS"
+      --num-convs "${NUM_CONVS:-2}" --out-dir "benchmarks/results/kv-tiers-multiturn-$TS"
 fi
 if [[ "${WHICH:-both}" != multiturn ]]; then
   $PY benchmarks/cpu/long_context.py \

@@ -36,8 +36,12 @@ from servelm.engine.sequence import SequenceStatus
 from servelm.kv_tiers.connector import KVConnector
 from servelm.kv_tiers.entry import BlockEntry, make_entry, verify
 from servelm.kv_tiers.io_queue import IOQueue
-from servelm.kv_tiers.reload_policy import (RELOAD_POLICIES, CacheExplain, PrefillEstimate,
-                                            decide)
+from servelm.kv_tiers.reload_policy import (
+    RELOAD_POLICIES,
+    CacheExplain,
+    PrefillEstimate,
+    decide,
+)
 
 
 class LoadPlan(NamedTuple):

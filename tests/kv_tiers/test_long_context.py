@@ -7,6 +7,7 @@ planner's. Greedy output is the same in every arrangement.
 
 The 16k-token cases run by default; the same at 128k tokens is marked slow."""
 
+import functools
 import random
 
 import pytest
@@ -23,6 +24,7 @@ _ROPE = {
 _MAX_POS = 131072 + 256
 
 
+@functools.cache  # one build per variant for the module (transformers' init is slow)
 def _model(rope: str, heads: int = 2):
     return make_tiny_hf_model("llama", seed=7, vocab_size=128, hidden_size=16,
                               intermediate_size=32, num_hidden_layers=1,

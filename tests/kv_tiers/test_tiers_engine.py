@@ -39,7 +39,7 @@ def test_evicted_blocks_move_to_host_and_reload_checked():
 
 def test_host_evictions_move_to_disk_and_disk_reads_wait_off_the_step(tmp_path):
     nbytes = 8 * 4  # the fake runner's block
-    engine, kv, runner = tiered_engine(num_blocks=16, host_bytes=4 * nbytes,
+    engine, kv, _runner = tiered_engine(num_blocks=16, host_bytes=4 * nbytes,
                                        disk_dir=tmp_path, disk_bytes=1 << 20)
     history = _prompt(1, 40)
     first, _ = run(engine, [history], prefix="a")
@@ -74,7 +74,7 @@ def test_host_evictions_move_to_disk_and_disk_reads_wait_off_the_step(tmp_path):
 
 
 def test_corrupt_or_missing_file_falls_back_to_recompute(tmp_path):
-    engine, kv, runner = tiered_engine(num_blocks=16, disk_dir=tmp_path, disk_bytes=1 << 20)
+    engine, kv, _runner = tiered_engine(num_blocks=16, disk_dir=tmp_path, disk_bytes=1 << 20)
     history = _prompt(1, 40)
     first, _ = run(engine, [history], prefix="a")
     _flush(engine, [2, 3])
@@ -136,7 +136,7 @@ def test_disk_limit_holds_on_disk(tmp_path):
 
 
 def test_tenant_salts_isolate_every_tier(tmp_path):
-    engine, kv, runner = tiered_engine(num_blocks=16, host_bytes=6 * 32, disk_dir=tmp_path,
+    engine, _kv, _runner = tiered_engine(num_blocks=16, host_bytes=6 * 32, disk_dir=tmp_path,
                                        disk_bytes=1 << 20)
     history = _prompt(1, 40)
     run(engine, [history], salt="tenant-a", prefix="a")
@@ -152,7 +152,7 @@ def test_cost_policy_recomputes_when_reload_is_slower():
     from servelm.kv_tiers.reload_policy import PrefillEstimate
     from servelm.sim.cost_model import StepCostModel
 
-    engine, kv, runner = tiered_engine(num_blocks=16, host_bytes=1 << 20, policy="cost")
+    engine, kv, _runner = tiered_engine(num_blocks=16, host_bytes=1 << 20, policy="cost")
     history = _prompt(1, 40)
     run(engine, [history], prefix="a")
     _flush(engine, [2, 3])

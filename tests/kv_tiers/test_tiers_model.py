@@ -29,7 +29,7 @@ def test_reload_from_host_and_disk_gives_the_recomputed_tokens(tiny_hf, tmp_path
     others = [[rng.randrange(5, 380) for _ in range(120)] for _ in range(2)]
     # 40 blocks of 4 tokens: each 128-token request evicts the one before it. The host
     # tier holds 40 blocks: the history's last blocks (evicted first) go on to disk.
-    kw = dict(num_blocks=40, block_size=4, max_num_batched_tokens=64)
+    kw = {"num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64}
     plain = make_tiny_engine(hf, **kw)
     tiered = make_tiny_engine(hf, kv_host_memory_gb=40 * 2048 / 1e9, kv_disk_dir=str(tmp_path),
                               kv_disk_gb=0.01, kv_reload_policy="always", **kw)
@@ -56,8 +56,8 @@ def test_disk_tier_found_again_after_a_restart_only_by_the_same_weights(tiny_hf,
     rng = random.Random(1)
     history = [rng.randrange(5, 380) for _ in range(60)]
     others = [[rng.randrange(5, 380) for _ in range(60)] for _ in range(2)]
-    kw = dict(num_blocks=20, block_size=4, max_num_batched_tokens=64,
-              kv_disk_dir=str(tmp_path), kv_disk_gb=0.01, kv_reload_policy="always")
+    kw = {"num_blocks": 20, "block_size": 4, "max_num_batched_tokens": 64,
+          "kv_disk_dir": str(tmp_path), "kv_disk_gb": 0.01, "kv_reload_policy": "always"}
     hf = tiny_hf("llama", seed=3)
     first = make_tiny_engine(hf, **kw)
     want, _ = _generate(first, "h", history)
@@ -72,7 +72,7 @@ def test_disk_tier_found_again_after_a_restart_only_by_the_same_weights(tiny_hf,
     assert other.kv_tiers.by_name["disk"].dir != first.kv_tiers.by_name["disk"].dir
     other.kv_tiers.close()
     # Another servelm version: likewise.
-    import servelm.kv_tiers.build as build
+    from servelm.kv_tiers import build
     monkeypatch.setattr(build, "__version__", "0.0.0-other")
     assert make_tiny_engine(hf, **kw).kv_tiers.by_name["disk"].stats.num_blocks == 0
     monkeypatch.undo()

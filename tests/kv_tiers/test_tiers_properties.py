@@ -37,7 +37,7 @@ def test_any_workload_keeps_invariants_and_tokens(turns, num_blocks, host_blocks
         host_blocks = 1
     tmp = tempfile.mkdtemp() if disk_blocks else None
     try:
-        engine, kv, runner = tiered_engine(
+        engine, kv, _runner = tiered_engine(
             num_blocks=num_blocks, block_size=_BLOCK, host_bytes=host_blocks * _ENTRY,
             disk_dir=tmp, disk_bytes=disk_blocks * _FILE, budget=budget)
         plain = make_engine(num_blocks=num_blocks, block_size=_BLOCK,

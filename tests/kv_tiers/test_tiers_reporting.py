@@ -5,7 +5,6 @@ counters reach Prometheus."""
 import random
 
 import pytest
-
 from prometheus_client import CollectorRegistry, generate_latest
 from tiers_helpers import run, tiered_engine
 
@@ -58,10 +57,10 @@ def test_tier_counters_reach_prometheus(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(kv_disk_dir="/tmp/x"), "kv_disk_gb"),
-    (dict(kv_disk_gb=1.0), "kv_disk_dir"),
-    (dict(kv_host_memory_gb=-1.0), "kv_host_memory_gb"),
-    (dict(kv_host_memory_gb=1.0, kv_reload_policy="sometimes"), "kv_reload_policy"),
+    ({"kv_disk_dir": "/tmp/x"}, "kv_disk_gb"),
+    ({"kv_disk_gb": 1.0}, "kv_disk_dir"),
+    ({"kv_host_memory_gb": -1.0}, "kv_host_memory_gb"),
+    ({"kv_host_memory_gb": 1.0, "kv_reload_policy": "sometimes"}, "kv_reload_policy"),
 ])
 def test_bad_tier_flags_are_refused_by_name(kwargs, param):
     from servelm.config import EngineArgs
