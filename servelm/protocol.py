@@ -327,10 +327,10 @@ class EngineRequest:
     prompt: str | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a loaded LoRA adapter to run with; None: the base model
-    # Prefill/decode disaggregation (servelm/disagg/): this request's part in a KV transfer
-    kv_transfer: KVTransferParams | None = None
     images: list[ImageInput] = field(default_factory=list)  # in prompt order
     slo: RequestSLO | None = None  # None: best effort (no class, served after every class)
+    # Prefill/decode disaggregation (servelm/disagg/): this request's part in a KV transfer
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass
