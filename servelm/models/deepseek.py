@@ -17,7 +17,9 @@ interleaved pairs (x0, x1), (x2, x3), ...; q_pe and k_pe are permuted to the rot
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import torch
 from torch import nn
@@ -28,6 +30,8 @@ from servelm.layers.rotary import RotaryEmbedding
 from servelm.models.decoder import Placement, expert_rules, gate_up_rule
 from servelm.models.mixtral import MixtralForCausalLM
 from servelm.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
@@ -132,6 +136,20 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
     def make_rotary(self, config: ModelConfig):
         return RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
                                config.rope_theta, config.rope_scaling)
+
+    def place(self, name: str) -> Placement | None:
+        """DeepSeek-V3 checkpoints carry num_nextn_predict_layers multi-token-prediction
+        modules as layers past num_hidden_layers (model.layers.61.* for a 61-layer model):
+        skipped at load, said once; servelm's speculative decoding uses its own proposers."""
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m is not None and int(m[1]) >= self.config.num_layers:
+            if not getattr(self, "_mtp_said", False):
+                self._mtp_said = True
+                logger.info("skipping layer %s and beyond: multi-token-prediction modules "
+                            "(the model has %d layers); not used as a draft", m[1],
+                            self.config.num_layers)
+            return None
+        return super().place(name)
 
     def make_attention(self, config: ModelConfig, layer: int, rotary, backend):
         return MLAttention(config, layer, rotary, backend)

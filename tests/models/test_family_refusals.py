@@ -66,15 +66,13 @@ def test_unknown_activation_is_refused():
 
 
 def test_quantizing_a_new_family_is_refused_naming_it():
-    """Gemma takes no method; the MoE families take the weight-only ones
-    (tests/models/test_moe_quantized.py) and refuse the others by name."""
+    """Gemma takes no method; the MoE families take the weight-only ones and gguf
+    (tests/models/test_moe_quantized.py, tests/loader/test_gguf_moe.py) and refuse the others
+    by name."""
     config = ModelConfig.from_hf_config(_llama_cfg(model_type="gemma2", sliding_window=8))
     with pytest.raises(ValueError, match="'int8' is not supported for the gemma2 family"):
         _build(config, quantization="int8")
-    config = ModelConfig.from_hf_config(_llama_cfg(model_type="mixtral", num_local_experts=4,
-                                                   num_experts_per_tok=2))
-    with pytest.raises(ValueError, match="'gguf' is not supported for the mixtral family"):
-        _build(config, quantization="gguf")
+    # (the MoE families' refusals: tests/models/test_moe_quantized.py)
 
 
 def test_backend_without_variants_is_refused_for_a_window_or_softcap():
@@ -158,3 +156,37 @@ def test_configs_without_layer_types_get_the_family_pattern(model_type, extra, e
               "qwen2": "Qwen2Config"}[model_type]
     hf = getattr(transformers, hf_cls)(num_hidden_layers=6, sliding_window=8, **extra)
     assert list(hf.layer_types) == expected
+
+
+def test_deepseek_multi_token_prediction_layers_are_skipped_and_said(caplog):
+    """V3 checkpoints hold their MTP module as a layer past num_hidden_layers: skipped at
+    load with a log line; the model is the one without it. A stray tensor is still refused."""
+    import logging
+
+    import torch
+
+    from tiny_families import make_tiny_family_model
+    from tiny_models import make_tiny_engine, prefill_logits
+
+    hf = make_tiny_family_model("deepseek_v3")
+    n = hf.config.num_hidden_layers
+    state = dict(hf.state_dict())
+    mtp = {k.replace("model.layers.0.", f"model.layers.{n}."): v.clone()
+           for k, v in state.items() if k.startswith("model.layers.0.")}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    mtp[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    from servelm.config import EngineArgs, ModelConfig
+    from servelm.engine_builder import assemble_engine
+
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    with caplog.at_level(logging.INFO, logger="servelm.models.deepseek"):
+        engine = assemble_engine(EngineArgs(model="tiny", num_blocks=64, block_size=4), config,
+                                 [*state.items(), *mtp.items()], None, "tiny")
+    assert any("multi-token-prediction" in r.message for r in caplog.records)
+    prompt = [3, 9, 27, 81, 243]
+    torch.testing.assert_close(prefill_logits(engine, prompt),
+                               prefill_logits(make_tiny_engine(hf), prompt))
+    with pytest.raises(ValueError, match="has no place"):
+        assemble_engine(EngineArgs(model="tiny", num_blocks=64, block_size=4), config,
+                        [*state.items(), ("model.layers.0.mystery.weight", torch.zeros(2))],
+                        None, "tiny")
