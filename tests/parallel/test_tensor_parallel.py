@@ -197,3 +197,30 @@ def test_default_model_tp2_keeps_its_gguf_blocks_quantized(default_model_path):
         engine.runner.close()
     assert tokens == ref_tokens
     assert max_logprob_diff(lps, ref_lps) < 1e-3
+
+
+def test_a_shape_that_does_not_split_fails_the_build_and_stops_the_workers(models):
+    """4 heads over 3 ranks: the build fails naming tensor_parallel_size, the two workers it
+    started are stopped and the process group left, so the next engine can start its own."""
+    import os
+    from pathlib import Path
+
+    from servelm.parallel.sharding import ShardingError
+
+    def workers() -> list[int]:  # this process's live worker children
+        out = []
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                proc = Path(f"/proc/{pid}")
+                if (b"servelm.parallel.worker" in (proc / "cmdline").read_bytes()
+                        and (proc / "stat").read_text().split(")")[1].split()[0] != "Z"):
+                    out.append(int(pid))
+        return out
+
+    path = save_tiny("llama", models)
+    with pytest.raises(ShardingError, match="4 attention heads") as e:
+        build(path, tensor_parallel_size=3)
+    assert e.value.param == "tensor_parallel_size"
+    assert workers() == []
+    tokens, _, _ = _tp2(path)  # a new group in the same process
+    assert tokens == run_greedy(build(path))[0]
