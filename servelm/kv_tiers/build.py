@@ -80,6 +80,12 @@ def build_kv_tiers(config: KVTiersConfig, block_size: int, block_nbytes: int,
 def attach_kv_tiers(engine, args, config: ModelConfig, block_nbytes: int, kv_dtype: str,
                     name: str, weights_id: str) -> KVTiers:
     """The engine builder's hook: --kv-* flags -> tiers under `engine`'s pool."""
+    if args.kv_disk_dir is not None and args.is_lora_enabled:
+        # An adapter's blocks are namespaced by its name and this run's id, not its weights:
+        # a later run could give another adapter the same name and id.
+        raise ValueError("kv_disk_dir: the disk tier does not serve LoRA adapters yet (their "
+                         "blocks would be read back by a later run's adapter of the same "
+                         "name); use --kv-host-memory-gb alone with --lora")
     block_size = args.block_size
     fingerprint = model_fingerprint(name, config, weights_id, block_size, block_nbytes,
                                     kv_dtype, args.quantization)

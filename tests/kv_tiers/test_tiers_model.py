@@ -83,3 +83,11 @@ def test_disk_tier_found_again_after_a_restart_only_by_the_same_weights(tiny_hf,
     assert timings.cache_explain["disk_tokens"] == 56 and got == want
     assert again.stats.num_computed_prompt_tokens == 60 - 56
     again.kv_tiers.close()
+
+
+def test_disk_tier_with_lora_is_refused_by_name(tiny_hf, tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="kv_disk_dir"):
+        make_tiny_engine(tiny_hf("llama", seed=3), num_blocks=20, kv_disk_dir=str(tmp_path),
+                         kv_disk_gb=0.01, enable_lora=True)
