@@ -84,6 +84,17 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-connections", type=int, default=d("max_connections"),
                    help="open connections; a connection beyond it gets a 503 and is closed "
                         "(default %(default)s)")
+    g.add_argument("--max-image-bytes", type=int, default=d("max_image_bytes"),
+                   help="vision models: the largest image (encoded bytes) a content part may "
+                        "carry (default %(default)s)")
+    g.add_argument("--max-image-pixels", type=int, default=d("max_image_pixels"),
+                   help="vision models: the largest width x height of one image, checked "
+                        "before decoding (default %(default)s)")
+    g.add_argument("--max-images-per-request", type=int, default=d("max_images_per_request"))
+    g.add_argument("--allowed-image-hosts", type=_host_list, default=d("allowed_image_hosts"),
+                   metavar="HOST,...",
+                   help="hosts whose https:// image URLs the server may fetch (default: none; "
+                        "images come as data: URLs)")
     from servelm.parsers import REASONING_PARSERS, TOOL_PARSERS
 
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
@@ -159,7 +170,12 @@ def server_config_from_cli(args, model_name: str):
 
 
 _LIMIT_FLAGS = ("max_prompts", "max_choices", "header_timeout", "keep_alive_timeout",
-                "max_connections")
+                "max_connections", "max_image_bytes", "max_image_pixels",
+                "max_images_per_request", "allowed_image_hosts")
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    return tuple(h.strip().lower() for h in text.split(",") if h.strip())
 
 
 def _setup_request_log(enabled: bool) -> None:

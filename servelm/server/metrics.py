@@ -25,6 +25,7 @@ from servelm import cost
 from servelm.config import EngineArgs, ModelConfig
 from servelm.cost import WeightBytes
 from servelm.planner.hardware import default_peaks
+from servelm.vision.metrics import VisionMetrics
 from servelm.protocol import RequestTimings, TokenDelta
 from servelm.disagg.metrics import DisaggMetrics
 from servelm.kv_tiers.metrics import KVTierMetrics
@@ -142,6 +143,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._last_token_time: dict[tuple[str, int], float] = {}
         self._num_preemptions_seen = 0
+        self.vision = VisionMetrics(r)  # images, encoder time, encoder cache hits
         self._num_slo_met = 0
         self._num_slo_judged = 0
         self._num_cached = 0
@@ -268,6 +270,9 @@ class ServerMetrics:
         self._num_preemptions_seen = report.num_preemptions
         self._spec_seen = (report.spec_num_proposed, report.spec_num_accepted)
 
+    def observe_images(self, num_images: int) -> None:
+        self.vision.observe_images(num_images)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -293,6 +298,8 @@ class ServerMetrics:
             self.kv_tiers.observe_report(report.kv_tiers)
         if report.kv_transfer:
             self.kv_transfer.observe_report(report.kv_transfer)
+        if report.num_images_encoded or report.num_encoder_cache_hits:
+            self.vision.observe_report(report)
         for d in deltas:
             self._observe_delta(d, now)
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Union
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from servelm.protocol import InvalidParameterError, SamplingParams, StructuredOutput
+from servelm.vision.parts import image_part
 
 # OpenAI's limit on stop sequences (SamplingParams allows more for the Python API, and checks
 # their length).
@@ -299,9 +300,11 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
-    def to_template(self, i: int) -> dict[str, Any]:
+    def to_template(self, i: int, images: list | None = None,
+                    image_prompt: str | None = None) -> dict[str, Any]:
         """{'role', 'content': str}, text parts joined; other part types, unknown roles and
-        missing content are rejected."""
+        missing content are rejected. image_url parts become `image_prompt` (the model's
+        image text) and are appended to `images` (servelm/vision/parts.py)."""
         if self.role not in CHAT_ROLES:
             raise InvalidParameterError(
                 f"messages[{i}].role: unknown role {self.role[:64]!r} (expected one of: "
@@ -312,7 +315,11 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                if part.get("type") == "image_url" and images is not None:
+                    texts.append(image_part(part, f"messages[{i}].content[{j}]",
+                                            image_prompt, images))
+                    continue
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidParameterError(
                         f"messages[{i}].content: only text parts are supported",
@@ -377,10 +384,12 @@ class ChatCompletionRequest(_SamplingRequest):
             return "max_completion_tokens"
         return param
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, images: list | None = None,
+                          image_prompt: str | None = None) -> list[dict[str, Any]]:
+        """images: collects the image_url parts (None: refuse them as non-text parts)."""
         if not self.messages:
             raise InvalidParameterError("messages must be a non-empty list", param="messages")
-        return [m.to_template(i) for i, m in enumerate(self.messages)]
+        return [m.to_template(i, images, image_prompt) for i, m in enumerate(self.messages)]
 
     def check_unsupported(self) -> None:
         self.tool_mode()

@@ -35,6 +35,12 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds for a request line and headers to arrive
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int = 1024  # open connections; more are answered 503 and closed
+    # Images in chat content parts (docs/vision.md): encoded size, width x height, images in
+    # one request, and the hosts whose https images may be fetched (none: data: URLs only).
+    max_image_bytes: int = 6 * 2**20
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 8
+    allowed_image_hosts: tuple[str, ...] = ()
     # Chat output parsers, by name (servelm/parsers/): tool calls in the model's format, and
     # thinking in tags (None: the output is all content).
     tool_call_parser: str = "hermes"

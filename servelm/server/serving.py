@@ -40,6 +40,7 @@ from servelm.server.schemas import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                                     check_known_fields)
 from servelm.server.sse import SSEResponse
+from servelm.vision.pipeline import ImagePipeline, image_limits, vision_of
 
 request_logger = logging.getLogger("servelm.requests")
 logger = logging.getLogger(__name__)
@@ -66,14 +67,14 @@ class Generation:
     def __init__(self, async_engine: AsyncEngine, base_id: str, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, timeout_s: float | None,
                  client_param: Callable[[str | None], str | None] = lambda p: p,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, images: list | None = None):
         self.async_engine = async_engine
         self.client_param = client_param  # engine parameter name -> the field the client sent
         self.base_id = base_id
         self.n = params.n
         self.lora_name = lora_name  # a LoRA adapter every prompt runs with (None: the base)
         self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, arrival_time=arrival,
-                                       lora_name=lora_name)
+                                       lora_name=lora_name, images=images or [])
                          for i, ids in enumerate(prompts)]
         self._prompt_index = {r.request_id: i for i, r in enumerate(self.requests)}
         self.arrival = arrival
@@ -216,6 +217,7 @@ class Prepared:
     timeout_s: float | None
     arrival: float
     lora_name: str | None = None  # the request's `model` named a loaded LoRA adapter
+    images: list | None = None  # a chat prompt's ImageInputs (vision models)
     kv_transfer: Any = None  # KVTransferParams from x-servelm-kv-transfer (disaggregation)
 
 
@@ -299,12 +301,15 @@ class OpenAIServing:
             if kind in ("completion", "embedding"):
                 prompts, texts = await self._completion_prompts(req)
             else:
-                prompts, texts = await self._chat_prompts(req)
+                images: list = []
+                prompts, texts = await self._chat_prompts(req, images)
+                self.state.metrics.observe_images(len(images))
         except InvalidParameterError as exc:
             exc.param = req.client_param(exc.param)
             raise APIError.from_invalid(exc) from None
         return Prepared(kind, body, req, params, prompts, texts,
-                        self._timeout(request), arrival, self._lora_name(req.model))
+                        self._timeout(request), arrival, self._lora_name(req.model),
+                        images if kind == "chat" else None)
 
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
@@ -379,8 +384,12 @@ class OpenAIServing:
             return None  # the engine rejects bad ids with a clear error
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def _chat_prompts(self, req: ChatCompletionRequest):
-        messages = req.template_messages()
+    async def _chat_prompts(self, req: ChatCompletionRequest, images_out: list | None = None):
+        """The chat prompt's ids; with image parts, each image's placeholder expanded to its
+        tokens and its ImageInput appended to images_out (servelm/vision/)."""
+        vision = vision_of(self.state.async_engine)
+        parts: list = []
+        messages = req.template_messages(parts, vision.image_prompt if vision else None)
         tok = self.tokenizer
         if tok is None:
             raise InvalidParameterError("this model has no tokenizer", param="messages")
@@ -399,7 +408,19 @@ class OpenAIServing:
         ids = await self._encode(text, add_special_tokens=False)
         if not ids:
             raise InvalidParameterError("messages render to an empty prompt", param="messages")
+        if parts:
+            ids, inputs = await self._images(vision).prepare(ids, parts)
+            if images_out is not None:
+                images_out += inputs
         return [ids], [None]
+
+    def _images(self, vision):
+        """The image pipeline (decode, limits, preprocessing in worker threads), made once."""
+        pipeline = getattr(self.state, "image_pipeline", None)
+        if pipeline is None:
+            pipeline = self.state.image_pipeline = ImagePipeline(vision,
+                                                                 image_limits(self.config))
+        return pipeline
 
     # -- /tokenize and /detokenize ---------------------------------------------------------
 
@@ -525,7 +546,7 @@ class OpenAIServing:
         prefix = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}[p.kind]
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
-                         p.timeout_s, p.request.client_param, p.lora_name)
+                         p.timeout_s, p.request.client_param, p.lora_name, p.images)
         self._attach_slo(gen, p.request)
         if p.kv_transfer is not None:  # one transfer per prompt (servelm/disagg/http.py)
             for i, r in enumerate(gen.requests):
