@@ -57,6 +57,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(procs, urls: list[str], timeout: float, what: str = "replica") -> None:
+    """Return once every process answers /health 200; RuntimeError if one exits first or
+    the deadline passes (naming which)."""
+    deadline = time.monotonic() + timeout
+    pending = set(range(len(urls)))
+    while pending:
+        for i in list(pending):
+            if procs[i].poll() is not None:
+                raise RuntimeError(f"{what} {urls[i]} exited with code {procs[i].returncode} "
+                                   "while starting")
+            try:
+                if httpx.get(urls[i] + "/health", timeout=1.0).status_code == 200:
+                    pending.discard(i)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}s {[urls[i] for i in sorted(pending)]} not ready in "
+                               f"{timeout:g} s")
+        time.sleep(0.2)
+
+
 def start_replicas(serve_argv: list[str], n: int, timeout: float = 900.0):
     """(processes, urls) once every replica answers /health (or raises, killing them)."""
     threads = max(1, (os.cpu_count() or 1) // n)
@@ -68,21 +89,7 @@ def start_replicas(serve_argv: list[str], n: int, timeout: float = 900.0):
                    *replica_argv(serve_argv, port, threads)]
             procs.append(subprocess.Popen(cmd))
             urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + timeout
-        pending = set(range(n))
-        while pending:
-            for i in list(pending):
-                if procs[i].poll() is not None:
-                    raise RuntimeError(f"replica {i} exited with code {procs[i].returncode} "
-                                       "while starting")
-                try:
-                    if httpx.get(urls[i] + "/health", timeout=1.0).status_code == 200:
-                        pending.discard(i)
-                except httpx.HTTPError:
-                    pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replicas {sorted(pending)} not ready in {timeout:g} s")
-            time.sleep(0.2)
+        wait_healthy(procs, urls, timeout)
     except BaseException:
         stop_replicas(procs, 5.0)
         raise

@@ -31,7 +31,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from contextlib import asynccontextmanager
 
@@ -41,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from servelm.disagg.http import HEADER, header_value
+from servelm.router.data_parallel import wait_healthy
 from servelm.router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -328,25 +328,6 @@ def worker_commands(serve_argv: list[str], num_prefill: int, num_decode: int,
     return cmds, prefill, decode
 
 
-def _wait_healthy(procs, urls, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pending = set(range(len(urls)))
-    while pending:
-        for i in list(pending):
-            if procs[i].poll() is not None:
-                raise RuntimeError(f"worker {urls[i]} exited with code {procs[i].returncode} "
-                                   "while starting")
-            try:
-                if httpx.get(urls[i] + "/health", timeout=1.0).status_code == 200:
-                    pending.discard(i)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"workers {[urls[i] for i in sorted(pending)]} not ready in "
-                               f"{timeout:g} s")
-        time.sleep(0.2)
-
-
 def serve_disagg(args, serve_argv: list[str]) -> int:
     import uvicorn
 
@@ -363,7 +344,7 @@ def serve_disagg(args, serve_argv: list[str]) -> int:
                                             args.kv_transport)
     procs = [subprocess.Popen(c) for c in cmds]
     try:
-        _wait_healthy(procs, prefill + decode, 900.0)
+        wait_healthy(procs, prefill + decode, 900.0, what="worker")
         app = build_disagg_app(prefill, decode, probe_interval=0.5)
         host, port = sock.getsockname()[:2]
         print(f"[servelm] serving {args.served_model_name or args.model} at "

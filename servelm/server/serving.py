@@ -534,8 +534,9 @@ class OpenAIServing:
         """Each engine request carries its SLO class's targets (the slo scheduling policy
         reads them; the goodput gauges count it in its class)."""
         metrics = self.state.metrics
-        try:
-            cls = metrics.slo_spec.resolve(req.priority, req.slo_class)
+        try:  # embeddings name no class (their schema has no such fields): the default one
+            cls = metrics.slo_spec.resolve(getattr(req, "priority", None),
+                                           getattr(req, "slo_class", None))
         except InvalidParameterError as exc:
             raise APIError.from_invalid(exc) from None
         for r in gen.requests:
