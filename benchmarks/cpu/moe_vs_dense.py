@@ -133,17 +133,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = _checkpoints(Path(tmp), args)
-        # moe-aten-experts: the same MoE with the routed experts as one aten matmul per
-        # expert instead of servelm's C++ op (layers/moe.py), everything else equal
-        variants = [("moe", paths["moe"], "auto"), ("moe-aten-experts", paths["moe"], "auto"),
-                    ("dense", paths["dense"], "auto"),
+        variants = [("moe", paths["moe"], "auto"), ("dense", paths["dense"], "auto"),
                     ("dense-eager", paths["dense"], "decode=torch")]
-        from servelm.layers.moe import Experts
-
-        kernel_op = Experts._cpu_op
         for label, path, kernels in variants:
-            Experts._cpu_op = ((lambda self, rows, counts: None) if label == "moe-aten-experts"
-                               else kernel_op)
             mc = load_model_config(resolve_model(str(path)))
             engine = build_engine(EngineArgs(model=str(path), num_threads=args.threads,
                                              max_num_seqs=max(batches), cpu_kernels=kernels,

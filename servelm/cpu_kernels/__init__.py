@@ -4,8 +4,6 @@
     mla_attention.cpp     paged_decode_mla: the same for multi-head latent attention (one
                           [latent | rope key] entry per token, shared by every head)
     layer_ops.cpp         rms_norm, add_rms_norm, rotary_, silu_and_mul: fused float32 layer ops
-    moe_experts.cpp       moe_experts: a decode step's routed experts (SiLU), each expert's
-                          weights streamed once for its tokens
     quant_gemm.cpp        int4_gemm, int8_gemm: weight-only quantized matmuls, float32 activations
     decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
     det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
@@ -45,7 +43,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
            "ops_for_mode"]
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
-            "det_gemm.cpp", "mla_attention.cpp", "moe_experts.cpp")
+            "det_gemm.cpp", "mla_attention.cpp")
 _HEADERS = ("vec16.h",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()

@@ -7,8 +7,9 @@
 //
 // (the caller applies the value up-projection to out). This is attention with one KV head
 // of E dims whose values are the first L dims of the keys: each entry row is loaded once
-// for all the work item's heads. A work item is (sequence, a group of up to kHeads heads),
-// so one sequence still spreads over the threads. The context is walked in tiles of 16
+// for all the work item's heads. A work item is (sequence, a group of up to kHeads heads);
+// with fewer sequences than threads the groups get smaller, so one decode still spreads over
+// every thread (each then reads the entries for its heads). The context is walked in tiles of 16
 // positions; per head and tile the 16 scores, their max and exponentials, then the online
 // softmax update of the head's L-dim accumulator (fp32, in per-thread scratch: L is 512 for
 // DeepSeek, too big for registers across heads).
@@ -146,16 +147,22 @@ at::Tensor paged_decode_mla(const at::Tensor& q, const at::Tensor& cache,
   const MlaProblem p{cache.data_ptr(), block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                      seq_lens.data_ptr<int64_t>(), H, E, latent_dim, block_size,
                      out.data_ptr<float>()};
-  const int64_t groups = (H + kHeads - 1) / kHeads, items = B * groups;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  // Heads per item: up to kHeads (each entry row loaded once for them), fewer when there are
+  // too few sequences to give every thread an item (one decode: the heads split over threads).
+  const int64_t threads_wanted = at::get_num_threads();
+  const int64_t per_seq = std::max<int64_t>(1, (threads_wanted + B - 1) / B);
+  const int64_t heads_per_item =
+      std::max<int64_t>(1, std::min<int64_t>(kHeads, (H + per_seq - 1) / per_seq));
+  const int64_t groups = (H + heads_per_item - 1) / heads_per_item, items = B * groups;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
   const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<f32x16> qs(kHeads * (E / 16)), acc(kHeads * (latent_dim / 16));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t b = i / groups, h0 = (i % groups) * kHeads;
-      const int64_t heads = std::min<int64_t>(kHeads, H - h0);
+      const int64_t b = i / groups, h0 = (i % groups) * heads_per_item;
+      const int64_t heads = std::min<int64_t>(heads_per_item, H - h0);
       if (bf16_cache)
         mla_item<bf16>(p, q, b, h0, heads, float(scale), qs, acc);
       else

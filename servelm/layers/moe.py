@@ -11,11 +11,6 @@ so each chosen expert runs one matmul over all of its tokens:
     per expert: x[tokens] @ w13[e].T -> act_and_mul -> @ w2[e].T, times the routing weight,
     then index_add back into the token's row.
 
-On the CPU in float32 with SiLU, a step whose experts have at most CPU_KERNEL_MAX_ROWS tokens
-each (decodes) runs every expert in one call of servelm's C++ op (cpu_kernels/moe_experts.cpp:
-each expert's weights streamed once for all its rows, the threads sharing (expert, row tile)
-items); larger segments (prefill) keep aten's blocked GEMMs, one per expert.
-
 Never: reads the batch layout (it sees [T, hidden] rows only) or quantizes its experts.
 """
 
@@ -25,11 +20,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-
-from servelm.layers.activation import silu_and_mul
-from servelm.layers.fused_cpu import fused_ops
-
-CPU_KERNEL_MAX_ROWS = 16  # tokens per expert up to which the C++ op beats aten's GEMMs
 
 
 class RoutingConfig(NamedTuple):
@@ -90,7 +80,6 @@ class Experts(nn.Module):
         # Tokens routed to each expert since the model was built: the expert load.
         self.register_buffer("num_routed_tokens", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
-        self.num_cpu_kernel_calls = 0  # steps through cpu_kernels' moe_experts (tests check)
 
     def quantize_experts(self, quant, blocks_of=None) -> None:
         """Each expert's two matrices as `quant`'s layers (int8 / int4 through servelm's
@@ -107,16 +96,6 @@ class Experts(nn.Module):
         self.q2 = nn.ModuleList(build(e, "w2") for e in range(self.num_experts))
         del self.w13, self.w2
         self.w13 = self.w2 = None
-
-    def _cpu_op(self, rows: torch.Tensor, counts: torch.Tensor):
-        """servelm's C++ ops when this step's experts can take them (module doc), else None."""
-        if (self.w13 is None or self.act_and_mul is not silu_and_mul
-                or self.w13.dtype != torch.float32 or not rows.is_contiguous()):
-            return None
-        ops = fused_ops(rows)
-        if ops is None or int(counts.max()) > CPU_KERNEL_MAX_ROWS:
-            return None
-        return ops
 
     def _expert(self, e: int, seg: torch.Tensor) -> torch.Tensor:
         if self.w13 is None:
@@ -138,17 +117,12 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.num_routed_tokens += counts
         rows = x.index_select(0, token_of)  # [T*k, hidden]
-        ops = self._cpu_op(rows, counts)
-        if ops is not None:
-            out = ops.moe_experts(rows, counts, self.w13, self.w2)
-            self.num_cpu_kernel_calls += 1
-        else:
-            out = torch.empty_like(rows)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n:
-                    out[start:start + n] = self._expert(e, rows[start:start + n])
-                    start += n
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                out[start:start + n] = self._expert(e, rows[start:start + n])
+                start += n
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
