@@ -52,9 +52,11 @@ stop_server() {
 }
 trap stop_server EXIT
 for pol in fcfs slo; do
+  # only the slo policy reads a step-cost model (serve refuses one for fcfs)
+  cost_args=(); [[ $pol == slo ]] && cost_args=(--slo-cost-model "$COST")
   setsid "$PY" -m servelm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --threads 2 \
     --max-num-seqs 64 --no-prefix-cache --no-log-requests --slo-spec "$OUT/slo.json" \
-    --scheduling-policy "$pol" --slo-cost-model "$COST" > "$OUT/server-$pol.log" 2>&1 &
+    --scheduling-policy "$pol" "${cost_args[@]}" > "$OUT/server-$pol.log" 2>&1 &
   SERVER_PID=$!
   until curl -sf -o /dev/null "$URL/v1/models"; do
     kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$OUT/server-$pol.log" >&2; exit 1; }
