@@ -40,15 +40,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from servelm.disagg.http import HEADER, header_value
+from servelm.router.app import _DROP_RESPONSE, _error
+from servelm.router.app import _DROP_REQUEST as _DROP_PROXY
 from servelm.router.data_parallel import wait_healthy
 from servelm.router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
-_DROP_REQUEST = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-                 "proxy-connection", "content-length", HEADER}
-_DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-                  "content-length", "content-encoding"}
+_DROP_REQUEST = _DROP_PROXY | {HEADER}  # only the router sets a transfer header
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -230,11 +229,6 @@ class DisaggRouter:
         return Response(resp.content, resp.status_code,
                         {k: v for k, v in resp.headers.items()
                          if k.lower() not in _DROP_RESPONSE})
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": code}}, status_code=status)
 
 
 def build_disagg_app(prefill_urls: list[str], decode_urls: list[str],
