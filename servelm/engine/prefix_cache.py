@@ -85,7 +85,7 @@ class _Node:
     last_access: int = 0
     is_evictable: bool = False  # no sequence holds the block
     namespace: object = None  # roots only: the extra_key they are filed under
-    hash: int = 0  # chain hash (set while events are recorded; roots: the namespace's)
+    hash: int = 0  # chain hash (set while events or hashes are kept; roots: the namespace's)
 
 
 # Rough CPython sizes (64-bit) behind PrefixCacheUsage.num_bytes: a node (object, its dict of
@@ -134,22 +134,16 @@ class PrefixCache:
         if self.record_events:
             return
         self.record_events = True
-        stack = list(self._roots.values())
-        for root in stack:
-            root.hash = namespace_hash(root.namespace)
-        while stack:
-            node = stack.pop()
-            for child in node.children.values():
-                child.hash = block_hash(node.hash, child.key)
-                self._events.append((STORED, child.hash, node.hash))
-                stack.append(child)
+        self._hash_tree(log=True)
 
     def enable_hashes(self) -> None:
         """Keep every node's chain hash from now on, without logging events."""
-        if self.keep_hashes or self.record_events:
-            self.keep_hashes = True
-            return
+        if not (self.keep_hashes or self.record_events):
+            self._hash_tree(log=False)
         self.keep_hashes = True
+
+    def _hash_tree(self, log: bool) -> None:
+        """Chain hashes on the blocks cached so far; log: each as STORED."""
         stack = list(self._roots.values())
         for root in stack:
             root.hash = namespace_hash(root.namespace)
@@ -157,6 +151,8 @@ class PrefixCache:
             node = stack.pop()
             for child in node.children.values():
                 child.hash = block_hash(node.hash, child.key)
+                if log:
+                    self._events.append((STORED, child.hash, node.hash))
                 stack.append(child)
 
     def drain_events(self) -> list[tuple[int, int, int]]:
