@@ -153,8 +153,8 @@ class PrefillRole(_Role):
             return False
         seq = seqs[0]  # the decode worker runs the n continuations; one prompt is computed
         # the prefix cache's keys (an image's positions carry its content hash)
-        t.seq, t.tokens, t.extra_key = seq, list(seq.cache_token_ids), seq.extra_key
-        t.own_hashes = self._hashes(t.tokens, t.extra_key, len(t.tokens) // self.block_size)
+        t.seq, keys = seq, seq.cache_token_ids
+        t.own_hashes = self._hashes(keys, seq.extra_key, len(keys) // self.block_size)
         self._by_seq[seq.seq_id] = t
         return False  # computed like any request
 

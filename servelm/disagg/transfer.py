@@ -70,9 +70,7 @@ class SendTransfer:
     state: SendState
     deadline: float
     seq: object = None  # the engine's Sequence while it computes
-    tokens: list[int] = field(default_factory=list)
     own_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks
-    extra_key: object = None
     channel: object = None
     first_block: int = 0  # from the Pull: decode holds the blocks below
     hashes: list[int] = field(default_factory=list)  # of blocks first_block .. end - 1
