@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,33 +17,12 @@ from parallel_helpers import save_tiny
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 from live_server import MODEL, LiveServer
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
+from test_engine_core_process import _alive, _children, _wait
 
 
 def _workers(core_pid: int) -> list[int]:
     return [c for c in _children(core_pid)
             if b"servelm.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-
-
-def _wait(cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 class _Stream(threading.Thread):
