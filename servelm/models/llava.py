@@ -17,8 +17,7 @@ from torch import nn
 
 from servelm.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
-from servelm.models.qwen2_vl import _ACTS, _linear, _pixels
-from servelm.runner.forward_batch import ForwardBatch
+from servelm.models.qwen2_vl import _ACTS, ImageTextLM, _linear, _pixels
 
 
 class _ClipAttention(nn.Module):
@@ -118,7 +117,7 @@ class _Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(ImageTextLM):
     family = "llava"
 
     def __init__(self, config: ModelConfig, backend, quant=None):
@@ -137,26 +136,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = _Projector(
             int(enc["hidden_size"]), config.hidden_size, enc.get("_projector_hidden_act", "gelu"),
             bool(enc.get("_multimodal_projector_bias", True)))
-
-    @property
-    def lm_head(self):
-        return self.language_model.lm_head
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        lm = self.language_model
-        x = lm.embed_tokens(input_ids)
-        mm = getattr(batch, "mm", None)
-        if mm is not None and mm.rows.numel():
-            x[mm.rows] = mm.embeds.to(x.dtype)
-        residual = None
-        for layer in lm.layers:
-            x, residual = layer(positions, x, residual, batch)
-        x, _ = lm.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def encode_images(self, images: list) -> list[torch.Tensor]:
         """ImageInputs ([C, H, W] pixels, all one size) -> [num_tokens, hidden] each."""

@@ -138,7 +138,40 @@ class Qwen2VisionTower(nn.Module):
         return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class ImageTextLM(nn.Module):
+    """The decoder side of a vision-language family: `language_model` (servelm's Llama
+    stack) run with batch.mm's image embeddings in place of some rows' token embeddings,
+    and its [3, T] M-RoPE positions where the family has them (LLaVA: None)."""
+
+    language_model: LlamaForCausalLM
+
+    @property
+    def lm_head(self):
+        return self.language_model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. batch.mm: image
+        embeddings for some rows and M-RoPE positions (None: text only)."""
+        lm = self.language_model
+        x = lm.embed_tokens(input_ids)
+        mm = getattr(batch, "mm", None)
+        if mm is not None:
+            if mm.rows.numel():
+                x[mm.rows] = mm.embeds.to(x.dtype)
+            if mm.positions is not None:
+                positions = mm.positions
+        residual = None
+        for layer in lm.layers:
+            x, residual = layer(positions, x, residual, batch)
+        x, _ = lm.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+
+class Qwen2VLForConditionalGeneration(ImageTextLM):
     family = "qwen2_vl"
 
     def __init__(self, config: ModelConfig, backend, quant=None):
@@ -156,31 +189,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         for layer in self.language_model.layers:
             layer.self_attn.rotary = rotary
         self.visual = Qwen2VisionTower(config.vision.encoder, config.hidden_size)
-
-    @property
-    def lm_head(self):
-        return self.language_model.lm_head
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]. batch.mm: image
-        embeddings for some rows and the [3, T] M-RoPE positions (None: text only)."""
-        lm = self.language_model
-        x = lm.embed_tokens(input_ids)
-        mm = getattr(batch, "mm", None)
-        if mm is not None:
-            if mm.rows.numel():
-                x[mm.rows] = mm.embeds.to(x.dtype)
-            if mm.positions is not None:
-                positions = mm.positions
-        residual = None
-        for layer in lm.layers:
-            x, residual = layer(positions, x, residual, batch)
-        x, _ = lm.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def encode_images(self, images: list) -> list[torch.Tensor]:
         """ImageInputs -> one [num_tokens, hidden] embedding tensor each, in one encoder run."""
@@ -231,4 +239,5 @@ def _pixels(img, device) -> torch.Tensor:
     return t.view(*img.shape).to(device)
 
 
-__all__ = ["MRotaryEmbedding", "Qwen2VLForConditionalGeneration", "Qwen2VisionTower"]
+__all__ = ["ImageTextLM", "MRotaryEmbedding", "Qwen2VLForConditionalGeneration",
+           "Qwen2VisionTower"]
