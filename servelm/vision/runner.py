@@ -84,9 +84,10 @@ class VisionRunner:
         positions = self._mrope(works, fb) if self.vision.mrope_section else None
         if rows:
             fb.mm = MultimodalBatch(torch.cat(rows), torch.cat(embeds), positions)
-        else:
+        elif positions is not None:
             fb.mm = MultimodalBatch(torch.empty(0, dtype=torch.long, device=self.device),
                                     torch.empty(0), positions)
+        # else (LLaVA past its images): fb.mm stays None, so the step may replay a graph
 
     def _encode_needed(self, works: list) -> None:
         """Embeddings for every image a chunk reaches: the sequence's own, the cache's, or
