@@ -36,9 +36,16 @@ def make_qwen2_vl(seed: int = 0):
         image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
-    model.generation_config.eos_token_id = None  # generate() never stops early
-    with torch.no_grad():  # spread-out logits: greedy picks are rarely near-ties
+    return _spread(Qwen2VLForConditionalGeneration(cfg).eval())
+
+
+def _spread(model):
+    """Redraw the weights (norms of 64 and 32 kept) so logits spread out: greedy picks are
+    rarely near-ties; and generate() never stops early."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
@@ -105,16 +112,8 @@ def make_llava(seed: int = 0):
                        max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=None,
                        eos_token_id=IM_END)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=IMAGE_PAD)).eval()
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif p.dim() == 1 and p.numel() not in (64, 32):
-                p.normal_(0, 0.05)
-    return model
+    return _spread(LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_PAD)).eval())
 
 
 def llava_hf_processor():
