@@ -9,6 +9,7 @@
     det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
                           deterministic mode (one fixed-order sum per output element)
     vec16.h               16-lane vectors, exp and fma shared by all
+    paged_tables.h        the block-table checks of the two paged decode kernels
 
 Owns: compiling the sources once per machine (torch.utils.cpp_extension: a C++ compiler and
 ninja, `-O3 -march=native`, OpenMP) into $SERVELM_HOME/torch_extensions, under a name that
@@ -44,7 +45,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp")
-_HEADERS = ("vec16.h",)
+_HEADERS = ("vec16.h", "paged_tables.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _loaded = None  # torch.ops.servelm_cpu once built

@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_tables.h"
 #include "vec16.h"
 
 namespace {
@@ -119,23 +120,8 @@ void check_mla(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& b
                   latent_dim <= E,
               "paged_decode_mla: q's last dim must equal the entry's, both E and latent_dim "
               "multiples of 16 with latent_dim <= E");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
-                  seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
-                  block_tables.size(0) >= q.size(0),
-              "paged_decode_mla: block_tables [>=B, max_blocks] and seq_lens [B] must be int64");
-  TORCH_CHECK(block_size > 0 && cache.size(0) % block_size == 0, "paged_decode_mla: bad block_size");
-  const int64_t num_blocks = cache.size(0) / block_size;
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    const int64_t used = (lens[b] + block_size - 1) / block_size;
-    TORCH_CHECK(lens[b] >= 1 && used <= block_tables.size(1), "paged_decode_mla: seq_lens[", b,
-                "]=", lens[b], " outside 1..", block_tables.size(1) * block_size);
-    const int64_t* row = block_tables.data_ptr<int64_t>() + b * block_tables.stride(0);
-    for (int64_t j = 0; j < used; ++j)
-      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "paged_decode_mla: block_tables[", b,
-                  "][", j, "]=", row[j], " outside the cache's ", num_blocks, " blocks");
-  }
+  check_paged_tables("paged_decode_mla", block_tables, seq_lens, q.size(0), cache.size(0),
+                     block_size);
 }
 
 at::Tensor paged_decode_mla(const at::Tensor& q, const at::Tensor& cache,

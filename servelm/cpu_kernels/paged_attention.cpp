@@ -32,6 +32,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_tables.h"
 #include "vec16.h"
 
 namespace {
@@ -221,25 +222,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "paged_decode: head_dim differs or H is not a multiple of K");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxChunks,
               "paged_decode: head_dim must be a multiple of 16, at most ", 16 * kMaxChunks);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
-                  seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
-                  block_tables.size(0) >= q.size(0),
-              "paged_decode: block_tables [>=B, max_blocks] and seq_lens [B] must be int64");
-  TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0, "paged_decode: bad block_size");
   // Every block read must exist: a bad table is an error here, not a wild read below.
-  const int64_t num_blocks = k_cache.size(0) / block_size;
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    const int64_t used = (lens[b] + block_size - 1) / block_size;
-    TORCH_CHECK(lens[b] >= 1 && used <= block_tables.size(1),
-                "paged_decode: seq_lens[", b, "]=", lens[b], " outside 1..",
-                block_tables.size(1) * block_size);
-    const int64_t* row = block_tables.data_ptr<int64_t>() + b * block_tables.stride(0);
-    for (int64_t j = 0; j < used; ++j)
-      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "paged_decode: block_tables[", b, "][", j,
-                  "]=", row[j], " outside the cache's ", num_blocks, " blocks");
-  }
+  check_paged_tables("paged_decode", block_tables, seq_lens, q.size(0), k_cache.size(0),
+                     block_size);
 }
 
 // k_scale, v_scale: float32 [K], required for (and only for) float8 caches.
