@@ -55,12 +55,13 @@ class ExpertParallelExperts(Experts):
         flat = ids[lo:hi].reshape(-1)
         order = flat.argsort(stable=True)  # by expert id, hence by owner
         token_of = order // k
-        owner = flat[order] // self.num_local
+        sorted_ids = flat[order]
+        owner = sorted_ids // self.num_local
         send = torch.bincount(owner, minlength=size)
         recv = self.comm.all_to_all(send, [1] * size, [1] * size)
         send_sizes, recv_sizes = send.tolist(), recv.tolist()
         rows = self.comm.all_to_all(x[lo:hi].index_select(0, token_of), send_sizes, recv_sizes)
-        experts = self.comm.all_to_all(flat[order] - owner * self.num_local, send_sizes,
+        experts = self.comm.all_to_all(sorted_ids - owner * self.num_local, send_sizes,
                                        recv_sizes)
         out = self.comm.all_to_all(self._run_local(rows, experts), recv_sizes, send_sizes)
         out = out * weights[lo:hi].reshape(-1)[order].unsqueeze(1).to(out.dtype)
