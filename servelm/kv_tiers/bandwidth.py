@@ -1,7 +1,8 @@
 """BandwidthMeter: a tier's read bandwidth, measured.
 
 Owns: a start-up probe (timing real copies of a block-sized buffer through the tier's own
-read path) and an exponentially weighted average of the reads the tier then serves. Never:
+read path) and an exponentially weighted average of the reads the tier then serves;
+MeteredTier, a tier's KVConnector bandwidth_Bps and observe_read from its meter. Never:
 a figure from a table; the planner's tier bandwidths (servelm/planner/hardware.py) are
 estimates for machines that are not this one, `servelm plan offload` uses those.
 """
@@ -42,3 +43,16 @@ class BandwidthMeter:
         if best > 0:
             self.bandwidth_Bps = best
         return best
+
+
+class MeteredTier:
+    """A tier's bandwidth_Bps and observe_read (KVConnector), from its BandwidthMeter."""
+
+    _meter: BandwidthMeter
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return self._meter.bandwidth_Bps
+
+    def observe_read(self, num_bytes: int, seconds: float) -> None:
+        self._meter.observe(num_bytes, seconds)

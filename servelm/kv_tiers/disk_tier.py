@@ -31,7 +31,7 @@ import struct
 from collections import OrderedDict, deque
 from pathlib import Path
 
-from servelm.kv_tiers.bandwidth import BandwidthMeter
+from servelm.kv_tiers.bandwidth import BandwidthMeter, MeteredTier
 from servelm.kv_tiers.connector import TierStats
 from servelm.kv_tiers.entry import CHECKSUM_BYTES, BlockEntry
 from servelm.kv_tiers.io_queue import IOQueue
@@ -66,7 +66,7 @@ def decode_block(raw: bytes) -> BlockEntry | None:
     return BlockEntry(h, parent, tuple(tokens), raw[_HEADER.size + 8 * n:], digest)
 
 
-class DiskTier:
+class DiskTier(MeteredTier):
     name = "disk"
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fingerprint: dict,
@@ -136,13 +136,6 @@ class DiskTier:
             path.unlink(missing_ok=True)
 
     # -- KVConnector ------------------------------------------------------------------------
-
-    @property
-    def bandwidth_Bps(self) -> float:
-        return self._meter.bandwidth_Bps
-
-    def observe_read(self, num_bytes: int, seconds: float) -> None:
-        self._meter.observe(num_bytes, seconds)
 
     def path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}{SUFFIX}"

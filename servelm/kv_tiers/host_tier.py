@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from servelm.kv_tiers.bandwidth import BandwidthMeter
+from servelm.kv_tiers.bandwidth import BandwidthMeter, MeteredTier
 from servelm.kv_tiers.connector import TierStats
 from servelm.kv_tiers.entry import BlockEntry, checksum
 
 
-class HostTier:
+class HostTier(MeteredTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int, probe_nbytes: int = 0):
@@ -29,13 +29,6 @@ class HostTier:
             # A reload from host memory is a checked copy: the checksum and the copy into
             # the pool, which reads the bytes once more.
             self._meter.probe(lambda: _checked_copy(buf))
-
-    @property
-    def bandwidth_Bps(self) -> float:
-        return self._meter.bandwidth_Bps
-
-    def observe_read(self, num_bytes: int, seconds: float) -> None:
-        self._meter.observe(num_bytes, seconds)
 
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._entries
