@@ -127,8 +127,9 @@ class Scheduler:
         return batch
 
     def _take_prefill(self, num_new: int) -> int:
-        """Prompt tokens a sequence may compute this step within the policy's chunk cap."""
-        if self._prefill_left is None or num_new <= 1:
+        """Prompt tokens a sequence may compute this step within the policy's chunk cap
+        (called only while there is one: FCFS steps pay nothing for it)."""
+        if num_new <= 1:
             return num_new
         num_new = min(num_new, self._prefill_left)
         self._prefill_left -= num_new
@@ -139,7 +140,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._take_prefill(min(seq.num_uncomputed_tokens, budget))
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._prefill_left is not None:
+                num_new = self._take_prefill(num_new)
             if num_new == 0:  # the policy's chunk cap is spent: this prefill waits a step
                 i += 1
                 continue
