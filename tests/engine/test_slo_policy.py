@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fake_runner import make_engine
+from test_engine_properties import _collect
 from servelm.engine.slo_policy import SLOPolicy, SLOUnattainableError
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams
 from servelm.slo import (SLOSpec, SLOSpecError, SlidingGoodput, assign_classes,
@@ -245,14 +246,6 @@ def test_engine_bookkeeping_holds_under_the_slo_policy(ops, num_blocks, budget, 
     assert not engine.scheduler.running and not engine.scheduler.waiting
     for rid in added:
         assert rid in outputs
-
-
-def _collect(deltas, outputs):
-    for d in deltas:
-        if d.finish_reason is not None:
-            key = (d.request_id, d.index)
-            assert key not in outputs.get(d.request_id, set()), "finished twice"
-            outputs.setdefault(d.request_id, set()).add(key)
 
 
 def test_the_policy_flags_are_checked_by_name():
