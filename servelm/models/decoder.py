@@ -132,21 +132,12 @@ class DecoderLM(nn.Module):
             self.lm_head = head.from_float(source.weight.data, None)
 
     def _blocks_of(self, target: str, expert: int | None, num_rows: int):
-        """The GGUF blocks loaded for every row of `target` (one expert's slice of it), of
-        one type, fused; None where any row came as floats or types differ (then the
-        layer is built from the float values)."""
-        parts = self._gguf_blocks.get((target, expert))
-        if not parts:
-            return None
-        from servelm.quant.gguf_blocks import cat_rows
+        """The GGUF blocks loaded for every row of `target` (one expert's slice of it),
+        fused; None where rows came as floats or of mixed types (the layer is then built
+        from the float values)."""
+        from servelm.quant.staged_linear import fuse_row_blocks
 
-        rows = sorted(parts)
-        blocks = [parts[r] for r in rows]
-        offsets = [sum(b.shape[0] for b in blocks[:j]) for j in range(len(blocks))]
-        if (rows != offsets or sum(b.shape[0] for b in blocks) != num_rows
-                or len({b.type_name for b in blocks}) != 1):
-            return None
-        return cat_rows(blocks)
+        return fuse_row_blocks(self._gguf_blocks.get((target, expert), {}), num_rows)
 
     # -- weights ---------------------------------------------------------------------------
 

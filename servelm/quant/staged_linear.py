@@ -66,21 +66,27 @@ class StagedLinear(nn.Module):
 
     def _whole_blocks(self) -> GGUFBlocks | QuantizedWeight | None:
         """The fused raw blocks when every row came as blocks of one supported type."""
-        if not self._blocks:
-            return None
-        parts = [self._blocks[r] for r in sorted(self._blocks)]
-        rows = sorted(self._blocks)
-        contiguous = all(r == sum(p.shape[0] for p in parts[:i]) for i, r in enumerate(rows))
-        if (not contiguous or sum(p.shape[0] for p in parts) != self.out_features
-                or len({p.type_name for p in parts}) != 1):
-            logger.warning("%d x %d layer: GGUF shards of types %s are requantized from float",
-                           self.out_features, self.in_features,
-                           sorted({p.type_name for p in parts}))
-            return None
-        if isinstance(parts[0], QuantizedWeight):
-            return cat_quantized_rows(parts)
-        return cat_rows(parts)
+        return fuse_row_blocks(self._blocks, self.out_features)
 
+
+def fuse_row_blocks(parts: dict[int, GGUFBlocks | QuantizedWeight], num_rows: int
+                    ) -> GGUFBlocks | QuantizedWeight | None:
+    """Row shards {first row: blocks} of one weight fused into one, when they cover its
+    num_rows rows contiguously with one type; None otherwise (with a warning: the layer is
+    then built from the float values) or when there are none."""
+    if not parts:
+        return None
+    rows = sorted(parts)
+    blocks = [parts[r] for r in rows]
+    contiguous = all(r == sum(p.shape[0] for p in blocks[:i]) for i, r in enumerate(rows))
+    if (not contiguous or sum(p.shape[0] for p in blocks) != num_rows
+            or len({p.type_name for p in blocks}) != 1):
+        logger.warning("%d x %d layer: GGUF shards of types %s are requantized from float",
+                       num_rows, blocks[0].shape[1], sorted({p.type_name for p in blocks}))
+        return None
+    if isinstance(blocks[0], QuantizedWeight):
+        return cat_quantized_rows(blocks)
+    return cat_rows(blocks)
 
 def _to_device(blocks: GGUFBlocks | QuantizedWeight, device: torch.device
                ) -> GGUFBlocks | QuantizedWeight:
