@@ -191,8 +191,7 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         rec.error, rec.error_detail, rec.end_time = "slo_unattainable", str(exc), t
         return
     rep.changed()
-    if not rep.is_stepping:
-        rep.clock.now = max(rep.clock.now, t)
+    if not rep.is_stepping:  # its clock was brought up to the arrival above
         rep.is_stepping = True
         heapq.heappush(steps, (rep.clock.now, next(order), rep))
 
