@@ -209,9 +209,6 @@ class TorchAttentionBackend:
             out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
         return out.transpose(0, 1)
 
-
-    # -- multi-head latent attention (MLA) --------------------------------------------------
-
     def _prefill_after(self, q, k_ctx, v_ctx, k, v, k_scale=None, v_scale=None):
         """A chunk after C cached positions, with no [Q, C + Q] mask: the chunk's queries
         attend the context (every key visible) and the chunk itself (causal) in two flash
@@ -237,6 +234,8 @@ class TorchAttentionBackend:
         if v_scale is not None:
             out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
         return out.transpose(0, 1)
+
+    # -- multi-head latent attention (MLA) --------------------------------------------------
 
     def forward_mla(self, layer: int, entry: torch.Tensor, batch: ForwardBatch,
                     q_decode: torch.Tensor, q_prefill: torch.Tensor, expand, scale: float,
