@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import Counter
 from typing import NamedTuple
 
 from servelm.core.contract import KVBlock, StepDescription
@@ -199,11 +200,10 @@ class KVTiers:
         return None
 
     def _explain_costs(self, explain: CacheExplain, num_context: int, run) -> None:
-        nbytes = {}
-        for name, _ in run:
-            nbytes[name] = nbytes.get(name, 0) + self.block_nbytes
-        explain.host_tokens = nbytes.get("host", 0) // self.block_nbytes * self.block_size
-        explain.disk_tokens = nbytes.get("disk", 0) // self.block_nbytes * self.block_size
+        blocks = Counter(name for name, _ in run)  # tier -> blocks found there
+        nbytes = {t: n * self.block_nbytes for t, n in blocks.items()}
+        explain.host_tokens = blocks["host"] * self.block_size
+        explain.disk_tokens = blocks["disk"] * self.block_size
         explain.reload_bytes = sum(nbytes.values())
         explain.reload_s = sum(n / max(self.by_name[t].bandwidth_Bps, 1.0)
                                for t, n in nbytes.items())
