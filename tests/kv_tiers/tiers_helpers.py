@@ -50,8 +50,8 @@ def tiered_engine(num_blocks=16, block_size=4, host_bytes=0, disk_dir=None, disk
 
 
 def run(engine, prompts, max_tokens=4, salt=None, prefix="r", check=True):
-    """Run prompts to the end (one at a time when given as a list of lists); returns
-    {request_id: output tokens} and checks the engine's invariants after every step."""
+    """Run prompts (all added at once) to the end; returns ({request_id: output tokens},
+    {request_id: timings}) and checks the engine's invariants after every step."""
     out = {}
     for i, prompt in enumerate(prompts):
         rid = f"{prefix}{i}"
