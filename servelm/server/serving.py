@@ -543,6 +543,16 @@ class OpenAIServing:
             r.slo = cls.request_slo()
             metrics.request_classes[r.request_id] = cls.name
 
+    async def _start(self, gen: Generation) -> None:
+        """Submit; a request refused or cancelled before admission gets no delta, so its
+        SLO class entry (_attach_slo) is dropped here rather than kept forever."""
+        try:
+            await gen.start()
+        except BaseException:
+            for r in gen.requests:
+                self.state.metrics.request_classes.pop(r.request_id, None)
+            raise
+
     def _generation(self, p: Prepared) -> tuple[Generation, Formatter]:
         prefix = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}[p.kind]
         base_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -571,7 +581,7 @@ class OpenAIServing:
 
     async def _collect(self, gen: Generation, fmt: Formatter, p: Prepared) -> JSONResponse:
         """Run to the end; the full response (or 408 when the deadline left nothing)."""
-        await gen.start()
+        await self._start(gen)
         try:
             while True:
                 deltas = await gen.stream.get()
@@ -628,7 +638,7 @@ class OpenAIServing:
 
     async def _start_stream(self, p: Prepared) -> SSEResponse:
         gen, fmt = self._generation(p)
-        await gen.start()  # 4xx before any byte of the stream is sent
+        await self._start(gen)  # 4xx before any byte of the stream is sent
         state = self.state
 
         def on_close() -> None:
@@ -726,7 +736,7 @@ class OpenAIServing:
                              if k.startswith("x-servelm")})
             entry.ready.set_result(True)
             return
-        await gen.start()
+        await self._start(gen)
         entry.ready.set_result(True)
         try:
             async for event in self._events(gen, fmt, p):

@@ -74,3 +74,11 @@ def test_a_bad_spec_stops_serve_before_the_model_loads(tmp_path, capsys):
     bad.write_text(json.dumps({"classes": [{"name": "a", "ttft_ms": 1}]}))
     assert main(["serve", "no-such-model", "--port", "0", "--slo-spec", str(bad)]) == 2
     assert "classes[0].tpot_ms: required" in capsys.readouterr().err
+
+
+def test_a_request_refused_at_admission_leaves_no_class_behind(server):
+    """The engine refuses it (max_tokens past the context) after the class was attached:
+    no delta ever comes, so the server drops the entry itself."""
+    r = _post(server, slo_class="batch", max_tokens=10**7)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert not server.state.metrics.request_classes
