@@ -22,7 +22,13 @@ from servelm.bench.workloads import (RangeError, Request, format_range, parse_ra
                                      random_lengths, shared_prefix)
 from servelm.loader.model_cache import DEFAULT_MODEL
 
-PEERS = ("llama.cpp", "vllm", "hf")
+PEERS = ("llama.cpp", "llama-server", "vllm", "vllm-bf16", "hf")
+# A peer name that is another's backend with fixed flags: vLLM's bf16 path (its best on a CPU
+# with bf16 math) next to its float32 one in the same run. It takes the base peer's
+# interpreter and model unless given its own.
+PEER_VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "vllm-bf16": ("vllm", ["--dtype", "bfloat16"])}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PEERS_SCRIPT = Path(__file__).with_name("peers.py")
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
 
@@ -117,14 +123,28 @@ def _servelm_command() -> list[str]:
     return ["servelm", "bench"] + rest
 
 
+def peer_backend(peer: str) -> str:
+    return PEER_VARIANTS.get(peer, (peer, []))[0]
+
+
 def peer_command(args: argparse.Namespace, peer: str, python: str, model: str,
                  workload_path: str, out_path: str) -> list[str]:
-    cmd = [python, str(PEERS_SCRIPT), "--backend", peer, "--model", model,
+    backend, fixed = PEER_VARIANTS.get(peer, (peer, []))
+    cmd = [python, str(PEERS_SCRIPT), "--backend", backend, "--label", peer, "--model", model,
            "--workload", workload_path, "--seed", str(args.seed),
            "--vocab-size", str(args.vocab_size), "--threads", str(args.num_threads),
            "--max-num-seqs", str(args.max_num_seqs), "--out", out_path]
-    if peer in ("vllm", "hf"):  # same float type as servelm's dequantized model
-        cmd += ["--dtype", getattr(args, "dtype", None) or "float32"]
+    if backend in ("vllm", "hf") and not fixed:
+        # servelm's float type when --dtype names one (a choice such as "auto" is servelm's
+        # own, resolved inside the engine): float32, the dequantized model's, otherwise
+        dtype = getattr(args, "dtype", None)
+        cmd += ["--dtype", dtype if dtype in FLOAT_DTYPES else "float32"]
+    cmd += fixed
+    if backend == "llama-server":
+        binary = parse_mapping(getattr(args, "peer_bin", ""), "--peer-bin").get(peer)
+        if not binary:
+            raise FlagError("--peer-bin", f"no binary given for {peer}")
+        cmd += ["--server-bin", binary]
     if not args.progress:
         cmd.append("--no-progress")
     return cmd
@@ -194,15 +214,24 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     peers = parse_peers(args.peers)
     pythons = parse_mapping(args.peer_python, "--peer-python")
     models = parse_mapping(args.peer_model, "--peer-model")
+    bins = parse_mapping(getattr(args, "peer_bin", ""), "--peer-bin")
     pythons.setdefault("hf", sys.executable)
+    pythons.setdefault("llama-server", sys.executable)  # its client needs the stdlib only
     gguf = registry_gguf(args.model)
     if gguf:
         models.setdefault("llama.cpp", gguf)
+        models.setdefault("llama-server", gguf)
     for peer in peers:
+        if peer_backend(peer) != peer:
+            for mapping in (pythons, models):
+                if peer_backend(peer) in mapping:
+                    mapping.setdefault(peer, mapping[peer_backend(peer)])
         if peer not in pythons:
             raise FlagError("--peer-python", f"no interpreter given for {peer}")
         if peer not in models:
             raise FlagError("--peer-model", f"no model given for {peer}")
+        if peer_backend(peer) == "llama-server" and peer not in bins:
+            raise FlagError("--peer-bin", f"no binary given for {peer}")
     info = workload_info(args, requests)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="servelm-bench-") as tmp:
@@ -327,6 +356,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="NAME=PYTHON,... interpreter of each peer's venv (hf: this one)")
     p.add_argument("--peer-model", default="",
                    help="NAME=PATH,... GGUF for llama.cpp, HF dir for vllm and hf")
+    p.add_argument("--peer-bin", default="",
+                   help="NAME=PATH,... a native peer's binary (llama-server)")
     p.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds per peer")
     p.add_argument("--no-servelm", action="store_true", help="run the peers only")
     p.add_argument("--compare-prefix-cache", action="store_true",

@@ -6,9 +6,16 @@ by path. It writes the same JSON schema as `servelm bench offline`.
 
     /work/peers/llama/bin/python servelm/bench/peers.py --backend llama.cpp --model X.gguf \
         --num-prompts 64 --input-len 32:256 --output-len 128 --threads 2 --out r.json
+    python servelm/bench/peers.py --backend llama-server \
+        --server-bin /work/peers/llama.cpp/bin/llama-server --model X.gguf ...
 
+Backends: llama.cpp (llama-cpp-python, one request after another: its Python API drives one
+sequence), llama-server (llama.cpp's own server started here with one slot per request,
+continuous batching, all requests sent at once; this process only needs the standard
+library), vllm (LLM.generate, CPU guide settings), hf (one left-padded generate per length).
 Every backend: greedy, exactly max_tokens new tokens per request (EOS is ignored), one warm-up
 request (its own seed) before the clock starts, all requests "arrive" when the clock starts.
+Never: runs two systems at once, or measures anything but the one backend it was given.
 """
 
 from __future__ import annotations
@@ -82,6 +89,198 @@ def run_llama_cpp(args: argparse.Namespace, requests: list) -> tuple[list, float
                           "mode": "sequential (no batched offline API)"},
              "peer_version": getattr(llama_cpp, "__version__", None)}
     return timings, elapsed, extra
+
+
+# --- llama.cpp's own server: parallel slots -----------------------------------------------
+
+LLAMA_SERVER_START_TIMEOUT_S = 300.0
+
+
+def slot_context(requests: list) -> int:
+    """Context of one slot: the longest prompt + output with room for the warm-up request,
+    rounded up to 256 tokens."""
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    return max(256, ((longest + 16 + 255) // 256) * 256)
+
+
+def llama_server_command(args: argparse.Namespace, requests: list, port: int) -> list[str]:
+    """llama-server with one slot per concurrent request (at most --max-num-seqs) and
+    continuous batching, so the prompts are decoded together as in vLLM and servelm."""
+    n_parallel = max(1, min(len(requests), args.max_num_seqs))
+    return [args.server_bin, "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(n_parallel), "--ctx-size", str(n_parallel * slot_context(requests)),
+            "--cont-batching", "--threads", str(args.threads),
+            "--threads-batch", str(args.threads), "--batch-size", "2048",
+            "--ubatch-size", "512", "--seed", str(args.seed), "--no-webui"]
+
+
+def completion_body(req) -> dict:
+    """/completion takes the prompt as token ids; greedy (top-k 1 the only sampler, no
+    penalties), exactly max_tokens new tokens (ignore_eos). return_tokens puts the token ids
+    in each streamed chunk, so output tokens are counted, not inferred from text."""
+    return {"prompt": list(req.prompt_token_ids), "n_predict": req.max_tokens,
+            "ignore_eos": True, "stream": True, "return_tokens": True, "samplers": ["top_k"],
+            "top_k": 1, "temperature": 0.0, "repeat_penalty": 1.0, "cache_prompt": False}
+
+
+def parse_sse_line(line: bytes) -> dict | None:
+    """One `data: {...}` line of llama-server's event stream -> the chunk (None otherwise)."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == b"[DONE]":
+        return None
+    return json.loads(payload)
+
+
+def stream_completion(port: int, req, arrival: float, timeout_s: float) -> RequestTiming:
+    """POST one request and read its stream; a token's time is the arrival of its chunk."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    n_out, first, last, n_prompt = 0, None, None, None
+    try:
+        conn.request("POST", "/completion", body=json.dumps(completion_body(req)),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:300]!r}")
+        for line in resp:
+            chunk = parse_sse_line(line)
+            if chunk is None:
+                continue
+            if "error" in chunk:
+                raise RuntimeError(f"llama-server error: {chunk['error']}")
+            now = time.monotonic()
+            if chunk.get("tokens"):
+                n_out += len(chunk["tokens"])
+                first = now if first is None else first
+                last = now
+            if chunk.get("stop"):
+                n_prompt = chunk.get("tokens_evaluated")
+                break
+    finally:
+        conn.close()
+    if n_prompt is not None and n_prompt != len(req.prompt_token_ids):
+        raise RuntimeError(f"llama-server evaluated {n_prompt} prompt tokens, "
+                           f"sent {len(req.prompt_token_ids)}")
+    return RequestTiming(len(req.prompt_token_ids), n_out, arrival, first, last, last)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, port: int, timeout_s: float) -> None:
+    """Poll GET /health until it answers 200 (it answers 503 while the model loads)."""
+    import http.client
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f}s")
+
+
+def stop_server(proc, grace_s: float = 30.0) -> None:
+    """SIGTERM to the server's own process group, SIGKILL if it has not gone in grace_s."""
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def log_facts(log_text: str) -> dict:
+    """What llama-server's log says about the run: its CPU feature line, and the AMX weight
+    buffer if it made one (weights repacked for AMX tiles show as an "AMX" buffer)."""
+    lines = log_text.splitlines()
+    system_info = next((ln.split("system_info:", 1)[1].strip() for ln in lines
+                        if "system_info:" in ln), None)
+    amx = [ln.strip() for ln in lines if "AMX" in ln and "buffer" in ln]
+    return {"system_info": system_info, "amx_buffer_lines": amx[:3]}
+
+
+def run_all_at_once(port: int, requests: list, t0: float, timeout_s: float) -> list:
+    """Every request in its own thread, all sent at t0: the same arrival as a list of prompts
+    handed to servelm's or vLLM's generate."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [pool.submit(stream_completion, port, r, t0, timeout_s) for r in requests]
+        return [f.result() for f in futures]
+
+
+def run_llama_server(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]:
+    """Start llama-server, warm it up, time the workload sent all at once, stop it. The server
+    is a child of this process, so the memory sampler counts it."""
+    import subprocess
+    import tempfile
+
+    if not args.server_bin:
+        raise SystemExit("error: --server-bin: the llama-server binary is required")
+    cmd = llama_server_command(args, requests, free_port())
+    port = int(cmd[cmd.index("--port") + 1])
+    log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+    print(f"[llama-server] {' '.join(cmd)} (log {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(proc, port, LLAMA_SERVER_START_TIMEOUT_S)
+        for req in warmup_requests(args.vocab_size, args.seed):
+            stream_completion(port, req, time.monotonic(), args.request_timeout)
+        t0 = time.monotonic()
+        timings = run_all_at_once(port, requests, t0, args.request_timeout)
+        elapsed = time.monotonic() - t0
+    except BaseException:
+        with open(log.name, errors="replace") as f:
+            sys.stderr.write("[llama-server] log tail:\n" + f.read()[-3000:] + "\n")
+        raise
+    finally:
+        stop_server(proc)
+        log.close()
+    with open(log.name, errors="replace") as f:
+        facts = log_facts(f.read())
+    n_parallel = int(cmd[cmd.index("--parallel") + 1])
+    extra = {"settings": {"server_command": cmd, "n_parallel": n_parallel,
+                          "n_ctx_per_slot": slot_context(requests), "n_threads": args.threads,
+                          "endpoint": "/completion, prompt as token ids, streamed",
+                          "mode": "parallel slots, continuous batching", "log": log.name,
+                          **facts},
+             "peer_version": llama_server_version(args.server_bin)}
+    return timings, elapsed, extra
+
+
+def llama_server_version(server_bin: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run([server_bin, "--version"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (out.stdout + out.stderr).splitlines()
+    return next((ln.strip() for ln in lines if ln.startswith("version")), None)
 
 
 # --- vLLM --------------------------------------------------------------------------------
@@ -222,7 +421,8 @@ def run_hf(args: argparse.Namespace, requests: list) -> tuple[list, float, dict]
     return timings, elapsed, extra
 
 
-BACKENDS: dict[str, Callable] = {"llama.cpp": run_llama_cpp, "vllm": run_vllm, "hf": run_hf}
+BACKENDS: dict[str, Callable] = {"llama.cpp": run_llama_cpp, "llama-server": run_llama_server,
+                                 "vllm": run_vllm, "hf": run_hf}
 
 
 def _progress(items, args):
@@ -249,7 +449,11 @@ def load_workload(args: argparse.Namespace) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", required=True, choices=sorted(BACKENDS))
-    p.add_argument("--model", required=True, help="GGUF file (llama.cpp) or HF dir")
+    p.add_argument("--model", required=True,
+                   help="GGUF file (llama.cpp, llama-server) or HF dir")
+    p.add_argument("--server-bin", help="llama-server: the llama-server binary")
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="llama-server: seconds one request may take")
     p.add_argument("--workload", help="JSON from servelm bench (overrides the shape flags)")
     p.add_argument("--num-prompts", type=int, default=1)
     p.add_argument("--input-len", default="128")
@@ -257,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=64, help="vllm")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="vllm; llama-server: its most parallel slots")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="vllm, hf: the float type the dequantized model runs in")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="vllm")
