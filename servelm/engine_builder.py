@@ -251,10 +251,11 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     lora_manager, lora_slots = _build_lora(args, config, model, dtype, device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
                          proposer, grammars=grammars, lora=lora_manager,
-                         # the C++ decode stack runs whole (unsharded) models only
+                         # a rank's sharded stack: parallel_build.attach_decode_stack
                          cpu_decode=cpu_choice.decode if parallel is None else "torch",
                          deterministic=args.deterministic)
     if parallel is not None:
+        parallel_build.attach_decode_stack(parallel, runner, cpu_choice.decode)
         runner = parallel_build.wrap_runner(parallel, runner)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths

@@ -11,6 +11,7 @@
 //   k_cache[slots], v_cache[slots] = k, v; a = paged_decode(q, caches, tables, seq_lens)
 //   h, residual = add_rms_norm(o_proj(a), residual)       post_attention_layernorm
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
+//   (tensor parallel: o_proj's and down_proj's outputs all-reduced, see set_all_reduce)
 //   ... final: add_rms_norm(x, residual, norm)
 //
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
@@ -25,6 +26,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <chrono>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -117,6 +120,25 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
+  // Tensor parallelism (servelm/parallel/decode_stack.py): the layers hold one rank's shard
+  // (its heads, its slice of the MLP), and o_proj's and down_proj's partial sums are summed
+  // over the torch.distributed group named `group` where the eager path's reduction hooks
+  // sum them (servelm/layers/parallel_linear.py), through torch's functional collectives
+  // (gloo on the CPU). Boxed calls: their C++ signatures are not part of torch's API.
+  void set_all_reduce(std::string group) {
+    auto& d = c10::Dispatcher::singleton();
+    all_reduce_op_ = d.findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+    wait_op_ = d.findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+    reduce_group_ = std::move(group);
+  }
+
+  // Seconds spent in all-reduces since the last call (the parallel benchmark reads it).
+  double take_reduce_seconds() {
+    const double s = reduce_s_;
+    reduce_s_ = 0.0;
+    return s;
+  }
+
   // x [B, hidden] (embedded tokens), positions / slots [B], tables [>=B, max_blocks],
   // seq_lens [B] (all int64) -> hidden states after `layers` layers (-1: all) and, with
   // final_norm, the model's final norm.
@@ -155,9 +177,9 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       const at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
                                                      block_size_, scale_, ks, vs);
-      std::tie(h, residual) = ops_.add_rms_norm.call(linear(l.o, attn.view({B, q_size})),
-                                                     residual, l.post_norm, eps_);
-      x = linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h)));
+      const at::Tensor o = all_reduce(linear(l.o, attn.view({B, q_size})));
+      std::tie(h, residual) = ops_.add_rms_norm.call(o, residual, l.post_norm, eps_);
+      x = all_reduce(linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h))));
     }
     if (!final_norm) return L == 0 ? x : x + residual;
     if (L == 0) return ops_.rms_norm.call(x, final_norm_, eps_);
@@ -204,8 +226,22 @@ class DecodeStack : public torch::CustomClassHolder {
     return at::rms_norm(t, {t.size(-1)}, w, eps_);
   }
 
+  // In place over the group set by set_all_reduce; t itself when there is none.
+  at::Tensor all_reduce(at::Tensor t) {
+    if (reduce_group_.empty()) return t;
+    const auto start = std::chrono::steady_clock::now();
+    torch::jit::Stack stack{t, std::string("sum"), reduce_group_};
+    all_reduce_op_->callBoxed(&stack);
+    wait_op_->callBoxed(&stack);  // wait_tensor(the all-reduce's output): t, summed
+    reduce_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return t;
+  }
+
   Ops ops_;
   c10::optional<c10::OperatorHandle> mkldnn_linear_;
+  c10::optional<c10::OperatorHandle> all_reduce_op_, wait_op_;
+  std::string reduce_group_;  // a torch.distributed group's name; "" without parallelism
+  double reduce_s_ = 0.0;  // seconds in all-reduces (waiting for the peers included)
   std::vector<Layer> layers_;
   at::Tensor cos_, sin_, final_norm_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0;
@@ -218,5 +254,7 @@ TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_all_reduce", &DecodeStack::set_all_reduce)
+      .def("take_reduce_seconds", &DecodeStack::take_reduce_seconds)
       .def("run", &DecodeStack::run);
 }

@@ -71,6 +71,16 @@ def agree_num_blocks(group, num_blocks: int) -> int:
     return group.all_min(num_blocks)
 
 
+def attach_decode_stack(group, runner, mode: str) -> None:
+    """On the CPU: the rank's all-decode steps through the C++ decode stack, with the
+    tensor-parallel all-reduces inside it (servelm/parallel/decode_stack.py), where it
+    applies; mode: the engine's `--cpu-kernels decode=` choice."""
+    from servelm.parallel.decode_stack import TensorParallelDecodeStack
+
+    runner.cpu_stack = TensorParallelDecodeStack.for_rank(group, runner.model, runner.kv_cache,
+                                                          runner.backend, mode)
+
+
 def wrap_runner(group, runner):
     """Rank 0: the ParallelRunner over its ModelRunner; the workers run theirs directly."""
     if group.global_rank != 0:

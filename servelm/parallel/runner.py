@@ -43,7 +43,7 @@ class ParallelRunner:
         self.model = local.model
         self.kv_cache = local.kv_cache
         self.backend = local.backend
-        self.cpu_stack = None
+        self.cpu_stack = local.cpu_stack  # rank 0's (servelm/parallel/decode_stack.py)
         self._closed = False
 
     def execute(self, step: StepDescription) -> StepResult:

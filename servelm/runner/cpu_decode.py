@@ -95,12 +95,17 @@ class CpuDecodeStack:
             self.verify_steps += 1
         key = (self.kv_cache.k.data_ptr(), len(self.model.layers))
         if self._built_for != key:
-            self._stack = _build(self.model, self.kv_cache, self.backend)
+            self._stack = self._new_stack()
             self._built_for = key
         x = self.model.embed_tokens(fb.input_ids)
         self.steps += 1
         return self._stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens,
                                -1 if num_layers is None else num_layers, True)
+
+    def _new_stack(self):
+        """The C++ stack over the model's current tensors (servelm/parallel/decode_stack.py
+        adds its tensor-parallel all-reduces here)."""
+        return _build(self.model, self.kv_cache, self.backend)
 
 
 def _applies(model, kv_cache, backend) -> bool:
