@@ -772,6 +772,9 @@ class EngineArgs:
     # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
     scheduling_policy: str = "fcfs"
     slo_cost_model: str | None = None
+    # A JSON-lines file of every step's shape and wall time, start to next start
+    # (servelm/sim/step_trace.py): what `servelm bench calibrate --served-steps` fits.
+    step_trace: str | None = None
     # Model parallelism (ParallelConfig, servelm/parallel/): worker processes per replica.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -908,6 +911,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--slo-cost-model", default=d("slo_cost_model"), metavar="FILE",
                    help="step-cost model (`servelm bench calibrate`) the slo policy sizes "
                         "chunks and predicts TTFTs with; without one it only orders the queue")
+    g.add_argument("--step-trace", default=d("step_trace"), metavar="FILE",
+                   help="write each step's shape and wall time (start to next start) to FILE, "
+                        "as JSON lines, for `servelm bench calibrate --served-steps` (docs/sim.md)")
     g.add_argument("--device", default=d("device"))
     g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default=d("attention_backend"),

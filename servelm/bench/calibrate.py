@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from servelm.sim.cost_model import StepCostModel, StepShape, fit_cost_model, step_shape
 
 # (number of requests, prompt tokens, new tokens): decode batches and prefill chunks.
@@ -98,20 +100,57 @@ def calibrate(engine, name: str, plan=DEFAULT_PLAN, progress: bool = True) -> St
     return model
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    from servelm.config import engine_args_from_cli
-    from servelm.engine_builder import build_engine
+def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCostModel:
+    """Fit to the steps `servelm serve --step-trace` recorded (servelm/sim/step_trace.py):
+    each step's wall time start to next start, so the model holds what serving spends per
+    step, not only the forward. The first `skip_steps` of each file (warm-up) are dropped.
+    Every file must come from the same engine (its KV pool and limits)."""
+    from servelm.bench.results import git_commit, machine_info
+    from servelm.sim.step_trace import read_step_trace
 
-    engine = build_engine(engine_args_from_cli(args))
-    name = args.name or f"{engine.model_name}-{engine.engine_args.dtype}"
-    model = calibrate(engine, name, progress=not args.no_progress)
+    if not paths:
+        raise ValueError("served_steps: give at least one step-trace file")
+    if skip_steps < 0:
+        raise ValueError(f"skip_steps must be >= 0, got {skip_steps}")
+    engine, shapes, seconds, admit = None, [], [], []
+    for path in paths:
+        eng, sh, sec, adm = read_step_trace(path)
+        admit += adm
+        if engine is not None and eng != engine:
+            raise ValueError(f"served_steps: {path} ran on another engine ({eng}) than "
+                             f"{paths[0]} ({engine})")
+        engine = eng
+        shapes += sh[skip_steps:]
+        seconds += sec[skip_steps:]
+    model = fit_cost_model(name, shapes, seconds)
+    if admit:  # the front end's per-request part: the median, robust to a stalled request
+        model.arrival_s = float(np.median(admit))
+        model.fit["admit_s"] = {"n": len(admit), "p50": model.arrival_s,
+                                "p90": float(np.percentile(admit, 90))}
+    model.fit.update({"machine": machine_info(), "commit": git_commit(), "source": "served",
+                      "step_traces": [str(p) for p in paths], "skip_steps": skip_steps,
+                      "engine": engine})
+    return model
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.served_steps:
+        name = args.name or f"{args.model}-served"
+        model = calibrate_served(args.served_steps, name, args.skip_steps)
+    else:
+        from servelm.config import engine_args_from_cli
+        from servelm.engine_builder import build_engine
+
+        engine = build_engine(engine_args_from_cli(args))
+        name = args.name or f"{engine.model_name}-{engine.engine_args.dtype}"
+        model = calibrate(engine, name, progress=not args.no_progress)
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"cost-model-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)
     fit = model.fit
     print(json.dumps({k: getattr(model, k) for k in
                       ("base_s", "per_seq_s", "per_decode_token_s", "per_decode_context_s",
-                       "per_prefill_token_s", "per_prefill_pair_s")}, indent=2))
+                       "per_prefill_token_s", "per_prefill_pair_s", "arrival_s")}, indent=2))
     print(f"[calibrate] {fit['num_samples']} steps; mean |error| "
           f"{fit['mean_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; wrote {out}",
           file=sys.stderr)
@@ -300,6 +339,12 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/cost-model-NAME.json)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--served-steps", nargs="+", default=None, metavar="TRACE",
+                   help="fit to the steps a server recorded (`servelm serve --step-trace "
+                        "TRACE`) instead of running steps in a lone engine: served steps also "
+                        "pay for scheduling, detokenizing, streaming and the front end")
+    p.add_argument("--skip-steps", type=int, default=8,
+                   help="with --served-steps: warm-up steps dropped from each trace (default 8)")
     g = p.add_argument_group("host bandwidths for `servelm plan --calibration` (--host)")
     g.add_argument("--host", action="store_true",
                    help="measure host DRAM copy, disk read and (with a GPU) pinned host-to-GPU "

@@ -138,6 +138,9 @@ class Engine:
         self.kv_transfer = None
         # KV tiers below the pool (servelm/kv_tiers/, use_kv_tiers); None: off.
         self.kv_tiers = None
+        # The last step's StepDescription (its shape is what a step trace records,
+        # servelm/sim/step_trace.py); None before the first step.
+        self.last_step_description: StepDescription | None = None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Engine:
         for s in batch.seqs:
             if s.seq.timings.first_scheduled_time is None:
                 s.seq.timings.first_scheduled_time = start
-        step = self.describe(batch)
+        step = self.last_step_description = self.describe(batch)
         result: StepResult = self.runner.execute(step)
         now = self.clock()
         if self.kv_tiers is not None:  # saved blocks move down; the step feeds the estimate

@@ -74,6 +74,12 @@ class EngineLoop:
         engine.enable_kv_events()  # a server publishes what its prefix cache holds
         if engine.kv_transfer is not None:  # KV transfer messages wake an idle loop
             engine.kv_transfer.wake = self.wake
+        # --step-trace FILE: each step's shape and wall time (servelm/sim/step_trace.py).
+        self.step_trace = None
+        if getattr(getattr(engine, "engine_args", None), "step_trace", None):
+            from servelm.sim.step_trace import open_step_trace
+
+            self.step_trace = open_step_trace(engine)
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -126,6 +132,8 @@ class EngineLoop:
                 with self._cond:
                     while (not self._commands and not self._stopping
                            and not self.engine.has_unfinished):
+                        if self.step_trace is not None:  # the last step ends here
+                            self.step_trace.idle()
                         self._cond.wait()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
@@ -156,6 +164,8 @@ class EngineLoop:
                     continue
                 self._live_ids.add(rid)
                 admitted.append(cmd)
+                if self.step_trace is not None:
+                    self.step_trace.admitted(cmd.request)
             elif cmd.kind in ("load_lora", "unload_lora"):
                 self._apply_lora(cmd)
             else:
@@ -183,9 +193,13 @@ class EngineLoop:
 
     def _step(self) -> None:
         num_steps = self.engine.stats.num_steps
+        if self.step_trace is not None:
+            self.step_trace.begin()
         start = time.monotonic()
         deltas = self.engine.step()
         stepped = self.engine.stats.num_steps != num_steps
+        if stepped and self.step_trace is not None:
+            self.step_trace.stepped(self.engine)
         self._deliver(deltas, time.monotonic() - start if stepped else None)
         if not deltas and not stepped:
             # Nothing could be scheduled (should not happen: admission checks the pool);
@@ -214,6 +228,8 @@ class EngineLoop:
             if self.engine.stats.num_steps == num_steps:  # only transfer timers left
                 time.sleep(0.01)
         self.report = self.engine.report()
+        if self.step_trace is not None:
+            self.step_trace.close()
         self.sink.stopped()
 
 

@@ -121,4 +121,121 @@ def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
     stats.last_num_verify_tokens = stats.last_num_prefill_tokens = 0
 
 
-__all__ = ["advance_decodes"]
+def _leading_decodes(engine, budget: int) -> tuple[int, int]:
+    """How many sequences at the head of the running list make a plain decode this step
+    (one token, no finish: a hidden decode, below), and the context they read."""
+    max_model_len = engine.max_model_len
+    k = ctx = 0
+    for seq in engine.scheduler.running:
+        if k == budget:
+            break
+        n = len(seq.token_ids)
+        c = seq.num_computed_tokens
+        if n - c != 1 or c < seq.num_prompt_tokens:
+            break
+        p = seq.params
+        if not p.ignore_eos or p.stop_token_ids:
+            break
+        if min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) <= 1:
+            break  # it finishes this step: Engine.step's to report
+        k += 1
+        ctx += n
+    return k, ctx
+
+
+def mixed_step(rep, records: dict) -> list | None:
+    """One engine step in which the sequences at the head of the running list decode one
+    token each ("hidden" decodes) and the rest of the step (prefill chunks, finishing
+    decodes, admissions) goes through the real Scheduler and Engine.step. Returns the step's
+    deltas (the hidden decodes' tokens are stamped here), or None when it does not apply
+    (the caller runs Engine.step).
+
+    Scheduler.schedule visits the running list in order, then the waiting queue; here the
+    hidden head is visited first too (its blocks allocated in order, as the scheduler's loop
+    would, with the same budget spent), then Scheduler._schedule_running runs over the rest
+    and Scheduler._schedule_waiting as schedule() runs it. A hidden decode needing a block
+    that is not free would preempt: then this does not apply. The step's time is the cost
+    model's for the whole step's shape (SimRunner adds the hidden part)."""
+    engine = rep.engine
+    sched, bm = engine.scheduler, engine.block_manager
+    if not _is_plain(engine) or sched.policy is not None or not sched.running:
+        return None
+    cfg = sched.config
+    k, ctx = _leading_decodes(engine, cfg.max_num_batched_tokens)
+    if k == 0:
+        return None
+    running = sched.running
+    hidden = running[:k]
+    bs = bm.block_size
+    growing = sum(1 for seq in hidden if seq.num_computed_tokens == len(seq.block_table) * bs)
+    if growing > bm.num_free_blocks:
+        return None
+    from servelm.engine.scheduler import ScheduledBatch
+
+    batch = ScheduledBatch()
+    sched.encoder_budget.reset()
+    for seq in hidden:
+        c1 = seq.num_computed_tokens + 1
+        if c1 % bs == 0 or c1 > len(seq.block_table) * bs:
+            bm.allocate(seq, 1)
+    sched.running = running[k:]
+    try:
+        budget = sched._schedule_running(batch, cfg.max_num_batched_tokens - k)
+    finally:
+        sched.running = hidden + sched.running
+    if not batch.preempted:
+        sched._schedule_waiting(batch, budget)
+    if batch.is_empty:  # only the hidden decodes run: the step is theirs alone
+        return _decode_only_step(rep, records, hidden, ctx)
+    runner = rep.runner
+    runner.hidden = (k, ctx)
+    sched.schedule = lambda: batch  # Engine.step runs the batch built above
+    try:
+        deltas = engine.step()
+    finally:
+        del sched.schedule
+        runner.hidden = None
+    _stamp_hidden(rep, records, hidden, rep.clock.now)
+    st = engine.stats
+    st.last_num_seqs += k
+    st.last_num_tokens += k
+    st.last_num_decode_tokens += k
+    st.last_num_context_tokens += ctx
+    st.last_num_attention_pairs += ctx  # a one-token step at position c: c + 1 pairs
+    st.num_computed_tokens += k
+    return deltas
+
+
+def _stamp_hidden(rep, records: dict, hidden: list, now: float) -> None:
+    """The hidden decodes' part of a step that ended at `now`: what Engine._account and
+    _on_token do for a one-token step that finishes nothing, and the client's record."""
+    token_of = rep.runner._token
+    for seq in hidden:
+        seq.num_computed_tokens += 1
+        seq.append_token(token_of(seq.token_ids))
+        seq.timings.last_token_time = now
+        rec = records[seq.request_id]
+        rec.chunk_times.append(now)
+        rec.num_output_tokens += 1
+    rep.engine.stats.num_generated_tokens += len(hidden)
+
+
+def _decode_only_step(rep, records: dict, hidden: list, ctx: int) -> list:
+    """A step of hidden decodes alone (the rest scheduled nothing), as Engine.step runs it:
+    its blocks are taken already; the clock, counters and records as for a bulk step."""
+    engine, runner, clock = rep.engine, rep.runner, rep.clock
+    k = len(hidden)
+    step_s = runner.cost.predict(StepShape(k, k, ctx, 0, 0))
+    clock.now += step_s
+    runner.num_steps += 1
+    runner.busy_s += step_s
+    engine._step_id += 1
+    stats = engine.stats
+    stats.num_steps += 1
+    stats.num_computed_tokens += k
+    _stamp_hidden(rep, records, hidden, clock.now)
+    _note_last_step(stats, step_s, k, ctx)
+    return []
+
+
+__all__ = ["advance_decodes", "mixed_step"]

@@ -201,6 +201,7 @@ class ScaledCost:
         self.inner, self.scale = inner, scale
         self.name = f"{inner.name} x{scale:g}"
         self.fit = {**inner.fit, "scale": scale}
+        self.arrival_s = getattr(inner, "arrival_s", 0.0)  # per request, not scaled
 
     def predict(self, shape) -> float:
         return self.inner.predict(shape) * self.scale

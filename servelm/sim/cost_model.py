@@ -12,6 +12,11 @@ Never: imports torch; the measurements come from `servelm bench calibrate`.
 
 Decode is memory-bound (weights once per step, KV per context token); prefill is
 compute-bound (per token, and per attention pair): a handful of coefficients covers both.
+
+One part is per request, not per step: `arrival_s`, a request's time from reaching the
+server to the engine's queue (the front end's parsing, tokenizing and hop into the engine),
+measured by a served-step trace (servelm/sim/step_trace.py); the simulator admits each
+request that long after it arrives. 0 for a model fitted to a lone engine's steps.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class StepCostModel:
     per_decode_context_s: float = 0.0
     per_prefill_token_s: float = 0.0
     per_prefill_pair_s: float = 0.0
+    arrival_s: float = 0.0  # per request: reaching the server -> the engine's queue
     fit: dict = field(default_factory=dict)  # how it was made: samples, error, machine
 
     def predict(self, shape: StepShape) -> float:

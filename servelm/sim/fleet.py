@@ -30,7 +30,7 @@ from servelm.engine.engine import Engine
 from servelm.engine.slo_policy import SLOUnattainableError
 from servelm.protocol import EngineRequest, RequestSLO, SamplingParams
 from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
-from servelm.sim.bulk import advance_decodes
+from servelm.sim.bulk import advance_decodes, mixed_step
 from servelm.sim.cost_model import StepCostModel, StepShape
 from servelm.sim.runner import SimRunner, VirtualClock
 
@@ -68,6 +68,7 @@ class Replica:
     runner: SimRunner
     is_stepping: bool = False
     last_finish: float | None = None  # when the last step finished a request, if it did
+    num_mixed_steps: int = 0  # engine steps run with hidden decodes (bulk.mixed_step)
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)
     # (time, kv usage, waiting, running) after each step
     # load() less the prompt's cached tokens, kept until the engine's state changes: a
@@ -103,6 +104,7 @@ class SimResult:
     wall_s: float
     num_steps: int
     num_bulk_steps: int = 0  # of num_steps, those advanced in bulk (plain decodes)
+    num_mixed_steps: int = 0  # of num_steps, engine steps whose leading decodes were hidden
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -135,6 +137,7 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
     bulk: run plain decode steps in bulk (the same result, faster)."""
     started = time.perf_counter()
     replicas = [_make_replica(i, spec, cost) for i in range(num_replicas)]
+    lag = getattr(cost, "arrival_s", 0.0)  # the front end's part before the engine's queue
     records: dict[str, RequestRecord] = {}
     arrivals = sorted(requests, key=lambda r: r.arrival_s)
     steps: list = []  # (start time, tiebreak, replica): each stepping replica's next step
@@ -144,10 +147,11 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
     next_arrival = 0
     inf = float("inf")
     while next_arrival < len(arrivals) or steps:
-        t_arrive = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else inf
+        t_arrive = (arrivals[next_arrival].arrival_s + lag if next_arrival < len(arrivals)
+                    else inf)
         if t_arrive <= (steps[0][0] if steps else inf):  # same instant: arrival first
             _arrive(f"r{next_arrival}", arrivals[next_arrival], replicas, policy, records,
-                    steps, order)
+                    steps, order, lag)
             next_arrival += 1
             continue
         t, _, rep = heapq.heappop(steps)
@@ -158,7 +162,7 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
             num_steps += n
             num_bulk += n
         else:
-            _step(rep, records)
+            _step(rep, records, bulk)
             num_steps += 1
             if rep.last_finish is not None:
                 last_end = max(last_end, rep.last_finish)
@@ -168,25 +172,29 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
             rep.is_stepping = False
     first = min((r.arrival_s for r in requests), default=0.0)
     return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
-                     time.perf_counter() - started, num_steps, num_bulk)
+                     time.perf_counter() - started, num_steps, num_bulk,
+                     sum(r.num_mixed_steps for r in replicas))
 
 
 def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingPolicy,
-            records: dict[str, RequestRecord], steps: list, order) -> None:
-    t = req.arrival_s
+            records: dict[str, RequestRecord], steps: list, order, lag: float = 0.0) -> None:
+    """The request reaches the engine's queue `lag` after it was sent (the record's
+    times are the client's)."""
+    sent = req.arrival_s
+    t = sent + lag
     route = RouteRequest(len(req.prompt_token_ids) + req.max_tokens)
     # The prefix caches are only looked up for a policy that reads the cached tokens.
     prompt = req.prompt_token_ids if getattr(policy, "reads_cached_tokens", True) else None
     rep = replicas[policy.pick([x.load(prompt) for x in replicas], route)]
     records[rid] = rec = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
-                                       scheduled_time=t, sent_time=t, written_time=t)
+                                       scheduled_time=sent, sent_time=sent, written_time=sent)
     if not rep.is_stepping:  # the SLO policy's admission check reads the replica's clock
         rep.clock.now = max(rep.clock.now, t)
     try:
         rep.engine.add_request(EngineRequest(
             rid, req.prompt_token_ids,
             SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
-            arrival_time=t, slo=req.slo))
+            arrival_time=sent, slo=req.slo))  # the front end stamps it
     except SLOUnattainableError as exc:  # the SLO policy's early 429: the client sees it now
         rec.error, rec.error_detail, rec.end_time = "slo_unattainable", str(exc), t
         return
@@ -196,10 +204,15 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         heapq.heappush(steps, (rep.clock.now, next(order), rep))
 
 
-def _step(rep: Replica, records: dict[str, RequestRecord]) -> list[str]:
-    """One Engine.step; its tokens stamped at the step's end. Returns the requests it
-    finished."""
-    deltas = rep.engine.step()  # advances rep.clock by the step's cost
+def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False) -> list[str]:
+    """One Engine.step; its tokens stamped at the step's end. hide: its leading plain
+    decodes may be run outside the engine (bulk.mixed_step: the same result, faster).
+    Returns the requests it finished."""
+    deltas = mixed_step(rep, records) if hide else None
+    if deltas is None:
+        deltas = rep.engine.step()  # advances rep.clock by the step's cost
+    else:
+        rep.num_mixed_steps += 1
     now = rep.clock.now
     rep.last_finish = None
     finished = []

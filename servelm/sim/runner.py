@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
 from servelm.core.runner_state import RunnerState
-from servelm.sim.cost_model import StepCostModel, step_shape
+from servelm.sim.cost_model import StepCostModel, StepShape, step_shape
 
 
 class VirtualClock:
@@ -38,10 +38,19 @@ class SimRunner:
         self.state = RunnerState()
         self.num_steps = 0
         self.busy_s = 0.0
+        # (decodes, context tokens) the step also runs that its description leaves out:
+        # the simulator's hidden decodes (servelm/sim/bulk.py mixed_step); None: none.
+        self.hidden: tuple[int, int] | None = None
 
     def execute(self, step: StepDescription) -> StepResult:
         scheduled = self.state.apply(step)
-        step_s = self.cost.predict(step_shape(step))
+        shape = step_shape(step)
+        if self.hidden is not None:
+            k, ctx = self.hidden
+            shape = StepShape(shape.num_seqs + k, shape.num_decode_tokens + k,
+                              shape.num_decode_context_tokens + ctx, shape.num_prefill_tokens,
+                              shape.num_prefill_pairs)
+        step_s = self.cost.predict(shape)
         self.clock.now += step_s
         self.num_steps += 1
         self.busy_s += step_s

@@ -43,7 +43,7 @@ def _replica_state(rep) -> dict:
 def run_both(requests, num_replicas, spec, policy, cost=COST) -> tuple[SimResult, SimResult]:
     stepped = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=False)
     bulk = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=True)
-    assert stepped.num_bulk_steps == 0
+    assert stepped.num_bulk_steps == stepped.num_mixed_steps == 0
     assert sorted(map(_record_key, bulk.records)) == sorted(map(_record_key, stepped.records))
     assert bulk.num_steps == stepped.num_steps
     assert bulk.elapsed_s == stepped.elapsed_s
@@ -66,6 +66,8 @@ def test_under_preemption_bulk_is_stepping():
     stepped, bulk = run_both(_random_requests(200, 0), 3, spec, "least_loaded")
     assert sum(r.engine.scheduler.num_preemptions for r in bulk.replicas) > 0
     assert bulk.num_bulk_steps > 0.2 * bulk.num_steps  # the comparison covers bulk steps
+    # and most of the other steps ran their leading decodes hidden (bulk.mixed_step)
+    assert bulk.num_mixed_steps > 0.5 * (bulk.num_steps - bulk.num_bulk_steps)
 
 
 def test_long_decodes_with_a_full_running_list_are_mostly_bulk():

@@ -1,0 +1,140 @@
+"""The served-step trace: every step a serving engine ran, its shape and the wall time the
+serving process spent on it, for fitting a StepCostModel to steps as they are served.
+
+Owns: the trace file (JSON lines: one header naming the engine, then one line per step), the
+writer the engine loop drives (`servelm serve --step-trace FILE`), and the reader
+`servelm bench calibrate --served-steps FILE` fits from.
+Never: changes what the engine does; it reads the last StepDescription and a clock.
+
+A step's time here runs from its start to the start of the next step (or to the moment the
+loop goes idle): the forward, and also the scheduling, detokenizing, delivering outputs and
+taking in new requests between the two steps, and whatever the front end on the same cores
+takes from the engine meanwhile. That is what a simulated step stands for: the simulator has
+no other place to spend time, so a model fitted to lone-engine steps (`bench calibrate
+MODEL`) comes out optimistic for a served engine.
+
+    {"kind": "step-trace", "engine": {num_blocks, block_size, ...}}
+    {"t": 1764612345.123, "s": 0.0312, "shape": [seqs, decode, decode ctx, prefill, pairs]}
+    {"admit_s": 0.0021}      a request's time from the HTTP handler to the engine's queue
+
+The admission lines give the front end's per-request part that no step holds: a request
+reaches the engine's queue `admit_s` after it reached the server (parsing, tokenizing, the
+hop into the engine), which the simulator models as the cost model's `arrival_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from servelm.sim.cost_model import StepShape, step_shape
+
+KIND = "step-trace"
+_FLUSH_EVERY = 256  # steps; also flushed whenever the loop goes idle
+
+
+def engine_block(engine) -> dict:
+    """The engine the steps ran on, as a cost model's fit.engine records it (the simulator
+    takes it as its replica)."""
+    bm, sched = engine.block_manager, engine.scheduler.config
+    return {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "enable_prefix_caching": bm.prefix_cache is not None,
+            "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "eos_token_ids": sorted(engine.eos_token_ids)}
+
+
+class StepTrace:
+    """Driven by the engine loop's thread: begin() at each step's start, stepped() after
+    Engine.step, idle() before the loop waits for work, close() when it stops."""
+
+    def __init__(self, path: str | Path, engine, clock=time.monotonic):
+        self.clock = clock
+        self._file = open(path, "w")  # noqa: SIM115 (open for the loop's life)
+        self._file.write(json.dumps({"kind": KIND, "engine": engine_block(engine)}) + "\n")
+        self._file.flush()
+        self._start: float | None = None  # the current step's start (clock)
+        self._pending: tuple[float, StepShape] | None = None  # a step waiting for its end
+        self._unflushed = 0
+        self.num_steps = 0
+
+    def begin(self) -> None:
+        now = self.clock()
+        self._end(now)
+        self._start = now
+
+    def stepped(self, engine) -> None:
+        """Engine.step ran a step (the caller checked): remember its shape until it ends."""
+        self._pending = (self._start, step_shape(engine.last_step_description))
+
+    def admitted(self, request) -> None:
+        """The loop put `request` into the engine; its arrival_time is the front end's
+        (the same monotonic clock, in this process or the engine core's)."""
+        if request.arrival_time is not None:
+            lag = max(0.0, self.clock() - request.arrival_time)
+            self._file.write(json.dumps({"admit_s": lag}) + "\n")
+
+    def idle(self) -> None:
+        self._end(self.clock())
+        self._file.flush()
+        self._unflushed = 0
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.idle()
+            self._file.close()
+
+    def _end(self, now: float) -> None:
+        if self._pending is None:
+            return
+        start, shape = self._pending
+        self._pending = None
+        # Wall-clock time of the start (the clock is monotonic), to line steps up with a
+        # client's record of the same run.
+        wall = time.time() - (self.clock() - start)
+        self._file.write(json.dumps({"t": round(wall, 6), "s": now - start,
+                                     "shape": list(shape)}) + "\n")
+        self.num_steps += 1
+        self._unflushed += 1
+        if self._unflushed >= _FLUSH_EVERY:
+            self._file.flush()
+            self._unflushed = 0
+
+
+def open_step_trace(engine) -> StepTrace | None:
+    """The trace `--step-trace FILE` asks for (EngineArgs.step_trace), or None."""
+    path = getattr(getattr(engine, "engine_args", None), "step_trace", None)
+    return StepTrace(path, engine) if path else None
+
+
+class StepTraceData(NamedTuple):
+    engine: dict  # engine_block() of the engine that ran the steps
+    shapes: list[StepShape]
+    seconds: list[float]  # per step, start to next start
+    admit_s: list[float]  # per admitted request, HTTP handler to the engine's queue
+
+
+def read_step_trace(path: str | Path) -> StepTraceData:
+    """A trace file's steps and admissions; a file that is not a trace is refused."""
+    lines = Path(path).read_text().splitlines()
+    head = json.loads(lines[0]) if lines else {}
+    if head.get("kind") != KIND:
+        raise ValueError(f"{path} is not a step trace (servelm serve --step-trace)")
+    shapes, seconds, admit = [], [], []
+    for line in lines[1:]:
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "admit_s" in row:
+            admit.append(float(row["admit_s"]))
+        else:
+            shapes.append(StepShape(*row["shape"]))
+            seconds.append(float(row["s"]))
+    return StepTraceData(head["engine"], shapes, seconds, admit)
+
+
+__all__ = ["StepTrace", "StepTraceData", "engine_block", "open_step_trace", "read_step_trace"]
