@@ -47,12 +47,15 @@ def load_run(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def label(key: str, runs: dict) -> str:
-    """A servelm row names the float type its model computed in (what the default chose)."""
+    """A servelm row names the float type its model computed in (what the default chose); a
+    peer's row does so only where its engine ran another type than the one asked for."""
+    settings = [r.get("settings") or {} for w in WORKLOADS for k, r in runs[w].items()
+                if k == key]
+    ran = {s.get("model_dtype") for s in settings} - {None, "None"}
     if key not in SERVELM_CONFIGS:
-        return LABELS[key]
-    dtypes = {(r.get("settings") or {}).get("model_dtype") for w in WORKLOADS
-              for k, r in runs[w].items() if k == key} - {None}
-    return LABELS[key] + (f" ({', '.join(sorted(dtypes))})" if dtypes else "")
+        asked = {s.get("dtype") for s in settings} - {None}
+        return LABELS[key] + (f" (ran {', '.join(sorted(ran))})" if ran - asked else "")
+    return LABELS[key] + (f" ({', '.join(sorted(ran))})" if ran else "")
 
 
 def cpu_flags() -> list[str]:

@@ -349,7 +349,11 @@ def run_vllm(args: argparse.Namespace, requests: list) -> tuple[list, float, dic
         else:
             first = last = None
         timings.append(RequestTiming(len(req.prompt_token_ids), n_out, t0, first, last))
+    # the float type vLLM's engine settled on (it may override the requested one)
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     extra = {"settings": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                          "model_dtype": str(getattr(config, "dtype", None)).removeprefix(
+                              "torch."),
                           "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                           "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
                           "ld_preload": os.environ.get("LD_PRELOAD", "")},

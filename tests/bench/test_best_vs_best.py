@@ -26,14 +26,15 @@ def load_summary():
     return module
 
 
-def result(system, out_tok_s, decode_tok_s, dtype=None, error=None):
+def result(system, out_tok_s, decode_tok_s, dtype=None, error=None, asked=None):
     if error:
         return {"system": system, "error": error}
     n_out = 128
     timings = [RequestTiming(10, n_out, 0.0, 0.2, 0.2 + (n_out - 1) / decode_tok_s)]
     r = build_result(system=system, model="m", timings=timings, elapsed_s=n_out / out_tok_s,
                      peak_memory_bytes=2**30, threads=2,
-                     extra={"settings": {"model_dtype": dtype}} if dtype else None)
+                     extra={"settings": {"model_dtype": dtype, "dtype": asked}}
+                     if dtype else None)
     r["workload"] = {"num_prompts": 1, "input_len": "10", "output_len": "128"}
     return r
 
@@ -46,7 +47,8 @@ def write(folder, name, results):
 def run_folder(tmp_path):
     write(tmp_path, "batch-servelm-default", [result("servelm", 300.0, 5.0, "bfloat16")])
     write(tmp_path, "batch-servelm-float32", [result("servelm", 200.0, 4.0, "float32")])
-    write(tmp_path, "batch-peers", [result("vllm", 100.0, 3.0), result("vllm-bf16", 250.0, 4.0),
+    write(tmp_path, "batch-peers", [result("vllm", 100.0, 3.0, "float32", asked="bfloat16"),
+                                    result("vllm-bf16", 250.0, 4.0, "bfloat16", asked="bfloat16"),
                                     result("llama-server", 90.0, 2.0),
                                     result("llama.cpp", 60.0, 1.0)])
     write(tmp_path, "single-servelm-default", [result("servelm", 20.0, 20.0, "bfloat16")])
@@ -75,8 +77,11 @@ def test_ratios_take_each_peers_best_configuration(run_folder):
     rows = {r["key"]: r for r in data["systems"]}
     assert rows["default"]["system"] == "servelm default (bfloat16)"
     assert rows["vllm"]["single"]["error"] == "exit 1: no CPU"
+    # a peer that ran another float type than it was asked for says so; one that did not, not
+    assert rows["vllm"]["system"] == "vLLM-CPU fp32 (ran float32)"
+    assert rows["vllm-bf16"]["system"] == "vLLM-CPU bf16"
     md = (run_folder / "summary.md").read_text()
-    assert "| vLLM-CPU fp32 | 100.0 |" in md and "| FAILED |" in md
+    assert "| vLLM-CPU bf16 | 250.0 |" in md and "| FAILED |" in md
     assert "**1.20x** (bar 1.5x: not met)" in md
     assert (run_folder / "summary.png").stat().st_size > 1000
 
