@@ -116,8 +116,8 @@ def llama_server_command(args: argparse.Namespace, requests: list, port: int) ->
 
 def completion_body(req) -> dict:
     """/completion takes the prompt as token ids; greedy (top-k 1 the only sampler, no
-    penalties), exactly max_tokens new tokens (ignore_eos). return_tokens puts the token ids
-    in each streamed chunk, so output tokens are counted, not inferred from text."""
+    penalties), exactly max_tokens new tokens (ignore_eos). return_tokens puts each token's id
+    in its streamed chunk, so the first token is told from an empty chunk."""
     return {"prompt": list(req.prompt_token_ids), "n_predict": req.max_tokens,
             "ignore_eos": True, "stream": True, "return_tokens": True, "samplers": ["top_k"],
             "top_k": 1, "temperature": 0.0, "repeat_penalty": 1.0, "cache_prompt": False}
@@ -135,7 +135,10 @@ def parse_sse_line(line: bytes) -> dict | None:
 
 
 def stream_completion(port: int, req, arrival: float, timeout_s: float) -> RequestTiming:
-    """POST one request and read its stream; a token's time is the arrival of its chunk."""
+    """POST one request and read its stream. The first token's time is the arrival of the
+    first chunk with a token, the last token's that of the final chunk, and the count is the
+    server's own (tokens_predicted): llama-server holds back a token that ends inside a UTF-8
+    character and sends it with the next, so chunks undercount."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
@@ -159,6 +162,8 @@ def stream_completion(port: int, req, arrival: float, timeout_s: float) -> Reque
                 last = now
             if chunk.get("stop"):
                 n_prompt = chunk.get("tokens_evaluated")
+                n_out = chunk.get("tokens_predicted", n_out)
+                last = now if n_out else last
                 break
     finally:
         conn.close()

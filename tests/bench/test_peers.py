@@ -143,16 +143,18 @@ FAKE_SERVER = textwrap.dedent("""\
             time.sleep(0.2)  # every request in flight before the first answers
             self.send_response(200); self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            n, i = body["n_predict"], 0
-            while i < n:  # one chunk carries two tokens, as llama-server does for split UTF-8
-                k = 2 if i == 1 and n - i >= 2 else 1
-                chunk = {"tokens": list(range(i, i + k)), "stop": False}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
-                self.wfile.flush(); i += k; time.sleep(0.002)
+            n = body["n_predict"]
+            for i in range(n):  # token 1 held back, as llama-server does inside a UTF-8 char
+                if i != 1:
+                    chunk = {"tokens": [i], "stop": False, "tokens_predicted": i + 1}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
+                    self.wfile.flush()
+                time.sleep(0.002)
             with open(os.environ["FAKE_DIR"] + "/most.txt", "w") as f:
                 f.write(str(state["most"]))
             state["active"] -= 1
-            final = {"tokens": [], "stop": True, "tokens_evaluated": len(body["prompt"])}
+            final = {"tokens": [], "stop": True, "tokens_evaluated": len(body["prompt"]),
+                     "tokens_predicted": n}
             self.wfile.write(b"data: " + json.dumps(final).encode() + b"\\n\\n"); self.wfile.flush()
             self.close_connection = True
 
