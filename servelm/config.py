@@ -704,6 +704,13 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+# EngineArgs.parallel_launcher's names (servelm/parallel/launcher.py) and, for "ray", Ray's
+# placement group strategies (PACK: as few nodes as fit; STRICT_PACK: one node; SPREAD: one
+# rank per node where it can; STRICT_SPREAD: always).
+PARALLEL_LAUNCHERS = ("process", "ray")
+RAY_PLACEMENTS = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything needed to build an engine, as the CLI and the Python API take it."""
@@ -782,10 +789,16 @@ class EngineArgs:
     # "host:port": the workers are started elsewhere (torchrun-style environment variables,
     # Ray; docs/parallel.md) and join rank 0 there; None: rank 0 starts them on this machine.
     parallel_master: str | None = None
+    # How rank 0 starts the other ranks (PARALLEL_LAUNCHERS): "process", child processes on
+    # this machine; "ray", Ray actors in one placement group of a bundle per rank
+    # (servelm/parallel/ray_launcher.py), placed by Ray's strategy parallel_placement.
+    parallel_launcher: str = "process"
+    parallel_placement: str = "PACK"
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
         self.kv_tiers_config()  # likewise the KV tier flags (--kv-disk-dir needs --kv-disk-gb)
+        self.check_parallel_launcher()
         if self.slo_cost_model is not None and self.scheduling_policy != "slo":
             raise ValueError("slo_cost_model: the step-cost model is for --scheduling-policy "
                              f"slo, not {self.scheduling_policy!r}")
@@ -821,6 +834,14 @@ class EngineArgs:
                                  self.spec_ngram_max, self.spec_ngram_min,
                                  self.spec_draft_model, self.spec_draft_layers,
                                  self.spec_draft_quantization, self.spec_adaptive)
+
+    def check_parallel_launcher(self) -> None:
+        if self.parallel_launcher not in PARALLEL_LAUNCHERS:
+            raise ValueError(f"parallel_launcher: {self.parallel_launcher!r} is not one of "
+                             f"{PARALLEL_LAUNCHERS}")
+        if self.parallel_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"parallel_placement: {self.parallel_placement!r} is not one of "
+                             f"{RAY_PLACEMENTS}")
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
@@ -963,6 +984,16 @@ def add_engine_cli_args(parser) -> None:
                     help="the workers are started elsewhere (other machines: torchrun-style "
                          "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or Ray) and join this "
                          "rank 0 at HOST:PORT (default: rank 0 starts them here)")
+    pa.add_argument("--parallel-launcher", choices=PARALLEL_LAUNCHERS,
+                    default=d("parallel_launcher"),
+                    help="how rank 0 starts the other ranks: process (child processes on "
+                         "this machine) or ray (Ray actors in one placement group over the "
+                         "cluster: $RAY_ADDRESS or one started here; docs/parallel.md)")
+    pa.add_argument("--parallel-placement", choices=RAY_PLACEMENTS,
+                    default=d("parallel_placement"),
+                    help="with --parallel-launcher ray: the placement group's strategy "
+                         "(PACK: as few nodes as fit; STRICT_PACK: one node; SPREAD: one "
+                         "rank per node where it can; STRICT_SPREAD: always)")
     lo = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", dest="lora_modules", action="append", default=None,
                     metavar="NAME=PATH",

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from servelm import cpu_kernels, startup
+from servelm import cpu_kernels, dtype_choice, startup
 from servelm.attention import get_backend_class
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
@@ -84,6 +84,15 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     return model.eval()
 
 
+def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
+    """--dtype auto made concrete (servelm/dtype_choice.py), logged with its reason."""
+    if args.dtype != "auto":
+        return args
+    dtype, why = dtype_choice.resolve(args.dtype, args.device, source)
+    dtype_choice.log_choice(args.dtype, dtype, why)
+    return dataclasses.replace(args, dtype=dtype)
+
+
 @contextlib.contextmanager
 def _one_thread():
     """oneDNN's weight reorder is memory-bound: on one thread it packs the default model in
@@ -129,6 +138,7 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
         config = load_model_config(source)
     with timer.stage("tokenizer"):
         tokenizer = load_tokenizer(source)
+    args = _resolve_dtype(args, source)
     key = None
     if args.quantization is None and args.prepared_weights_cache and parallel is None:
         key = prepared.prepared_key(source, get_model_class(config.architecture),
@@ -191,6 +201,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()
+    args = _resolve_dtype(args, None)  # weights handed in: as if stored in float32
     dtype = _DTYPES[args.dtype]
     eos = set(config.eos_token_ids)
     if tokenizer is not None:

@@ -17,6 +17,8 @@
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
 // panels), int8 (int8_gemm on panels) or batch-invariant float (det_linear, deterministic
 // mode, where the runner sends prefill chunks through the stack too: one row per token).
+// A bfloat16 model runs the same ops on bfloat16 rows (float32 arithmetic inside each op),
+// its float linears on oneDNN's bfloat16 GEMM, its cache bfloat16.
 // Every op is reached through the dispatcher's typed handles (no boxing), so the results are
 // the eager path's, bit for bit. servelm/runner/cpu_decode.py builds it and decides when a
 // step may take it (CPU, float32, all sequences decoding one token).
@@ -175,8 +177,9 @@ class DecodeStack : public torch::CustomClassHolder {
         l.k_cache.index_copy_(0, slots, k);
         l.v_cache.index_copy_(0, slots, v);
       }
-      const at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
-                                                     block_size_, scale_, ks, vs);
+      at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
+                                               block_size_, scale_, ks, vs);
+      if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());  // fp32 out
       const at::Tensor o = all_reduce(linear(l.o, attn.view({B, q_size})));
       std::tie(h, residual) = ops_.add_rms_norm.call(o, residual, l.post_norm, eps_);
       x = all_reduce(linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h))));

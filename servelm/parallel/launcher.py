@@ -6,8 +6,9 @@ between the ranks, each pinned to its own), joining the group as rank 0, and `Wo
 (who is alive, how a dead one ended, stopping the rest: no orphan survives rank 0, which
 stops them at exit, and each worker also dies with its parent). Never: builds a model.
 
-Across machines the workers are not started here: see docs/parallel.md (torchrun-style
-environment variables, or Ray placement groups).
+Across machines: `--parallel-launcher ray` places the ranks with a Ray placement group
+(servelm/parallel/ray_launcher.py), or they are started by torchrun-style environment
+variables and join rank 0 at --parallel-master (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -116,14 +117,25 @@ def split_cpus(args: EngineArgs, world: int) -> tuple[int, list[list[int]]]:
 
 
 def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
-    """Spawn ranks 1..N-1, join the group as rank 0. Returns rank 0's EngineArgs (its share
-    of the threads) and its group, with `.workers` set."""
+    """Start ranks 1..N-1 the way args.parallel_launcher names (LAUNCHERS), or wait for
+    them at parallel_master; join the group as rank 0. Returns rank 0's EngineArgs (its
+    share of the threads) and its group, with `.workers` set."""
     check_supported(args)
+    if args.parallel_master is not None:
+        if args.parallel_launcher != "process":
+            raise InvalidParameterError(
+                f"parallel_master: the workers are started elsewhere, but parallel_launcher "
+                f"{args.parallel_launcher!r} starts them; give one of the two",
+                param="parallel_master")
+        return _join_external(args)
+    return LAUNCHERS[args.parallel_launcher]()(args)
+
+
+def _start_processes(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+    """Ranks 1..N-1 as child processes of this one, on this machine."""
     parallel = args.parallel_config()
     device = torch.device(args.device)
     world = parallel.world_size
-    if args.parallel_master is not None:
-        return _join_external(args)
     threads, cpus = split_cpus(args, world)
     rank_args = dataclasses.replace(args, num_threads=threads)
     port = _free_port()
@@ -154,6 +166,17 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
         raise
     group.workers = workers
     return rank_args, group
+
+
+def _ray_launcher():
+    from servelm.parallel.ray_launcher import start_workers as start_on_ray
+
+    return start_on_ray
+
+
+# EngineArgs.parallel_launcher -> (a function returning) its start_workers; the names are
+# servelm.config.PARALLEL_LAUNCHERS (torch-free, for --help)
+LAUNCHERS = {"process": lambda: _start_processes, "ray": _ray_launcher}
 
 
 def parse_master(text: str) -> tuple[str, int]:

@@ -15,6 +15,7 @@ frame on stdin), or on another machine as
 
 (torchrun's variables; the same engine flags as rank 0's `servelm serve`, whose
 --parallel-master is host:port): it then joins rank 0 there and serves until rank 0 goes.
+With --parallel-launcher ray a Ray actor calls `run` with its WorkerStart instead.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         spec = read_spec()
         _die_with_parent(spec.parent_pid)
+    return run(spec)
+
+
+def run(spec: codec.WorkerStart) -> int:
+    """Be rank spec.rank until rank 0 stops (0) or goes away (1). Also what a Ray actor runs
+    (servelm/parallel/ray_launcher.py)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[servelm worker rank {spec.rank} %(process)d] %(message)s")
     if spec.cpus:

@@ -16,11 +16,12 @@ form above at any length): prefill, decode, verification and recompute then run 
 algorithm, the linears are DetLinear (batch-invariant, servelm/layers/det_linear.py) and a
 row's bits do not depend on the batch it came in.
 
-Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32,
-with a float32 or fp8 KV cache read by the C++ decode kernel (TorchAttentionBackend), and every
-linear of the layers is an nn.Linear, a PackedLinear (oneDNN) or a quantized layer on servelm's
-C++ kernels (Int4Linear / Int8Linear with kernel "cpu"), or a DetLinear. Steps with a prefill chunk and other
-models run eagerly, as before.
+Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32
+or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
+(TorchAttentionBackend), and every linear of the layers is an nn.Linear, a PackedLinear
+(oneDNN) or, in float32, a quantized layer on servelm's C++ kernels (Int4Linear / Int8Linear
+with kernel "cpu") or a DetLinear. Steps with a prefill chunk and other models run eagerly, as
+before.
 
 The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
 given it as `cpu_decode`) chooses:
@@ -117,9 +118,9 @@ def _applies(model, kv_cache, backend) -> bool:
     if model.config.sliding_window:  # the stack's attention reads the whole context
         return False
     embed = model.embed_tokens.weight
-    if embed.device.type != "cpu" or embed.dtype != torch.float32:
+    if embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if (kv_cache.k.dtype != torch.float32 and not kv_cache.is_fp8
+    if (kv_cache.k.dtype != embed.dtype and not kv_cache.is_fp8
             or backend.kv_cache is not kv_cache or backend.decode_kernel is None):
         return False
     eps = model.norm.eps
@@ -130,8 +131,12 @@ def _applies(model, kv_cache, backend) -> bool:
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
         if any(n is not None and n.eps != eps for n in norms):
             return False
-        if any(_linear_kind(m) is None
-               for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        kinds = [_linear_kind(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                           mlp.down_proj)]
+        if None in kinds:
+            return False
+        # bfloat16 rows: oneDNN's linears only (the quantized kernels take float32 rows)
+        if embed.dtype != torch.float32 and set(kinds) - {_KIND_FLOAT, _KIND_PACKED}:
             return False
     return True
 
@@ -153,7 +158,7 @@ def _linear_kind(m: nn.Module) -> int | None:
     if type(m) is DetLinear:
         return _KIND_DET
     if type(m) is nn.Linear:
-        ok = m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        ok = m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
         return _KIND_FLOAT if ok else None
     if type(m) is Int4Linear and m.kernel == "cpu":
         return _KIND_INT4
@@ -167,7 +172,8 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     none = torch.empty(0)
     kind = _linear_kind(m)
     bias = none if m.bias is None else m.bias.detach().float().contiguous()
-    if kind == _KIND_FLOAT:
+    if kind == _KIND_FLOAT:  # at::linear takes the bias in the weight's dtype
+        bias = none if m.bias is None else m.bias.detach().to(m.weight.dtype).contiguous()
         return [m.weight.detach(), none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_DET:
         bias = none if m.bias is None else m.bias

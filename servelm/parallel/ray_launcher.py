@@ -1,0 +1,205 @@
+"""`--parallel-launcher ray`: a replica's ranks placed over a Ray cluster with a placement group.
+
+Owns: reserving one placement group of a bundle per rank (its share of the CPUs, or one GPU)
+with the strategy --parallel-placement (PACK by default: as few nodes as fit), bundle 0
+pinned to this process's node (rank 0, the scheduler, runs here and its compute is bundle
+0's); ranks 1..N-1 as `WorkerActor`s, each scheduled into its own bundle
+(PlacementGroupSchedulingStrategy) and running the very worker main the process launcher's
+children run (servelm/parallel/worker.py `run`), told its place by a codec WorkerStart frame
+(rank, world, and rank 0's rendezvous: this node's Ray address and a free port); and
+`RayWorkerSet`, the WorkerSet of actors: a rank whose actor died or whose main returned is
+dead, so ParallelRunner fails the replica exactly as for a dead process, and teardown kills
+the actors and removes the placement group. Never: starts, stops or sizes the cluster
+(`ray start`; the router's Ray backend, servelm/router/ray_backend.py, places whole
+replicas), or sends pickled objects to the workers (Ray carries the frame's bytes).
+
+    this process (node A): rank 0            placement group, one bundle per rank
+    +--------------------------------+       +-----------------------------------+
+    | scheduler, rank 0's shard      |       | bundle 0: node A (rank 0's CPUs)  |
+    | TCP rendezvous A:port  <-------+-------+ bundle 1: WorkerActor rank 1      |
+    +--------------------------------+       | bundle 2: WorkerActor rank 2 ...  |
+                                             +-----------------------------------+
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import socket
+import time
+
+import torch
+
+from servelm.config import EngineArgs
+from servelm.core import codec
+from servelm.core.codec import WorkerStart
+from servelm.parallel.group import ParallelGroup
+from servelm.parallel.launcher import JOIN_TIMEOUT_S, WorkerSet, split_cpus
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0  # a group the cluster cannot hold fails the build, not hangs it
+# bundle 0 asks for a sliver of this node's own resource: Ray then places it here
+NODE_RESOURCE_SLIVER = 0.001
+
+
+class WorkerActor:
+    """One rank of a replica inside a Ray actor (a process Ray started in the rank's
+    bundle): first `where`, then `run` for as long as the replica lives."""
+
+    def where(self) -> dict:
+        """Its node's address, its pid, its placement (group id, GPUs Ray gave it)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        pg = ctx.get_placement_group_id()
+        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "placement_group": pg, "gpus": [int(g) for g in ray.get_gpu_ids()]}
+
+    def run(self, frame: bytes) -> int:
+        """The worker main (servelm/parallel/worker.py) for the WorkerStart in frame."""
+        from servelm.parallel import worker
+
+        return worker.run(codec.worker_start_decoder.decode(frame))
+
+
+class RayWorkerSet(WorkerSet):
+    """Ranks 1..N-1 as Ray actors in one placement group."""
+
+    def __init__(self, ray, pg, actors: dict, runs: dict, places: dict):
+        self.ray, self.pg = ray, pg
+        self.actors = actors  # rank -> actor handle
+        self.runs = runs  # rank -> the ObjectRef of its `run` (ready: the rank has ended)
+        self.places = places  # rank -> WorkerActor.where()
+        self.procs = {}
+        self._removed = False
+        atexit.register(self.terminate)
+
+    def dead(self) -> str:
+        if self._removed:
+            return "; ".join(f"worker rank {r} (Ray actor, pid {p['pid']}) stopped"
+                             for r, p in self.places.items())
+        refs = list(self.runs.values())
+        if not refs:
+            return ""
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for rank, ref in self.runs.items():
+            if ref in ready:
+                out.append(f"worker rank {rank} (Ray actor on {self.places[rank]['node']}, "
+                           f"pid {self.places[rank]['pid']}) {self._how(ref)}")
+        return "; ".join(out)
+
+    def _how(self, ref) -> str:
+        try:
+            return f"exit code {self.ray.get(ref, timeout=0)}"
+        except self.ray.exceptions.RayActorError:
+            return "died (its Ray actor is gone)"
+        except Exception as exc:  # the worker main raised: say what
+            return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+    @property
+    def pids(self) -> list[int]:
+        return [p["pid"] for p in self.places.values()]
+
+    def terminate(self, grace_s: float = 3.0) -> None:
+        """Let the ranks finish (after rank 0's STOP their main returns), then kill the
+        actors and remove the placement group; idempotent."""
+        if self._removed or not self.ray.is_initialized():
+            return
+        self._removed = True
+        refs = list(self.runs.values())
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        for actor in self.actors.values():
+            self.ray.kill(actor, no_restart=True)
+        self.ray.util.remove_placement_group(self.pg)
+
+
+def _connect():
+    """The Ray this process already joined, else the router's way in ($RAY_ADDRESS, a
+    cluster started here with `ray start`, else a local instance)."""
+    from servelm.router.ray_backend import _import_ray, connect
+
+    ray = _import_ray()
+    return ray if ray.is_initialized() else connect(None)
+
+
+def _bundles(ray, world: int, cpus: int, gpu: bool) -> list[dict]:
+    here = f"node:{ray.util.get_node_ip_address()}"
+    one = {"GPU": 1.0} if gpu else {"CPU": float(cpus)}
+    return [{**one, here: NODE_RESOURCE_SLIVER}] + [dict(one) for _ in range(world - 1)]
+
+
+def _reserve(ray, args: EngineArgs, bundles: list[dict]):
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy=args.parallel_placement,
+                         name=f"servelm-{os.getpid()}-{time.monotonic_ns()}")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"parallel_launcher ray: the cluster did not place {len(bundles)} bundles "
+            f"{bundles[-1]} ({args.parallel_placement}) in {PLACEMENT_TIMEOUT_S:g} s; it has "
+            f"{ray.cluster_resources()}")
+    return pg
+
+
+def _start_actors(ray, pg, world: int, cpus: int, gpu: bool) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cls = ray.remote(WorkerActor)
+    return {rank: cls.options(
+        num_cpus=0 if gpu else cpus, num_gpus=1 if gpu else 0, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=rank)).remote() for rank in range(1, world)}
+
+
+def _rank0_gpu(places: dict, here: str) -> str:
+    """The first GPU of this node no worker actor here was given (Ray hands the actors
+    their GPUs; rank 0 is no actor, so it takes one Ray did not)."""
+    taken = {g for p in places.values() if p["node"] == here for g in p["gpus"]}
+    free = [i for i in range(torch.cuda.device_count()) if i not in taken]
+    if not free:
+        raise RuntimeError(f"parallel_launcher ray: no GPU left on {here} for rank 0")
+    return f"cuda:{free[0]}"
+
+
+def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+    """Reserve the placement group, start ranks 1..N-1 in it, join as rank 0. Returns rank
+    0's EngineArgs (its share of the threads, its GPU) and its group, `.workers` set."""
+    ray = _connect()
+    parallel = args.parallel_config()
+    world, gpu = parallel.world_size, torch.device(args.device).type == "cuda"
+    threads, _ = split_cpus(args, world)
+    rank_args = dataclasses.replace(args, num_threads=threads)
+    pg = _reserve(ray, args, _bundles(ray, world, threads, gpu))
+    actors = _start_actors(ray, pg, world, threads, gpu)
+    workers = RayWorkerSet(ray, pg, actors, {}, {})
+    try:
+        wheres = ray.get([a.where.remote() for a in actors.values()], timeout=JOIN_TIMEOUT_S)
+        workers.places = dict(zip(actors, wheres))
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        for rank, actor in actors.items():
+            spec = WorkerStart(dataclasses.replace(rank_args, device="cuda:0" if gpu else
+                                                   args.device), rank, host, port, -1, [],
+                               JOIN_TIMEOUT_S)
+            workers.runs[rank] = actor.run.remote(codec.encode(spec))
+        logger.info("model parallel over Ray: %d ranks in placement group %s (%s), %d "
+                    "threads each, workers %s", world, pg.id.hex(), args.parallel_placement,
+                    threads, [(p["node"], p["pid"]) for p in wheres])
+        device = torch.device(_rank0_gpu(workers.places, host) if gpu else args.device)
+        if gpu:
+            rank_args = dataclasses.replace(rank_args, device=str(device))
+        group = ParallelGroup.join(0, parallel, device, host, port, JOIN_TIMEOUT_S)
+    except BaseException:
+        workers.terminate(grace_s=0.0)
+        raise
+    group.workers = workers
+    return rank_args, group
