@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.quant import quant_method_names  # torch-free: the registry's names
+from servelm.quant.int8_act import ACTIVATIONS as QUANT_ACTIVATIONS  # torch-free
+from servelm.quant.int8_act import check_activations as check_quant_activations
 from servelm.vision.config import VisionConfig, vision_config_from_hf  # torch-free
 
 # HF `model_type` -> servelm model family. Families share code in models/. Other model types
@@ -740,6 +742,9 @@ class EngineArgs:
     # path; dense models.
     deterministic: bool = False
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
+    # What the quantized CPU linears round activations to: "float" (float32) or "int8" (per
+    # 32 values, integer dot products where the CPU runs avx512_vnni; servelm/quant/int8_act.py).
+    quant_activations: str = "float"
     kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
     # "attention=torch,decode=kernel" (servelm/cpu_kernels/choice.py).
@@ -797,6 +802,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
+        check_quant_activations(self.quant_activations)
         self.kv_tiers_config()  # likewise the KV tier flags (--kv-disk-dir needs --kv-disk-gb)
         self.check_parallel_launcher()
         if self.slo_cost_model is not None and self.scheduling_policy != "slo":
@@ -953,6 +959,12 @@ def add_engine_cli_args(parser) -> None:
                    help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
                         "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'fp8' is W8A8 "
                         "on CUDA sm89+ GPUs (default: float)")
+    g.add_argument("--quant-activations", default=d("quant_activations"),
+                   choices=list(QUANT_ACTIVATIONS),
+                   help="quantized layers on the CPU: 'int8' rounds activations to int8 per 32 "
+                        "values and multiplies with integer dot products (where the CPU runs "
+                        "avx512_vnni, else float; docs/quantization.md has its accuracy cost), "
+                        "'float' keeps float32 (default %(default)s)")
     g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"),
                    choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: 'auto' = the model's --dtype; 'fp8' = e4m3 codes "

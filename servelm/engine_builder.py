@@ -36,10 +36,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def build_model(config: ModelConfig, weights, dtype: torch.dtype,
                 device: torch.device, quantization: str | None = None,
                 prepared_key: str | None = None,
-                deterministic: bool = False, parallel=None) -> torch.nn.Module:
+                deterministic: bool = False, parallel=None,
+                quant_activations: str = "float") -> torch.nn.Module:
     """Build on the meta device (no throwaway init), then fill from the checkpoint.
 
     quantization: a `servelm.quant` method name; its layers quantize once loading is done.
+    quant_activations: "float" | "int8", what its CPU layers round activations to.
     prepared_key: the prepared-weights cache entry (servelm/loader/prepared.py) to read the
     finished float parameters from instead of `weights`, or to write once they are loaded.
     deterministic: leave the float linears unpacked (the runner repacks them as DetLinear).
@@ -51,7 +53,7 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     if quantization is not None:
         from servelm.quant import get_quant_method
 
-        quant = get_quant_method(quantization)
+        quant = get_quant_method(quantization, quant_activations)
         quant.check_device(device)  # e.g. fp8 needs sm89+: refuse before loading anything
     # Only quantized builds pass `quant`: a family without the hook still loads in float.
     extra = {} if quant is None else {"quant": quant}
@@ -216,7 +218,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     model_config = config if parallel is None else parallel_build.local_config(parallel, config)
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
     model = build_model(model_config, weights, dtype, device, args.quantization, prepared_key,
-                        args.deterministic, parallel)
+                        args.deterministic, parallel, args.quant_activations)
     kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
     spec_config = args.speculative_config()
     draft = None

@@ -58,14 +58,21 @@ struct Ops {
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int8_gemm");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm_a8 =
+      find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm_a8");
+  c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm_a8 =
+      find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int8_gemm_a8");
   c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> det_linear =
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::det_linear");
 };
 
 // kPacked: servelm/layers/linear.py's PackedLinear (oneDNN's packed float weight), called
 // boxed: its schema's C++ types differ between torch versions. kDet: deterministic mode's
-// DetLinear (servelm/layers/det_linear.py, det_gemm.cpp).
-enum LinearKind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4 };
+// DetLinear (servelm/layers/det_linear.py, det_gemm.cpp). kInt4A8 / kInt8A8: the same
+// layers with int8 activations (quant_gemm_a8.cpp; the ops pad x to the codes' width).
+enum LinearKind : int64_t {
+  kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4, kInt4A8 = 5, kInt8A8 = 6
+};
 
 struct Linear {
   int64_t kind = kFloat, n = 0, group = 0, k_padded = 0;
@@ -108,7 +115,7 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int j = 0; j < 4; ++j) {
         Linear& l = *lins[j];
         l.kind = m[4 * j], l.n = m[4 * j + 1], l.group = m[4 * j + 2], l.k_padded = m[4 * j + 3];
-        TORCH_CHECK(l.kind >= kFloat && l.kind <= kDet, "DecodeStack: unknown linear kind ",
+        TORCH_CHECK(l.kind >= kFloat && l.kind <= kInt8A8, "DecodeStack: unknown linear kind ",
                     l.kind);
         if (l.kind == kPacked && !mkldnn_linear_)
           mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
@@ -203,7 +210,11 @@ class DecodeStack : public torch::CustomClassHolder {
       return stack[0].toTensor();
     }
     at::Tensor y;
-    if (l.kind == kInt4) {
+    if (l.kind == kInt4A8) {
+      y = ops_.int4_gemm_a8.call(x.contiguous(), l.a, l.b, l.n, l.group);
+    } else if (l.kind == kInt8A8) {
+      y = ops_.int8_gemm_a8.call(x.contiguous(), l.a, l.b, l.n, l.group);
+    } else if (l.kind == kInt4) {
       at::Tensor xp = x.size(1) == l.k_padded ? x : at::constant_pad_nd(x, {0, l.k_padded - x.size(1)});
       y = ops_.int4_gemm.call(xp.contiguous(), l.a, l.b, l.n, l.group);
     } else {

@@ -48,7 +48,8 @@ def add_parser(subparsers) -> None:
     q = sub.add_parser("quality", help="every eval per method; one JSON record")
     q.add_argument("model")
     q.add_argument("--methods", default="float32,int8,int4-g32,int4-g128,gguf",
-                   help="comma-separated; the first is the reference (float32 = none)")
+                   help="comma-separated; the first is the reference (float32 = none); a "
+                        "'+a8' suffix (gguf+a8) runs the method with --quant-activations int8")
     q.add_argument("--out", type=Path, default=None, help="JSON record path")
     q.add_argument("--window", type=int, default=1024)
     q.add_argument("--no-lm-eval", dest="lm_eval", action="store_false")
@@ -103,12 +104,16 @@ def cmd_quality(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     from servelm.quant import quant_method_names
 
-    bad = [m for m in methods if m != "float32" and m not in quant_method_names()]
+    from servelm.quant.int8_act import split_method  # "gguf+a8": gguf, int8 activations
+
+    bad = [m for m in methods if m != "float32" and split_method(m)[0] not in
+           quant_method_names()]
     if bad or not methods:
         from servelm.protocol import InvalidParameterError
 
         raise InvalidParameterError(f"methods {bad or methods!r}: each must be 'float32' or "
-                                    f"one of {quant_method_names()}", param="methods")
+                                    f"one of {quant_method_names()} (+a8: int8 "
+                                    "activations)", param="methods")
     machine, commit = machine_info(), git_commit()
     record = run_quality(args.model, methods, window=args.window, run_lm_eval=args.lm_eval,
                          lm_eval_limit=args.lm_eval_limit,

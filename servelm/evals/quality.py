@@ -49,8 +49,11 @@ def _engine_stats(model: str, method: str, text: str, window: int, engine_kwargs
     from servelm.engine_builder import build_engine
     from servelm.evals.perplexity import perplexity
 
-    quant = None if method == FLOAT else method
-    engine = build_engine(EngineArgs(model=model, quantization=quant, **engine_kwargs))
+    from servelm.quant.int8_act import split_method
+
+    quant, acts = split_method(method)  # "gguf+a8": int8 activations
+    engine = build_engine(EngineArgs(model=model, quantization=None if method == FLOAT else quant,
+                                     quant_activations=acts, **engine_kwargs))
     num_weights, num_bytes = weight_bytes(engine.runner.model)
     cfg = engine.model_config
     start = time.monotonic()
@@ -86,7 +89,7 @@ def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
         row = _engine_stats(model, method, text, window, engine_kwargs)
         log(f"[{method}] perplexity {row['perplexity']:.3f} ({row['ppl_tokens']} tokens), "
             f"{row['bytes_per_param']:.3f} bytes/param")
-        quant = [] if method == FLOAT else ["--quantization", method]
+        quant = [] if method == FLOAT else _serve_quant_args(method)
         with ServeProcess(model, quant + serve_args) as server:
             tokens = behaviour.greedy_chat_tokens(server.url, server.served_model_name,
                                                   prompts)
@@ -116,6 +119,13 @@ def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
             "text": {"path": str(text_path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "window": window},
             "methods": rows}
+
+
+def _serve_quant_args(method: str) -> list[str]:
+    from servelm.quant.int8_act import split_method
+
+    quant, acts = split_method(method)
+    return ["--quantization", quant, "--quant-activations", acts]
 
 
 def _add_deltas(rows: dict[str, dict[str, Any]], reference: str) -> None:

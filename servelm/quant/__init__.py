@@ -14,6 +14,10 @@ layout: the model decides which layers are linear and which one is the lm_head.
                  (see servelm/quant/methods.py); other types stay float
     fp8          W8A8: e4m3 weights (scale per channel) and activations (scale per token)
                  via torch._scaled_mm, GPU only (CUDA >= 8.9; refused elsewhere)  ~1 byte
+
+Every weight-only method's CPU layers compute with float32 activations, or with int8 ones
+(`activations="int8"`, `--quant-activations int8`: servelm/quant/int8_act.py) where the CPU
+runs avx512_vnni's integer dot products.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def quant_method_names() -> list[str]:
     return list(_METHODS)
 
 
-def get_quant_method(name: str) -> QuantMethod:
+def get_quant_method(name: str, activations: str = "float") -> QuantMethod:
+    """The method `name`; activations: "float" | "int8", what its CPU kernels compute with
+    (servelm/quant/int8_act.py)."""
     try:
         target, kwargs = _METHODS[name]
     except KeyError:
@@ -51,7 +57,8 @@ def get_quant_method(name: str) -> QuantMethod:
         raise InvalidParameterError(f"quantization {name!r} is not supported; supported: "
                                     f"{quant_method_names()}", param="quantization") from None
     module, factory = target.split(":")
-    return getattr(importlib.import_module(module), factory)(name=name, **kwargs)
+    return getattr(importlib.import_module(module), factory)(name=name, activations=activations,
+                                                             **kwargs)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool = False,

@@ -9,6 +9,10 @@ CPU path (`kernel="cpu"`, the default where servelm's C++ kernels build): `int4_
 servelm/cpu_kernels/quant_gemm.cpp on codes repacked in panels of 16 rows
 (servelm/quant/cpu_panels.py), float32 activations, float32 math on the exact dequantized
 weight; in_features is padded to a multiple of 32 (codes 8 meeting zero-padded x).
+With `activations="int8"` (`--quant-activations int8`, where the CPU runs avx512_vnni: see
+servelm/quant/int8_act.py) the codes are packed for `int4_gemm_a8` instead
+(servelm/cpu_kernels/quant_gemm_a8.cpp): x rounded to int8 per 32 columns, integer dot
+products, the same scale / zero applied per group.
 `kernel="aten"` (the fallback where the kernels do not build, or `--cpu-kernels quant=torch`):
 `_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a weight);
 `_weight_int4pack_mm_for_cpu` multiplies. It is fast only with bf16 activations, so x is cast
@@ -30,7 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.quant.cpu_panels import pack_int4_panels, panel_ops, unpack_int4_panels
+from servelm.quant.cpu_panels import (int4_panel_weight, pack_int4_panels, pack_int4_vnni,
+                                      panel_ops, unpack_int4_panels, unpack_int4_vnni)
+from servelm.quant.int8_act import use_int8
 from servelm.quant.quantized_linear import QuantizedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -83,14 +89,16 @@ def unpack_int4_along_k(packed: torch.Tensor, k: int) -> torch.Tensor:
 class Int4Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
+                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
+                 activations: str = "float"):
         """q[out, in] codes 0..15; scale, zero [out, ceil(in / group_size)].
 
         kernel: "cpu" (servelm's C++ int4 GEMM, float32 activations), "aten" (aten's packed
         int4 op, bf16 activations) or "triton" (servelm/kernels/w4a16_gemm.py, the CUDA path);
         None picks by where q is: "triton" on a CUDA device, else "cpu" where servelm's
         kernels build and "aten" where they do not. Each keeps the codes in its own layout,
-        so the choice is made once, here.
+        so the choice is made once, here. activations: "float" or "int8" (the "cpu" kernel
+        only, where the CPU runs it; else float, see servelm/quant/int8_act.py).
         """
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
@@ -103,6 +111,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.group_size = group_size
         self.kernel = kernel
+        self.activations = "float"
         num_groups = -(-in_features // group_size)
         if scale.shape != (out_features, num_groups) or zero.shape != scale.shape:
             raise ValueError(f"int4 scale/zero must be [{out_features}, {num_groups}], got "
@@ -119,9 +128,12 @@ class Int4Linear(QuantizedLinear):
             # Scale / zero kept as given: bf16 (what the RTN quantizers round to by default)
             # or float32 (GGUF's exact (d, m + 8 d); other dtypes widen to float32).
             sz_dtype = torch.bfloat16 if scale.dtype == torch.bfloat16 else torch.float32
-            codes, sz = pack_int4_panels(
-                F.pad(q.cpu(), (0, self.k_padded - in_features), value=8),
-                scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype), sz_dtype)
+            qp = F.pad(q.cpu(), (0, self.k_padded - in_features), value=8)
+            codes, sz = pack_int4_panels(qp, scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype),
+                                         sz_dtype)
+            if use_int8(activations, f"int4 layer {out_features} x {in_features}"):
+                self.activations = "int8"
+                codes = pack_int4_vnni(qp)  # the same codes, in int4_gemm_a8's order
             self.register_buffer("codes", codes)
             self.register_buffer("sz", sz)
             return
@@ -158,8 +170,9 @@ class Int4Linear(QuantizedLinear):
             xf = x.float()
             if self.k_padded != self.in_features:
                 xf = F.pad(xf, (0, self.k_padded - self.in_features))
-            y = torch.ops.servelm_cpu.int4_gemm(xf.contiguous(), self.codes, self.sz,
-                                                self.out_features, self.group_size)
+            op = (torch.ops.servelm_cpu.int4_gemm_a8 if self.activations == "int8"
+                  else torch.ops.servelm_cpu.int4_gemm)
+            y = op(xf.contiguous(), self.codes, self.sz, self.out_features, self.group_size)
             return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype)
         if self.k_padded != self.in_features:
@@ -178,8 +191,12 @@ class Int4Linear(QuantizedLinear):
             zero = self.zero_t.float().t().repeat_interleave(g, dim=1)[:, :k]
             return ((q - 8) * scale + zero).cpu()
         if self.kernel == "cpu":
-            w = unpack_int4_panels(self.codes.cpu(), self.sz.cpu(), self.out_features,
-                                   self.group_size)
+            if self.activations == "int8":
+                w = int4_panel_weight(unpack_int4_vnni(self.codes.cpu(), self.out_features),
+                                      self.sz.cpu(), self.out_features, self.group_size)
+            else:
+                w = unpack_int4_panels(self.codes.cpu(), self.sz.cpu(), self.out_features,
+                                       self.group_size)
             return w[:, : self.in_features].contiguous()
         # The packed layout is the kernel's business: read the weight back through it in
         # float32, with an identity as x (exact: one product and one sum per entry).
@@ -199,4 +216,5 @@ class Int4Linear(QuantizedLinear):
         return sum(t.numel() * t.element_size() for t in parts)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"
+        return (super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"
+                f", activations={self.activations}")

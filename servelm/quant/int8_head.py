@@ -1,7 +1,9 @@
 """Int8Head: an int8 lm_head whose logits near each row's maximum are exact in float32.
 
 With servelm's C++ int8 GEMM (`kernel="cpu"`, the default where it builds) every logit is
-float32 math on the int8 weight already, and the head is an Int8Linear. The rest of this note
+float32 math on the int8 weight already, and the head is an Int8Linear (with int8 activations,
+`--quant-activations int8` where the CPU has avx512_vnni and the head's method asks for them:
+integer math on the int8 weight and the hidden state rounded per 32 values). The rest of this note
 is about aten's op (`kernel="aten"`, the fallback).
 
 Why: aten's fast CPU op returns bf16, and bf16 logits are spaced 0.06-0.125 apart around 10-20,
@@ -29,8 +31,8 @@ from servelm.quant.int8_linear import Int8Linear
 
 class Int8Head(Int8Linear):
     def __init__(self, q, scale, bias=None, compute_dtype=torch.bfloat16, kernel=None,
-                 group_size=0):
-        super().__init__(q, scale, bias, compute_dtype, kernel, group_size)
+                 group_size=0, activations="float"):
+        super().__init__(q, scale, bias, compute_dtype, kernel, group_size, activations)
         # max_v ||w_v||, for the bound below; the C++ kernel's logits need none (exact already)
         self.max_row_norm = (None if self.kernel == "cpu"
                              else self.dequantize().norm(dim=1).max().item())

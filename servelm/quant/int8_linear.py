@@ -9,6 +9,11 @@ than fp32 BLAS on this torch build, see docs/quantization.md), so the layer cast
 compute dtype (bf16 by default) for the op and the result back. Scales are stored in the
 compute dtype, rounded up so no code leaves [-127, 127].
 
+With `activations="int8"` (`--quant-activations int8`, where the CPU runs avx512_vnni: see
+servelm/quant/int8_act.py) the "cpu" kernel is `int8_gemm_a8` (servelm/cpu_kernels/
+quant_gemm_a8.cpp) on the codes + 128 in its VNNI order: x rounded to int8 per 32 columns,
+integer dot products, the same scales (per row, or per group of a multiple of 32 columns).
+
 Grouped int8 (`group_size` > 0: one float32 scale per `group_size` inputs of a row, GGUF's
 Q8_0 with group 32) runs as it is on the "cpu" kernel only; the aten and Triton paths take one
 scale per row, so there the weight is requantized per row at construction.
@@ -22,7 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.quant.cpu_panels import pack_int8_panels, panel_ops, unpack_int8_panels
+from servelm.quant.cpu_panels import (pack_int8_panels, pack_int8_vnni, panel_ops,
+                                      unpack_int8_panels, unpack_int8_vnni)
+from servelm.quant.int8_act import use_int8
 from servelm.quant.quantized_linear import QuantizedLinear, round_up_to
 
 
@@ -56,11 +63,13 @@ def quantize_int8_groups(weight: torch.Tensor, group_size: int
 class Int8Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
-                 group_size: int = 0):
+                 group_size: int = 0, activations: str = "float"):
         """kernel: "cpu" (servelm's C++ int8 GEMM on panels, float32 activations), "aten"
         (aten's int8 op, bf16 activations), "triton" (w8a16 GEMM) or None: codes on the CPU
         take "cpu" where servelm's kernels build; otherwise by x's device at each call
-        (CUDA: triton, CPU: aten). group_size 0: scale [out]; else scale [out, G] float32."""
+        (CUDA: triton, CPU: aten). group_size 0: scale [out]; else scale [out, G] float32.
+        activations: "float" or "int8" ("cpu" kernel, group_size 0 or a multiple of 32, where
+        the CPU runs it; else float, see servelm/quant/int8_act.py)."""
         if kernel not in (None, "cpu", "aten", "triton"):
             raise ValueError("int8 kernel must be 'cpu', 'aten', 'triton' or None, got "
                              f"{kernel!r}")
@@ -74,12 +83,17 @@ class Int8Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.kernel = kernel
         self.group_size = group_size
+        self.activations = "float"
         # the op's dtype; group scales (Q8_0's fp16 d) stay float32, exact
         self.register_buffer("scale", scale.to(torch.float32 if group_size else compute_dtype)
                              .contiguous())
         if kernel == "cpu":  # the panels replace q: one copy of the codes
             panel_ops(required=True)  # loads torch.ops.servelm_cpu
             codes, scale32 = pack_int8_panels(q.cpu(), self.scale.cpu())
+            if group_size % 32 == 0 and use_int8(
+                    activations, f"int8 layer {out_features} x {in_features}"):
+                self.activations = "int8"
+                codes = pack_int8_vnni(q.cpu())  # the same codes + 128, in int8_gemm_a8's order
             self.register_buffer("codes", codes)
             self.register_buffer("scale32", scale32)
             self.register_buffer("q", None)
@@ -101,8 +115,10 @@ class Int8Linear(QuantizedLinear):
         if x.device.type != "cpu":  # codes on another device: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
         if self.kernel == "cpu":
-            y = torch.ops.servelm_cpu.int8_gemm(x.float().contiguous(), self.codes,
-                                                self.scale32, self.out_features, self.group_size)
+            op = (torch.ops.servelm_cpu.int8_gemm_a8 if self.activations == "int8"
+                  else torch.ops.servelm_cpu.int8_gemm)
+            y = op(x.float().contiguous(), self.codes, self.scale32, self.out_features,
+                   self.group_size)
             return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(xc, self.q, self.scale)
@@ -110,7 +126,11 @@ class Int8Linear(QuantizedLinear):
 
     def codes_int8(self) -> torch.Tensor:
         """The int8 codes [out, in], whatever the layout."""
-        return unpack_int8_panels(self.codes, self.out_features) if self.q is None else self.q
+        if self.q is not None:
+            return self.q
+        if self.activations == "int8":
+            return unpack_int8_vnni(self.codes, self.out_features, self.in_features)
+        return unpack_int8_panels(self.codes, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         scale = self.scale.float().cpu()

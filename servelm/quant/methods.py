@@ -26,11 +26,17 @@ class QuantMethod:
     """A named way to build linear layers; one instance is shared by a whole model.
 
     compute_dtype: the activations' dtype inside the quantized ops (bf16: the fast CPU path).
+    activations: "float" or "int8" (servelm/quant/int8_act.py): what the CPU kernels round the
+    activations to; the lm_head's method gets the same.
     """
 
-    def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
+                 activations: str = "float"):
+        from servelm.quant.int8_act import check_activations
+
         self.name = name
         self.compute_dtype = compute_dtype
+        self.activations = check_activations(activations)
 
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return self.build(self.quantize(weight), bias)
@@ -77,10 +83,10 @@ class QuantMethod:
         SmolLM2's 135M), so it must shrink for a decode step to read few bytes, but int4 there
         costs more quality than in the blocks (an error in a logit is an error in the answer).
         """
-        return Int8HeadMethod("int8-head", self.compute_dtype)
+        return Int8HeadMethod("int8-head", self.compute_dtype, activations=self.activations)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.compute_dtype})"
+        return f"{type(self).__name__}({self.name!r}, {self.compute_dtype}, {self.activations})"
 
 
 class Int8Method(QuantMethod):
@@ -89,8 +95,8 @@ class Int8Method(QuantMethod):
     layer_class = Int8Linear
 
     def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
-                 group_size: int = 0):
-        super().__init__(name, compute_dtype)
+                 group_size: int = 0, activations: str = "float"):
+        super().__init__(name, compute_dtype, activations)
         self.group_size = group_size
 
     def quantize(self, weight):
@@ -103,7 +109,7 @@ class Int8Method(QuantMethod):
 
     def build(self, weight, bias):
         return self.layer_class(weight.q, weight.scale, bias, self.compute_dtype,
-                                group_size=weight.group_size)
+                                group_size=weight.group_size, activations=self.activations)
 
     def accepted_formats(self):
         return (f"int8-g{self.group_size}",) if self.group_size else ("int8",)
@@ -120,8 +126,8 @@ class Int8HeadMethod(Int8Method):
 
 class Int4Method(QuantMethod):
     def __init__(self, name: str, group_size: int = 128,
-                 compute_dtype: torch.dtype = torch.bfloat16):
-        super().__init__(name, compute_dtype)
+                 compute_dtype: torch.dtype = torch.bfloat16, activations: str = "float"):
+        super().__init__(name, compute_dtype, activations)
         self.group_size = group_size
 
     def quantize(self, weight):
@@ -132,7 +138,7 @@ class Int4Method(QuantMethod):
 
     def build(self, weight, bias):
         return Int4Linear(weight.q, weight.scale, weight.zero, weight.group_size, bias,
-                          self.compute_dtype)
+                          self.compute_dtype, activations=self.activations)
 
     def accepted_formats(self):
         return (f"int4-g{self.group_size}",)
@@ -154,7 +160,8 @@ class GGUFMethod(QuantMethod):
     """
 
     def lm_head_method(self):
-        return Int8HeadMethod("int8-g32-head", self.compute_dtype, group_size=32)
+        return Int8HeadMethod("int8-g32-head", self.compute_dtype, group_size=32,
+                              activations=self.activations)
 
     def from_blocks(self, blocks, bias, dtype=torch.float32):
         if isinstance(blocks, QuantizedWeight):
@@ -170,7 +177,8 @@ class GGUFMethod(QuantMethod):
         if blocks.type_name == "Q8_0":
             q, d = decode_q8_0(blocks)
             return QuantizedWeight("int8", q, d, None, 32)
-        return Int8Method("int8", self.compute_dtype).quantize(blocks.dequantize())
+        return Int8Method("int8", self.compute_dtype, activations=self.activations).quantize(
+            blocks.dequantize())
 
     def quantize(self, weight):
         return weight  # not GGUF blocks: stays float
@@ -178,10 +186,10 @@ class GGUFMethod(QuantMethod):
     def build(self, weight, bias):
         if isinstance(weight, QuantizedWeight):
             if weight.format == "int8":
-                return Int8Method("int8", self.compute_dtype, weight.group_size).build(weight,
-                                                                                       bias)
+                return Int8Method("int8", self.compute_dtype, weight.group_size,
+                                  self.activations).build(weight, bias)
             return Int4Linear(weight.q, weight.scale, weight.zero, 32, bias,
-                              self.compute_dtype)
+                              self.compute_dtype, activations=self.activations)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                           device=weight.device, dtype=weight.dtype)
         layer.requires_grad_(False)

@@ -42,6 +42,7 @@ from servelm.runner.forward_batch import ForwardBatch
 PART = "decode"  # of CpuKernelChoice
 MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
 _KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED, _KIND_DET = 0, 1, 2, 3, 4
+_KIND_INT4_A8, _KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (quant_gemm_a8.cpp)
 
 
 class CpuDecodeStack:
@@ -161,9 +162,9 @@ def _linear_kind(m: nn.Module) -> int | None:
         ok = m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
         return _KIND_FLOAT if ok else None
     if type(m) is Int4Linear and m.kernel == "cpu":
-        return _KIND_INT4
+        return _KIND_INT4_A8 if m.activations == "int8" else _KIND_INT4
     if type(m) is Int8Linear and m.kernel == "cpu":
-        return _KIND_INT8
+        return _KIND_INT8_A8 if m.activations == "int8" else _KIND_INT8
     return None
 
 
@@ -181,7 +182,7 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
         bias = none if m.bias is None else m.bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind == _KIND_INT4:
+    if kind in (_KIND_INT4, _KIND_INT4_A8):
         return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
     return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]
 

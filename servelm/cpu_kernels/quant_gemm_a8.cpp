@@ -1,0 +1,357 @@
+// Quantized weights times int8 activations: int4_gemm_a8, int8_gemm_a8 (integer dot products,
+// avx512_vnni's vpdpbusd), quantize_act_int8 (the activation step alone, for tests) and
+// int8_dot_probe (whether this process may run vpdpbusd at all).
+//
+// Why: the float-activation kernels (quant_gemm.cpp) turn every code into a float and do one
+// multiply-add per weight; at one token a step the whole default model sits in this machine's
+// L3, so the step is bound by those instructions, not by memory. vpdpbusd does 64 byte
+// products a instruction: the activations are rounded to int8 once a call (per row, per 32
+// columns: d = max|x| / 127, q = round(x / d), as llama.cpp's Q8 blocks), and a group's dot
+// product is exact integer math; its float scales are applied once per 32 columns.
+//
+// vpdpbusd multiplies unsigned by signed bytes. The weights are the unsigned side:
+//   int4: codes 0..15 as they are;  sum (q - 8) x_q = dot - 8 sum x_q          (exact)
+//   int8: codes + 128 (0..255);     sum  w x_q      = dot - 128 sum x_q        (exact)
+// so the only correction is the activation group's own code sum, computed when x is rounded.
+// Per row r, group a of 32 columns, weight group g = 32 a / group:
+//   int4: y += scale_g * (d_a * (dot - 8 s_a)) + zero_g * (d_a * s_a)   (w = (q-8) scale + zero)
+//   int8: y += scale_g * (d_a * (dot - 128 s_a))                        (w = q scale)
+//
+// Layout (servelm/quant/cpu_panels.py pack_*_vnni): panels of 16 weight rows, along K in
+// blocks whose one 64-byte vector is 16 lanes x 4 consecutive columns of a row:
+//   int4: codes [P, Kp/8, 16, 4] u8: byte b of lane j in block i holds q[16p+j][8i+b] (low
+//         nibble) and q[16p+j][8i+4+b] (high nibble); sz [P, G, 2, 16] as quant_gemm.cpp's
+//   int8: codes [P, Kp/4, 16, 4] u8: byte b of lane j in block i is q[16p+j][4i+b] + 128;
+//         scale [16P] (per row) or [P, G, 16] (per `group` columns, group % 32 == 0)
+// Kp is a multiple of 32; x may have K <= Kp columns (Kp - 32 < K): the rest count as 0.
+// Padded rows have scale 0 (and zero 0).
+//
+// Without avx512_vnni in the build the same math runs through an AVX-512BW emulation of
+// vpdpbusd (exact: 16-bit products, pairwise 32-bit sums), and without AVX-512BW the ops
+// refuse; servelm's layers pick these ops only after int8_dot_probe said yes.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+
+#include "vec16.h"
+
+namespace {
+
+using namespace servelm_cpu;
+constexpr int64_t kLanes = 16;   // weight rows per panel
+constexpr int64_t kAGroup = 32;  // activation columns per scale
+
+void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), name,
+              " must be a contiguous ", c10::toString(dtype), " CPU tensor");
+}
+
+// x [M, K] float32 -> codes [M, Kp] int8, d [M, Kp/32] float32, s [M, Kp/32] int32 (the
+// codes' sum per group). d = amax / 127, q = round-half-even(x * (1 / d)); d = 0: q = 0.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d,
+                   int32_t* s) {
+  const int64_t A = Kp / kAGroup;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    float buf[kAGroup];
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t a = 0; a < A; ++a) {
+        const int64_t k0 = a * kAGroup, n = std::max<int64_t>(0, std::min(kAGroup, K - k0));
+        for (int64_t i = 0; i < kAGroup; ++i) buf[i] = i < n ? x[m * K + k0 + i] : 0.0f;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kAGroup; ++i) amax = std::max(amax, std::fabs(buf[i]));
+        const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kAGroup; ++i) {
+          const int32_t v = int32_t(std::nearbyint(buf[i] * inv));  // half to even, as torch
+          q[m * Kp + k0 + i] = int8_t(v);
+          sum += v;
+        }
+        d[m * A + a] = dd, s[m * A + a] = sum;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BW__)
+// acc + per 32-bit lane sum of its 4 u8 x s8 byte products.
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i u_even = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF));
+  const __m512i u_odd = _mm512_srli_epi16(u, 8);
+  const __m512i s_even = _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8);
+  const __m512i s_odd = _mm512_srai_epi16(s, 8);
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i even = _mm512_madd_epi16(_mm512_mullo_epi16(u_even, s_even), ones);
+  const __m512i odd = _mm512_madd_epi16(_mm512_mullo_epi16(u_odd, s_odd), ones);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(even, odd));
+#endif
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The activations of R rows, rounded: codes (row stride Kp), d and s (row stride A).
+struct RowsA8 {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  int64_t Kp, A;
+};
+
+// out[r] = the 16 outputs of one int4 panel for rows 0..R of `x`.
+template <int R, typename S>
+inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* sz,
+                          __m512* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < x.A; ++a) {
+    __m512i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+    const uint8_t* c = codes + a * 4 * 64;
+    for (int b = 0; b < 4; ++b) {  // 8 columns a block
+      const __m512i w = _mm512_loadu_si512(c + b * 64);
+      const __m512i wl = _mm512_and_si512(w, low4);
+      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = x.q + r * x.Kp + a * kAGroup + b * 8;
+        lo[r] = dpbusd(lo[r], wl, bcast4(xr));
+        hi[r] = dpbusd(hi[r], wh, bcast4(xr + 4));
+      }
+    }
+    const int64_t g = a * kAGroup / group;
+    const __m512 scale = (__m512)load16(sz + (2 * g) * kLanes);
+    const __m512 zero = (__m512)load16(sz + (2 * g + 1) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float d = x.d[r * x.A + a];
+      const int32_t s = x.s[r * x.A + a];
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[r], hi[r]),
+                                           _mm512_set1_epi32(8 * s));
+      const __m512 xd = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d));
+      acc[r] = _mm512_fmadd_ps(scale, xd, acc[r]);
+      acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(d * float(s)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// The same for an int8 panel (codes + 128); sc: the panel's scales, G_stride 0 for one per row.
+template <int R>
+inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes,
+                          const float* sc, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < x.A; ++a) {
+    __m512i d0[R], d1[R];
+    for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
+    const uint8_t* c = codes + a * 8 * 64;
+    for (int b = 0; b < 8; b += 2) {  // 4 columns a block, two accumulators
+      const __m512i w0 = _mm512_loadu_si512(c + b * 64);
+      const __m512i w1 = _mm512_loadu_si512(c + (b + 1) * 64);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = x.q + r * x.Kp + a * kAGroup + b * 4;
+        d0[r] = dpbusd(d0[r], w0, bcast4(xr));
+        d1[r] = dpbusd(d1[r], w1, bcast4(xr + 4));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(sc + (group > 0 ? a * kAGroup / group : 0) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(d0[r], d1[r]),
+                                           _mm512_set1_epi32(128 * x.s[r * x.A + a]));
+      const __m512 xd = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.d[r * x.A + a]));
+      acc[r] = _mm512_fmadd_ps(scale, xd, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R>
+inline void store_panel(const __m512* out, float* y, int64_t m, int64_t N, int64_t p) {
+  const int64_t n0 = p * kLanes, valid = std::min(kLanes, N - n0);
+  const __mmask16 mask = __mmask16((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * N + n0, mask, out[r]);
+}
+
+// Rows in tiles of 4, 2, 1 against each panel (one loaded code vector serves R rows); the
+// threads share out panels.
+template <typename PanelFn>
+void run_panels(const RowsA8& x, int64_t M, int64_t N, int64_t P, int64_t panel_bytes,
+                float* y, PanelFn panel) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, panel_bytes));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    __m512 out[4];
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        panel(std::integral_constant<int, 4>(), x, m, p, out);
+        store_panel<4>(out, y, m, N, p);
+      }
+      if (M - m >= 2) {
+        panel(std::integral_constant<int, 2>(), x, m, p, out);
+        store_panel<2>(out, y, m, N, p);
+        m += 2;
+      }
+      if (M - m == 1) {
+        panel(std::integral_constant<int, 1>(), x, m, p, out);
+        store_panel<1>(out, y, m, N, p);
+      }
+    }
+  });
+}
+
+inline RowsA8 rows_from(const RowsA8& x, int64_t m) {
+  return {x.q + m * x.Kp, x.d + m * x.A, x.s + m * x.A, x.Kp, x.A};
+}
+#endif  // __AVX512BW__
+
+// The activations quantized into tensors (kept alive by the caller for the GEMM).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x(const at::Tensor& x, int64_t Kp,
+                                                          const char* op) {
+  check_cpu(x, at::kFloat, op);
+  TORCH_CHECK(x.dim() == 2 && Kp % kAGroup == 0 && x.size(1) <= Kp && x.size(1) > Kp - kAGroup,
+              op, ": x must be [M, K] with K in (Kp - 32, Kp], Kp = ", Kp, " (the codes'), got ",
+              x.sizes());
+  const int64_t M = x.size(0), A = Kp / kAGroup;
+  at::Tensor q = at::empty({M, Kp}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, A}, x.options());
+  at::Tensor s = at::empty({M, A}, x.options().dtype(at::kInt));
+  quantize_rows(x.data_ptr<float>(), M, x.size(1), Kp, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<int32_t>());
+  return {q, d, s};
+}
+
+// (codes [M, Kp] int8, d [M, Kp/32] float32, s [M, Kp/32] int32): what the GEMMs compute with.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_act_int8(const at::Tensor& x, int64_t kp) {
+  return quantize_x(x, kp, "quantize_act_int8: x");
+}
+
+void check_panels(const at::Tensor& codes, int64_t cols_per_block, int64_t N, const char* op) {
+  check_cpu(codes, at::kByte, op);
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4 &&
+                  (codes.size(1) * cols_per_block) % kAGroup == 0,
+              op, " must be [P, Kp/", cols_per_block, ", 16, 4] with Kp % 32 == 0, got ",
+              codes.sizes());
+  const int64_t P = codes.size(0);
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, op, ": N=", N, " does not fit ", P,
+              " panels");
+}
+
+// y[M, N] = x @ w.T, w the int4 panels (VNNI layout), x rounded to int8 per 32 columns.
+at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                        int64_t N, int64_t group) {
+  check_panels(codes, 8, N, "int4_gemm_a8: codes");
+  const int64_t P = codes.size(0), Kp = codes.size(1) * 8, G = (Kp + group - 1) / group;
+  TORCH_CHECK(group > 0 && group % kAGroup == 0, "int4_gemm_a8: group must be a multiple of 32");
+  TORCH_CHECK(sz.device().is_cpu() && sz.is_contiguous() &&
+                  sz.sizes() == at::IntArrayRef({P, G, 2, kLanes}) &&
+                  (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16),
+              "int4_gemm_a8: sz must be a contiguous [P, ceil(Kp / group), 2, 16] float32 or "
+              "bfloat16 CPU tensor");
+#if defined(__AVX512BW__)
+  auto [q, d, s] = quantize_x(x, Kp, "int4_gemm_a8: x");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
+                    Kp / kAGroup};
+  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  const int64_t panel_bytes = Kp / 2 * kLanes;
+  auto run = [&](auto* pz) {
+    run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
+               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
+                 int4_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
+                                                   pz + p * G * 2 * kLanes, out);
+               });
+  };
+  if (sz.scalar_type() == at::kFloat) {
+    run(sz.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<const bf16*>(sz.data_ptr()));
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "int4_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
+#endif
+}
+
+// y[M, N] = x @ w.T, w the int8 panels (VNNI layout, codes + 128); group 0: one scale a row.
+at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        int64_t N, int64_t group) {
+  check_panels(codes, 4, N, "int8_gemm_a8: codes");
+  check_cpu(scale, at::kFloat, "int8_gemm_a8: scale");
+  const int64_t P = codes.size(0), Kp = codes.size(1) * 4;
+  TORCH_CHECK(group >= 0 && group % kAGroup == 0,
+              "int8_gemm_a8: group must be 0 (a scale per row) or a multiple of 32");
+  const int64_t G = group > 0 ? (Kp + group - 1) / group : 1;
+  TORCH_CHECK(scale.numel() == P * G * kLanes, "int8_gemm_a8: scale must have 16 values per "
+              "panel", group > 0 ? " and group" : "");
+#if defined(__AVX512BW__)
+  auto [q, d, s] = quantize_x(x, Kp, "int8_gemm_a8: x");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
+                    Kp / kAGroup};
+  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  const float* ps = scale.data_ptr<float>();
+  const int64_t panel_bytes = Kp * kLanes;
+  run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
+             [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
+               int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
+                                                 ps + p * G * kLanes, out);
+             });
+  return y;
+#else
+  TORCH_CHECK(false, "int8_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
+#endif
+}
+
+#if defined(__AVX512VNNI__)
+// vpdpbusd on known bytes: 16 lanes of 4 x (3 * -2) = -24.
+__attribute__((noinline)) bool vnni_gives_known_answer() {
+  volatile int8_t a = 3, b = -2;
+  const __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(a),
+                                        _mm512_set1_epi8(b));
+  return _mm512_reduce_add_epi32(r) == -24 * 16;
+}
+#endif
+
+// Whether vpdpbusd runs here: compiled in (-march=native saw it), the CPU says so (cpuid),
+// and a forked child that executes it exits cleanly (a VM may advertise a flag it traps on:
+// the child dies of SIGILL, this process does not). The child runs no torch code and no
+// threads, only the instruction and _exit.
+bool int8_dot_probe() {
+#if defined(__AVX512VNNI__)
+  if (!__builtin_cpu_supports("avx512vnni")) return false;
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) _exit(vnni_gives_known_answer() ? 0 : 1);
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
+  m.def("int4_gemm_a8(Tensor x, Tensor codes, Tensor sz, int n, int group) -> Tensor",
+        &int4_gemm_a8);
+  m.def("int8_gemm_a8(Tensor x, Tensor codes, Tensor scale, int n, int group) -> Tensor",
+        &int8_gemm_a8);
+  m.def("quantize_act_int8(Tensor x, int kp) -> (Tensor, Tensor, Tensor)", &quantize_act_int8);
+  m.def("int8_dot_probe() -> bool", &int8_dot_probe);
+}

@@ -1,0 +1,84 @@
+"""Int8 activations for the quantized CPU linears: the choice, and whether this CPU can run it.
+
+`--quant-activations int8` (EngineArgs.quant_activations) rounds each activation row to int8
+per 32 columns (d = max|x| / 127, llama.cpp's Q8 blocks) inside servelm's int8-activation
+kernels (servelm/cpu_kernels/quant_gemm_a8.cpp), which multiply by the int4 / int8 codes with
+avx512_vnni's integer dot products; `float` keeps the float32-activation kernels
+(quant_gemm.cpp). The numerics differ (the activations' rounding, ~0.4% of a group's largest
+value), so it is the user's choice; docs/quantization.md has the measured cost.
+
+Owns: the names of the choices, the run-time check that the CPU runs vpdpbusd (compiled in,
+advertised by cpuid, and executed once in a forked child: a VM may advertise a flag it cannot
+honour), cached per process, and the one warning when int8 was asked for and cannot run.
+
+Never: picks a kernel for a layer by itself (Int4Linear / Int8Linear ask `use_int8()` when
+they are built), or reads the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS = ("float", "int8")
+_probe: bool | None = None  # the probe's answer, once asked
+_warned = False
+
+
+def check_activations(value: str, param: str = "quant_activations") -> str:
+    if value not in ACTIVATIONS:
+        from servelm.protocol import InvalidParameterError  # torch-free
+
+        raise InvalidParameterError(f"{param} {value!r}: choose one of {ACTIVATIONS}",
+                                    param=param)
+    return value
+
+
+def int8_dot_usable() -> bool:
+    """Whether servelm's int8-activation kernels run on this CPU (avx512_vnni, checked by
+    executing it). False where servelm's C++ kernels do not build."""
+    global _probe
+    if _probe is None:
+        from servelm import cpu_kernels
+
+        try:
+            _probe = bool(cpu_kernels.load().int8_dot_probe())
+        except Exception:  # noqa: BLE001 - no kernels: nothing to run int8 activations on
+            _probe = False
+        logger.info("int8 activations (avx512_vnni dot products): %s",
+                    "usable" if _probe else "not usable on this CPU")
+    return _probe
+
+
+def set_probe_result(value: bool | None) -> None:
+    """Override the probe's answer (None: ask the CPU again); tests simulate a CPU without
+    avx512_vnni with False."""
+    global _probe, _warned
+    _probe, _warned = value, False
+
+
+def use_int8(activations: str, what: str) -> bool:
+    """Whether a layer asked for `activations` computes with int8 ones: 'int8' where the CPU
+    runs them; else False, with one warning per process that float activations run instead."""
+    global _warned
+    if check_activations(activations) == "float":
+        return False
+    if int8_dot_usable():
+        return True
+    if not _warned:
+        _warned = True
+        logger.warning("quant_activations 'int8' needs avx512_vnni, which this CPU does not "
+                       "run: %s and the other quantized layers keep float32 activations", what)
+    return False
+
+
+A8_SUFFIX = "+a8"  # `servelm eval quality --methods gguf,gguf+a8`: a method with int8 activations
+
+
+def split_method(method: str) -> tuple[str, str]:
+    """An eval method name -> (quantization method, activations): "gguf+a8" is
+    ("gguf", "int8"), "gguf" ("gguf", "float")."""
+    if method.endswith(A8_SUFFIX):
+        return method[: -len(A8_SUFFIX)], "int8"
+    return method, "float"
