@@ -56,9 +56,10 @@ void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
               " must be a contiguous ", c10::toString(dtype), " CPU tensor");
 }
 
-// x [M, K] float32 -> codes [M, Kp] int8, d [M, Kp/32] float32, s [M, Kp/32] int32 (the
+// x [M, K] float32 or bfloat16 -> codes [M, Kp] int8, d [M, Kp/32] float32, s [M, Kp/32] int32 (the
 // codes' sum per group). d = amax / 127, q = round-half-even(x * (1 / d)); d = 0: q = 0.
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d,
+template <typename X>
+void quantize_rows(const X* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d,
                    int32_t* s) {
   const int64_t A = Kp / kAGroup;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -66,7 +67,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t a = 0; a < A; ++a) {
         const int64_t k0 = a * kAGroup, n = std::max<int64_t>(0, std::min(kAGroup, K - k0));
-        for (int64_t i = 0; i < kAGroup; ++i) buf[i] = i < n ? x[m * K + k0 + i] : 0.0f;
+        for (int64_t i = 0; i < kAGroup; ++i) buf[i] = i < n ? float(x[m * K + k0 + i]) : 0.0f;
         float amax = 0.0f;
         for (int64_t i = 0; i < kAGroup; ++i) amax = std::max(amax, std::fabs(buf[i]));
         const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
@@ -219,19 +220,28 @@ inline RowsA8 rows_from(const RowsA8& x, int64_t m) {
 }
 #endif  // __AVX512BW__
 
-// The activations quantized into tensors (kept alive by the caller for the GEMM).
+// The activations quantized into tensors (kept alive by the caller for the GEMM). x: float32
+// or bfloat16 rows (the GEMMs return their result in x's dtype: the integer math does not
+// care which float type the rows came in).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x(const at::Tensor& x, int64_t Kp,
                                                           const char* op) {
-  check_cpu(x, at::kFloat, op);
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, " must be a contiguous float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && Kp % kAGroup == 0 && x.size(1) <= Kp && x.size(1) > Kp - kAGroup,
               op, ": x must be [M, K] with K in (Kp - 32, Kp], Kp = ", Kp, " (the codes'), got ",
               x.sizes());
   const int64_t M = x.size(0), A = Kp / kAGroup;
   at::Tensor q = at::empty({M, Kp}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M, A}, x.options());
+  at::Tensor d = at::empty({M, A}, x.options().dtype(at::kFloat));
   at::Tensor s = at::empty({M, A}, x.options().dtype(at::kInt));
-  quantize_rows(x.data_ptr<float>(), M, x.size(1), Kp, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                s.data_ptr<int32_t>());
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), M, x.size(1), Kp, q.data_ptr<int8_t>(),
+                  d.data_ptr<float>(), s.data_ptr<int32_t>());
+  } else {
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, x.size(1), Kp, q.data_ptr<int8_t>(),
+                  d.data_ptr<float>(), s.data_ptr<int32_t>());
+  }
   return {q, d, s};
 }
 
@@ -251,7 +261,8 @@ void check_panels(const at::Tensor& codes, int64_t cols_per_block, int64_t N, co
               " panels");
 }
 
-// y[M, N] = x @ w.T, w the int4 panels (VNNI layout), x rounded to int8 per 32 columns.
+// y[M, N] = x @ w.T, w the int4 panels (VNNI layout), x rounded to int8 per 32 columns; y in
+// x's dtype.
 at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                         int64_t N, int64_t group) {
   check_panels(codes, 8, N, "int4_gemm_a8: codes");
@@ -264,7 +275,7 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
               "bfloat16 CPU tensor");
 #if defined(__AVX512BW__)
   auto [q, d, s] = quantize_x(x, Kp, "int4_gemm_a8: x");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
                     Kp / kAGroup};
   const uint8_t* pc = codes.data_ptr<uint8_t>();
@@ -281,7 +292,7 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   } else {
     run(reinterpret_cast<const bf16*>(sz.data_ptr()));
   }
-  return y;
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "int4_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
 #endif
@@ -300,7 +311,7 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
               "panel", group > 0 ? " and group" : "");
 #if defined(__AVX512BW__)
   auto [q, d, s] = quantize_x(x, Kp, "int8_gemm_a8: x");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
                     Kp / kAGroup};
   const uint8_t* pc = codes.data_ptr<uint8_t>();
@@ -311,7 +322,7 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
                int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
                                                  ps + p * G * kLanes, out);
              });
-  return y;
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "int8_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
 #endif

@@ -52,6 +52,8 @@ def add_parser(subparsers) -> None:
                         "'+a8' suffix (gguf+a8) runs the method with --quant-activations int8")
     q.add_argument("--out", type=Path, default=None, help="JSON record path")
     q.add_argument("--window", type=int, default=1024)
+    q.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="every engine's --dtype (default: the engine's default)")
     q.add_argument("--no-lm-eval", dest="lm_eval", action="store_false")
     q.add_argument("--lm-eval-limit", type=int, default=None)
     q.set_defaults(func=cmd_quality)
@@ -116,7 +118,7 @@ def cmd_quality(args) -> int:
                                     "activations)", param="methods")
     machine, commit = machine_info(), git_commit()
     record = run_quality(args.model, methods, window=args.window, run_lm_eval=args.lm_eval,
-                         lm_eval_limit=args.lm_eval_limit,
+                         lm_eval_limit=args.lm_eval_limit, dtype=args.dtype,
                          log=lambda s: print(s, file=sys.stderr, flush=True))
     record.update({"command": "servelm " + shlex.join(sys.argv[1:]), "machine": machine,
                    "commit": commit,

@@ -74,13 +74,17 @@ def _engine_stats(model: str, method: str, text: str, window: int, engine_kwargs
 def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
                 window: int = 1024, serve_args: list[str] | None = None,
                 run_lm_eval: bool = True, lm_eval_limit: int | None = None,
-                log=print) -> dict[str, Any]:
+                log=print, dtype: str | None = None) -> dict[str, Any]:
+    """dtype: every engine's --dtype (None: the engine's default)."""
     from servelm.evals import behaviour
     from servelm.evals.serve_process import ServeProcess
 
     text = Path(text_path).read_text(encoding="utf-8")
     engine_kwargs = {"kv_cache_memory": 256 * 2**20, "max_model_len": max(window, 2048)}
     serve_args = serve_args or ["--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+    if dtype is not None:
+        engine_kwargs["dtype"] = dtype
+        serve_args = [*serve_args, "--dtype", dtype]
     prompts = behaviour.load_agreement_prompts()
     rows: dict[str, dict[str, Any]] = {}
     reference_tokens = None
@@ -115,7 +119,7 @@ def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
         row["seconds"] = time.monotonic() - start
         rows[method] = row
     _add_deltas(rows, methods[0])
-    return {"kind": "quality", "model": model, "reference_method": methods[0],
+    return {"kind": "quality", "model": model, "reference_method": methods[0], "dtype": dtype,
             "text": {"path": str(text_path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "window": window},
             "methods": rows}

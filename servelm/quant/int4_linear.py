@@ -166,13 +166,17 @@ class Int4Linear(QuantizedLinear):
                               self.bias)
         if x.device.type != "cpu":  # CPU-layout codes moved to a GPU: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
+        if self.kernel == "cpu" and self.activations == "int8":  # pads x itself; y in x's dtype
+            xa = x if x.dtype == torch.bfloat16 else x.float()
+            y = torch.ops.servelm_cpu.int4_gemm_a8(xa.contiguous(), self.codes, self.sz,
+                                                   self.out_features, self.group_size)
+            return self._add_bias(y).to(x.dtype)
         if self.kernel == "cpu":
             xf = x.float()
             if self.k_padded != self.in_features:
                 xf = F.pad(xf, (0, self.k_padded - self.in_features))
-            op = (torch.ops.servelm_cpu.int4_gemm_a8 if self.activations == "int8"
-                  else torch.ops.servelm_cpu.int4_gemm)
-            y = op(xf.contiguous(), self.codes, self.sz, self.out_features, self.group_size)
+            y = torch.ops.servelm_cpu.int4_gemm(xf.contiguous(), self.codes, self.sz,
+                                                self.out_features, self.group_size)
             return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype)
         if self.k_padded != self.in_features:

@@ -114,11 +114,14 @@ class Int8Linear(QuantizedLinear):
             return w8a16_gemm(x, self.q, self.scale, self.bias)
         if x.device.type != "cpu":  # codes on another device: correct, not fast
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
+        if self.kernel == "cpu" and self.activations == "int8":  # y in x's dtype
+            xa = x if x.dtype == torch.bfloat16 else x.float()
+            y = torch.ops.servelm_cpu.int8_gemm_a8(xa.contiguous(), self.codes, self.scale32,
+                                                   self.out_features, self.group_size)
+            return self._add_bias(y).to(x.dtype)
         if self.kernel == "cpu":
-            op = (torch.ops.servelm_cpu.int8_gemm_a8 if self.activations == "int8"
-                  else torch.ops.servelm_cpu.int8_gemm)
-            y = op(x.float().contiguous(), self.codes, self.scale32, self.out_features,
-                   self.group_size)
+            y = torch.ops.servelm_cpu.int8_gemm(x.float().contiguous(), self.codes,
+                                                self.scale32, self.out_features, self.group_size)
             return self._add_bias(y).to(x.dtype)
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(xc, self.q, self.scale)

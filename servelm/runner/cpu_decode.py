@@ -136,8 +136,10 @@ def _applies(model, kv_cache, backend) -> bool:
                                            mlp.down_proj)]
         if None in kinds:
             return False
-        # bfloat16 rows: oneDNN's linears only (the quantized kernels take float32 rows)
-        if embed.dtype != torch.float32 and set(kinds) - {_KIND_FLOAT, _KIND_PACKED}:
+        # bfloat16 rows: oneDNN's linears and the int8-activation kernels only (the other
+        # quantized kernels take float32 rows)
+        if embed.dtype != torch.float32 and set(kinds) - {_KIND_FLOAT, _KIND_PACKED,
+                                                          _KIND_INT4_A8, _KIND_INT8_A8}:
             return False
     return True
 
@@ -182,6 +184,8 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
         bias = none if m.bias is None else m.bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
+    if kind in (_KIND_INT4_A8, _KIND_INT8_A8):  # y in x's dtype: the bias as the layer adds it
+        bias = none if m.bias is None else m.bias
     if kind in (_KIND_INT4, _KIND_INT4_A8):
         return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
     return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]

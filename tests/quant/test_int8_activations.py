@@ -206,6 +206,19 @@ def _teacher_forced_agreement(a, b, outs) -> tuple[int, int]:
     return same, total
 
 
+def _stack_equals_eager(hf, tiny_engine, **kw):
+    """Generate with the decode stack and eagerly: the same tokens and logprobs, exactly."""
+    engine = tiny_engine(hf, cpu_kernels="decode=kernel", **kw)
+    outs = _generate(engine)
+    assert engine.runner.cpu_stack.steps >= 10
+    eager = tiny_engine(hf, cpu_kernels="decode=torch", **kw)
+    for a, b in zip(outs, _generate(eager)):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+    return engine
+
+
 @needs_vnni
 @pytest.mark.parametrize("method,min_agree", [("int8", 0.9), ("int4-g32", 0.9)])
 def test_tiny_llama_with_int8_activations(method, min_agree, tiny_hf, tiny_engine):
@@ -214,21 +227,40 @@ def test_tiny_llama_with_int8_activations(method, min_agree, tiny_hf, tiny_engin
     the eager path's tokens and logprobs exactly."""
     hf = tiny_hf("llama")
     kw = dict(quantization=method, max_num_batched_tokens=32)
-    a8 = tiny_engine(hf, quant_activations="int8", cpu_kernels="decode=kernel", **kw)
+    a8 = _stack_equals_eager(hf, tiny_engine, quant_activations="int8", **kw)
     model = a8.runner.model
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert len(layers) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down; the head
     assert all(m.activations == "int8" for m in layers)
-    outs = _generate(a8)
-    assert a8.runner.cpu_stack.steps >= 10
-    eager = tiny_engine(hf, quant_activations="int8", cpu_kernels="decode=torch", **kw)
-    for a, b in zip(outs, _generate(eager)):
-        assert a.token_ids == b.token_ids
-        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
-            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
     fl = tiny_engine(hf, **kw)
     assert all(m.activations == "float" for m in fl.runner.model.modules()
                if isinstance(m, (Int4Linear, Int8Linear)))
     same, total = _teacher_forced_agreement(fl, a8, _generate(fl))
     print(f"{method}: int8 vs float activations, {same}/{total} next tokens agree")
     assert same / total >= min_agree, f"{method}: {same}/{total} next tokens agree"
+
+
+@needs_vnni
+def test_a8_ops_take_bfloat16_rows():
+    """bfloat16 rows round to the same int8 codes as their float32 values: the result is the
+    float32 rows' result, rounded to bfloat16."""
+    q = torch.randint(-127, 128, (40, 96), dtype=torch.int8)
+    codes, (_, scale) = pack_int8_vnni(q), pack_int8_panels(q, torch.rand(40))
+    q4 = torch.randint(0, 16, (40, 96), dtype=torch.uint8)
+    _, sz = pack_int4_panels(q4, torch.rand(40, 3), torch.rand(40, 3), torch.float32)
+    x = _x(3, 96).bfloat16()
+    for op, c, s, g in ((ops.int8_gemm_a8, codes, scale, 0),
+                        (ops.int4_gemm_a8, pack_int4_vnni(q4), sz, 32)):
+        y = op(x, c, s, 40, g)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, op(x.float(), c, s, 40, g).bfloat16())
+
+
+@needs_vnni
+def test_bfloat16_model_with_int8_activations_runs_in_the_stack(tiny_hf, tiny_engine):
+    """bfloat16 rows go into the int8-activation kernels as they are (no float32 copy), so a
+    bfloat16 model's quantized layers run in the decode stack too (qwen2: q/k/v biases)."""
+    engine = _stack_equals_eager(tiny_hf("qwen2"), tiny_engine, quantization="int4-g32",
+                                 quant_activations="int8", dtype="bfloat16",
+                                 max_num_batched_tokens=32)
+    assert engine.runner.model.layers[0].mlp.down_proj.activations == "int8"
