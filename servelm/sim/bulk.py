@@ -121,38 +121,45 @@ def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
     stats.last_num_verify_tokens = stats.last_num_prefill_tokens = 0
 
 
-def _leading_decodes(engine, budget: int) -> tuple[int, int]:
-    """How many sequences at the head of the running list make a plain decode this step
-    (one token, no finish: a hidden decode, below), and the context they read."""
+def _leading_decodes(engine, budget: int) -> tuple[int, list, int]:
+    """The head of the running list that decodes one token each this step: its length m,
+    the hidden decodes among it (no finish, no stop check: run here, below) and the context
+    they read. A decode in the head that is not hidden (it may finish) must take no block
+    and fill none this step, so that scheduling the hidden ones first leaves the pool and
+    the prefix cache exactly as the scheduler's order would; the head ends before the
+    first one that would."""
     max_model_len = engine.max_model_len
-    k = ctx = 0
+    bs = engine.block_manager.block_size
+    m = ctx = 0
+    hidden = []
     for seq in engine.scheduler.running:
-        if k == budget:
+        if m == budget:
             break
         n = len(seq.token_ids)
         c = seq.num_computed_tokens
         if n - c != 1 or c < seq.num_prompt_tokens:
             break
         p = seq.params
-        if not p.ignore_eos or p.stop_token_ids:
-            break
-        if min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) <= 1:
-            break  # it finishes this step: Engine.step's to report
-        k += 1
-        ctx += n
-    return k, ctx
+        if (p.ignore_eos and not p.stop_token_ids
+                and min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) > 1):
+            hidden.append(seq)
+            ctx += n
+        elif n % bs == 0 or n > len(seq.block_table) * bs:
+            break  # it takes or fills a block: it and what follows go through the engine
+        m += 1
+    return m, hidden, ctx
 
 
 def mixed_step(rep, records: dict) -> list | None:
-    """One engine step in which the sequences at the head of the running list decode one
+    """One engine step in which most sequences at the head of the running list decode one
     token each ("hidden" decodes) and the rest of the step (prefill chunks, finishing
     decodes, admissions) goes through the real Scheduler and Engine.step. Returns the step's
     deltas (the hidden decodes' tokens are stamped here), or None when it does not apply
     (the caller runs Engine.step).
 
     Scheduler.schedule visits the running list in order, then the waiting queue; here the
-    hidden head is visited first too (its blocks allocated in order, as the scheduler's loop
-    would, with the same budget spent), then Scheduler._schedule_running runs over the rest
+    hidden decodes are visited first (their blocks allocated in order, as the scheduler's
+    loop would, the same budget spent), then Scheduler._schedule_running runs over the rest
     and Scheduler._schedule_waiting as schedule() runs it. A hidden decode needing a block
     that is not free would preempt: then this does not apply. The step's time is the cost
     model's for the whole step's shape (SimRunner adds the hidden part)."""
@@ -161,11 +168,12 @@ def mixed_step(rep, records: dict) -> list | None:
     if not _is_plain(engine) or sched.policy is not None or not sched.running:
         return None
     cfg = sched.config
-    k, ctx = _leading_decodes(engine, cfg.max_num_batched_tokens)
+    m, hidden, ctx = _leading_decodes(engine, cfg.max_num_batched_tokens)
+    k = len(hidden)
     if k == 0:
         return None
     running = sched.running
-    hidden = running[:k]
+    head = running[:m]
     bs = bm.block_size
     growing = sum(1 for seq in hidden if seq.num_computed_tokens == len(seq.block_table) * bs)
     if growing > bm.num_free_blocks:
@@ -178,11 +186,16 @@ def mixed_step(rep, records: dict) -> list | None:
         c1 = seq.num_computed_tokens + 1
         if c1 % bs == 0 or c1 > len(seq.block_table) * bs:
             bm.allocate(seq, 1)
-    sched.running = running[k:]
+    if k < m:
+        ids = {id(seq) for seq in hidden}
+        shown = [seq for seq in head if id(seq) not in ids]
+    else:
+        shown = []
+    sched.running = shown + running[m:]
     try:
         budget = sched._schedule_running(batch, cfg.max_num_batched_tokens - k)
-    finally:
-        sched.running = hidden + sched.running
+    finally:  # preemption pops from the tail, never into the head
+        sched.running = head + sched.running[len(shown):]
     if not batch.preempted:
         sched._schedule_waiting(batch, budget)
     if batch.is_empty:  # only the hidden decodes run: the step is theirs alone

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelm.cost import step_cost, weight_bytes_read_per_step
+from servelm.cost import (attention_flops_per_pair, layer_matmul_flops_per_token,
+                          lm_head_flops_per_token, step_cost, weight_bytes_read_per_step)
 from servelm.sim.cost_model import StepShape
 
 
@@ -35,6 +36,13 @@ class RooflineCostModel:
         self._decode_flops = d.tp * d.peak_flops * cal.decode_mfu
         self._prefill_flops = d.tp * d.peak_flops * cal.prefill_mfu
         self._extra_weight_bytes = (d.attention_copies - 1) * d.attention_weight_bytes
+        # step_cost's per-model factors, taken once: predict() runs for every simulated step
+        # and repeats step_cost's arithmetic in its order (the same float results).
+        m = d.model
+        self._per_token_flops = layer_matmul_flops_per_token(m)
+        self._per_logit_flops = lm_head_flops_per_token(m)
+        self._per_pair_flops = attention_flops_per_pair(m)
+        self._weights: dict[int, float] = {}  # tokens in the step -> weight bytes read
         self.fit: dict[str, Any] = {
             "source": "roofline (servelm plan)", "deployment": d.inputs(),
             "bandwidth_fraction": cal.bandwidth_fraction, "decode_mfu": cal.decode_mfu,
@@ -43,17 +51,29 @@ class RooflineCostModel:
                        "block_size": block_size, "vocab_size": d.model.vocab_size}}
 
     def predict(self, shape: StepShape) -> float:
+        return self.step_time(*shape)
+
+    def step_time(self, num_seqs: int, num_decode_tokens: int, num_decode_context_tokens: int,
+                  num_prefill_tokens: int, num_prefill_pairs: int) -> float:
+        """servelm.cost.step_cost for the decode rows and for the prefill rows, combined as
+        the module doc says. A decode row of a sequence at position p reads p + 1 keys: its
+        context tokens are also its attention pairs (as plan decode counts them)."""
         d = self.deployment
-        m, bpp, kv = d.model, d.bytes_per_param, d.kv_bytes_per_token
-        num_tokens = shape.num_decode_tokens + shape.num_prefill_tokens
-        # A decode row of a sequence at position p reads p + 1 keys: its context tokens are
-        # also its attention pairs (as plan decode counts them).
-        dec = step_cost(m, bpp, kv, shape.num_decode_tokens, shape.num_decode_context_tokens,
-                        shape.num_decode_context_tokens)
-        pre = step_cost(m, bpp, kv, shape.num_prefill_tokens, 0, shape.num_prefill_pairs)
-        weights = weight_bytes_read_per_step(m, num_tokens, bpp) + self._extra_weight_bytes
-        memory_s = (weights + (dec.kv_bytes + pre.kv_bytes) * d.kv_copies) / self._bw
-        compute_s = dec.flops / self._decode_flops + pre.flops / self._prefill_flops
+        kv = d.kv_bytes_per_token
+        num_tokens = num_decode_tokens + num_prefill_tokens
+        weights = self._weights.get(num_tokens)
+        if weights is None:  # MoE: the experts touched depend on the tokens
+            weights = self._weights[num_tokens] = weight_bytes_read_per_step(
+                d.model, num_tokens, d.bytes_per_param) + self._extra_weight_bytes
+        a, b, c = self._per_token_flops, self._per_logit_flops, self._per_pair_flops
+        dec_flops = float(num_decode_tokens * a + num_decode_tokens * b
+                          + num_decode_context_tokens * c)
+        pre_flops = float(num_prefill_tokens * a + num_prefill_tokens * b
+                          + num_prefill_pairs * c)
+        dec_kv = kv * (num_decode_context_tokens + num_decode_tokens)
+        pre_kv = kv * (0 + num_prefill_tokens)
+        memory_s = (weights + (dec_kv + pre_kv) * d.kv_copies) / self._bw
+        compute_s = dec_flops / self._decode_flops + pre_flops / self._prefill_flops
         return max(memory_s, compute_s) + d.calibration.step_overhead_s
 
 

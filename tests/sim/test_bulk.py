@@ -81,6 +81,18 @@ def test_long_decodes_with_a_full_running_list_are_mostly_bulk():
     assert bulk.num_bulk_steps > 0.8 * bulk.num_steps
 
 
+def test_equal_outputs_finishing_at_the_head_of_the_running_list():
+    """Equal output lengths (a fixed-shape workload): the oldest sequence finishes first, at
+    the head of the running list, while younger ones prefill behind it; the steps around
+    each finish still hide the other decodes, and give what stepping gives."""
+    spec = ReplicaSpec(num_blocks=600, block_size=16, max_num_seqs=24,
+                       max_num_batched_tokens=160, max_model_len=1024, vocab_size=1000)
+    reqs = [SimRequest(0.02 * i, [100 + i % 7] * 5 + [300 + i] * 300, 60) for i in range(80)]
+    stepped, bulk = run_both(reqs, 2, spec, "least_loaded")
+    engine_steps = bulk.num_steps - bulk.num_bulk_steps
+    assert bulk.num_mixed_steps > 0.9 * engine_steps
+
+
 def test_shared_prefixes_and_prefix_affinity_routing():
     spec = ReplicaSpec(num_blocks=400, block_size=16, max_num_seqs=32,
                        max_num_batched_tokens=512, max_model_len=4096, vocab_size=2000)

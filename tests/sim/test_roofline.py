@@ -81,3 +81,37 @@ def test_bad_roofline_flags_exit_2_naming_the_flag(tmp_path, flags, named):
                            str(tmp_path / "o.json")], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+def _step_cost_reference(cost: RooflineCostModel, shape: StepShape) -> float:
+    """The module doc's formula written with servelm.cost.step_cost, as plan does."""
+    from servelm.cost import step_cost, weight_bytes_read_per_step
+
+    d = cost.deployment
+    m, bpp, kv = d.model, d.bytes_per_param, d.kv_bytes_per_token
+    dec = step_cost(m, bpp, kv, shape.num_decode_tokens, shape.num_decode_context_tokens,
+                    shape.num_decode_context_tokens)
+    pre = step_cost(m, bpp, kv, shape.num_prefill_tokens, 0, shape.num_prefill_pairs)
+    weights = weight_bytes_read_per_step(m, shape.num_decode_tokens + shape.num_prefill_tokens,
+                                         bpp) + (d.attention_copies - 1) * d.attention_weight_bytes
+    memory_s = (weights + (dec.kv_bytes + pre.kv_bytes) * d.kv_copies) / cost._bw
+    compute_s = dec.flops / cost._decode_flops + pre.flops / cost._prefill_flops
+    return max(memory_s, compute_s) + d.calibration.step_overhead_s
+
+
+@pytest.mark.parametrize("model, gpu, tp", [("Llama-3.1-70B", "H100-SXM", 8),
+                                            ("Mixtral-8x7B", "H100-SXM", 2)])
+def test_predict_is_step_costs_arithmetic_exactly(model, gpu, tp):
+    """predict() keeps step_cost's per-model factors (it runs for every simulated step):
+    the same float result as the formula over step_cost, for decode, prefill and mixed."""
+    try:
+        m = resolve_model(model)
+    except ValueError:
+        pytest.skip(f"{model} is not in the catalog")
+    cost = RooflineCostModel(Deployment(m, get_accelerator(gpu), tp=tp))
+    shapes = [StepShape(1, 1, 101, 0, 0), StepShape(555, 555, 555 * 2151, 0, 0),
+              StepShape(1, 0, 0, 1369, attention_pairs(0, 1369)),
+              StepShape(130, 129, 129 * 900, 1240, attention_pairs(760, 1240)),
+              StepShape(7, 3, 3 * 40, 8, attention_pairs(0, 4) + attention_pairs(10, 4))]
+    for shape in shapes + shapes:  # twice: the second time from the weight-bytes memo
+        assert cost.predict(shape) == _step_cost_reference(cost, shape)
