@@ -69,47 +69,82 @@ def advance_decodes(rep, until_s: float, records: dict) -> int:
         context += n
     if limit <= 0:
         return 0
-    clock, runner = rep.clock, rep.runner
-    cost = runner.cost
-    token_of = runner._token
-    bs = bm.block_size
-    recs = [records[seq.request_id] for seq in running]
+    runner = rep.runner
+    base = [seq.num_computed_tokens for seq in running]
+    steps, step_s, times = _run(rep, running, base, context, limit, until_s)
+    if not steps:
+        return 0
+    # The sequences and records as `steps` one-token steps leave them, caught up at once:
+    # nothing reads them between those steps (their blocks were taken step by step).
+    now = times[-1]
+    for seq, c in zip(running, base):
+        _catch_up(runner, seq, c + 1 + steps)
+        seq.num_computed_tokens = c + steps
+        seq.timings.last_token_time = now
+        rec = records[seq.request_id]
+        rec.chunk_times += times
+        rec.num_output_tokens += steps
     stats = engine.stats
-    timeline = rep.timeline
+    stats.num_generated_tokens += num_seqs * steps
+    stats.num_computed_tokens += num_seqs * steps
+    _note_last_step(stats, step_s, num_seqs, context + num_seqs * (steps - 1))
+    return steps
+
+
+def _catch_up(runner, seq, num_tokens: int) -> None:
+    """Append the sampled tokens seq would hold after stepping: num_tokens in all."""
+    n = num_tokens - len(seq.token_ids)
+    if n > 0:
+        seq.token_ids += runner.tokens(seq, n)
+
+
+def _run(rep, running: list, base: list[int], context: int, limit: int, until_s: float):
+    """The steps of a plain decode run from computed tokens `base`: blocks taken, the clock,
+    counters and timeline, step by step; the sequences' tokens and records are the caller's
+    to catch up. Returns (steps, the last step's seconds, every step's end)."""
+    engine, clock, runner = rep.engine, rep.clock, rep.runner
+    bm = engine.block_manager
+    cost, bs = runner.cost, bm.block_size
+    num_seqs = len(running)
+    # A sequence takes or fills a block only where its next position is 0 or 1 past a block
+    # boundary: group the sequences by that phase, in running order (the scheduler's).
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(base):
+        groups.setdefault((c + 1) % bs, []).append(i)
+    timeline, stats = rep.timeline, engine.stats
+    waiting = len(engine.scheduler.waiting)
+    times: list[float] = []
     steps = 0
-    waiting = len(sched.waiting)
+    step_s = 0.0
     while steps < limit and clock.now < until_s:
+        fill = groups.get(-steps % bs, ())
+        grow = groups.get((1 - steps) % bs, ()) if bs > 1 else ()
+        touched = sorted(fill + grow) if fill and grow else (fill or grow)
         # Blocks this step takes: a sequence whose KV filled its last block needs one.
-        growing = [seq for seq in running
-                   if seq.num_computed_tokens == len(seq.block_table) * bs]
-        if len(growing) > bm.num_free_blocks:
+        need = 0
+        for i in touched:
+            if base[i] + steps == len(running[i].block_table) * bs:
+                need += 1
+        if need > bm.num_free_blocks:
             break
-        for seq in running:
-            c1 = seq.num_computed_tokens + 1
-            if c1 % bs == 0 or c1 > len(seq.block_table) * bs:
-                bm.allocate(seq, 1)  # a new block and/or a full block into the prefix cache
-        start = clock.now
+        for i in touched:
+            seq = running[i]
+            c = base[i] + steps
+            if (c + 1) % bs == 0 or c + 1 > len(seq.block_table) * bs:
+                seq.num_computed_tokens = c  # as the scheduler sees it at this step
+                _catch_up(runner, seq, c + 1)
+                bm.allocate(seq, 1)  # a new block and/or a full block into the cache
         step_s = cost.predict(StepShape(num_seqs, num_seqs, context, 0, 0))
         clock.now += step_s
         runner.num_steps += 1
         runner.busy_s += step_s
-        now = clock.now
-        for seq, rec in zip(running, recs):
-            seq.num_computed_tokens += 1
-            seq.append_token(token_of(seq.token_ids))
-            seq.timings.last_token_time = now
-            rec.chunk_times.append(now)
-            rec.num_output_tokens += 1
+        times.append(clock.now)
         context += num_seqs
         engine._step_id += 1
         stats.num_steps += 1
-        stats.num_generated_tokens += num_seqs
-        stats.num_computed_tokens += num_seqs
         steps += 1
-        timeline.append((now, bm.num_used_blocks / bm.num_blocks, waiting, num_seqs))
-    if steps:
-        _note_last_step(stats, now - start, num_seqs, context - num_seqs)
-    return steps
+        timeline.append((clock.now, bm.num_used_blocks / bm.num_blocks, waiting, num_seqs))
+    return steps, step_s, times
 
 
 def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
@@ -225,7 +260,7 @@ def _stamp_hidden(rep, records: dict, hidden: list, now: float) -> None:
     token_of = rep.runner._token
     for seq in hidden:
         seq.num_computed_tokens += 1
-        seq.append_token(token_of(seq.token_ids))
+        seq.append_token(token_of(seq))
         seq.timings.last_token_time = now
         rec = records[seq.request_id]
         rec.chunk_times.append(now)

@@ -9,15 +9,32 @@ KV block moves (StepDescription.kv_saves / kv_loads): there are no contents to m
 save comes back as a KVBlock with empty data and a load is accepted as it is; what a move
 costs in time is the caller's to model (a transfer or tier bandwidth), not the step's.
 
-Tokens: a hash of the sequence so far, kept clear of the EOS ids, so a request ends exactly
-at its max_tokens (the workload's output length), as `ignore_eos` requests do on a server.
+Tokens: position p of a sequence holds entry (p + offset) of a fixed pseudo-random table of
+non-EOS ids (the offset from the prompt's length and last token), so a request ends exactly
+at its max_tokens (the workload's output length), as `ignore_eos` requests do on a server,
+and the simulator's bulk steps can take a run of tokens as one slice (`tokens`).
 """
 
 from __future__ import annotations
 
+import functools
+import random
+
 from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
 from servelm.core.runner_state import RunnerState
 from servelm.sim.cost_model import StepCostModel, StepShape, step_shape
+
+_PERIOD = 8192  # synthetic tokens repeat after this many positions
+
+
+@functools.lru_cache(maxsize=8)
+def _token_table(vocab_size: int, eos: frozenset) -> list[int]:
+    """Two copies of one pseudo-random period of non-EOS ids (a run of tokens is one slice,
+    across the wrap too); shared by every replica of a fleet, never written."""
+    rng = random.Random(vocab_size)
+    ids = [t for t in range(min(100, vocab_size // 2), vocab_size) if t not in eos]
+    table = [rng.choice(ids) for _ in range(_PERIOD)]
+    return table + table
 
 
 class VirtualClock:
@@ -35,6 +52,7 @@ class SimRunner:
         self.clock = clock
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
+        self._table = _token_table(vocab_size, self.eos)
         self.state = RunnerState()
         self.num_steps = 0
         self.busy_s = 0.0
@@ -57,15 +75,27 @@ class SimRunner:
         out = []
         for s in scheduled:
             if s.is_sampling:
-                out.append(SampledToken(s.seq.seq_id, self._token(s.seq.token_ids)))
+                out.append(SampledToken(s.seq.seq_id, self._token(s.seq)))
         kv_saved = [KVBlock(b, b"") for b in step.kv_saves]
         return StepResult(out, forward_s=step_s, kv_saved=kv_saved)
 
-    def _token(self, token_ids: list[int]) -> int:
-        t = hash((len(token_ids), token_ids[-1])) % (self.vocab_size - 200) + 100
-        while t in self.eos:
-            t += 1
-        return t
+    def _offset(self, seq) -> int:
+        p = seq.num_prompt_tokens
+        return (seq.token_ids[p - 1] * 7919 + p * 104729) % _PERIOD
+
+    def _token(self, seq) -> int:
+        """The next token of `seq` (the engine's Sequence or the runner's: both hold
+        token_ids and num_prompt_tokens)."""
+        return self._table[(len(seq.token_ids) + self._offset(seq)) % _PERIOD]
+
+    def tokens(self, seq, n: int) -> list[int]:
+        """The next n tokens of `seq`, as n steps of _token would append them."""
+        out: list[int] = []
+        pos = len(seq.token_ids) + self._offset(seq)
+        while len(out) < n:
+            start = (pos + len(out)) % _PERIOD
+            out += self._table[start:start + min(n - len(out), _PERIOD)]
+        return out
 
 
 __all__ = ["SimRunner", "VirtualClock"]

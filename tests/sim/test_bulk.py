@@ -166,3 +166,22 @@ def _workloads(draw):
 def test_random_small_workloads_bulk_is_stepping(work):
     reqs, num_replicas, spec, policy, cost = work
     run_both(reqs, num_replicas, spec, policy, cost)
+
+
+def test_a_run_of_synthetic_tokens_is_what_one_token_steps_append():
+    """SimRunner.tokens (one slice, what bulk steps take) equals _token called once per
+    step, across the table's wrap; no EOS among them."""
+    from types import SimpleNamespace
+
+    from servelm.sim.runner import _PERIOD, SimRunner, VirtualClock
+
+    runner = SimRunner(COST, VirtualClock(), 130, (0, 7))
+    for prompt in ([5] * 3, list(range(100, 129)), [129] * 40):
+        stepped = SimpleNamespace(token_ids=list(prompt), num_prompt_tokens=len(prompt))
+        for _ in range(_PERIOD + 50):
+            stepped.token_ids.append(runner._token(stepped))
+        run = SimpleNamespace(token_ids=list(prompt), num_prompt_tokens=len(prompt))
+        run.token_ids += runner.tokens(run, 10)
+        run.token_ids += runner.tokens(run, _PERIOD + 40)
+        assert run.token_ids == stepped.token_ids
+        assert not {0, 7} & set(run.token_ids[len(prompt):])
