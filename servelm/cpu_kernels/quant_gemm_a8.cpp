@@ -10,21 +10,25 @@
 // product is exact integer math; its float scales are applied once per 32 columns.
 //
 // vpdpbusd multiplies unsigned by signed bytes. The weights are the unsigned side:
-//   int4: codes 0..15 as they are;  sum (q - 8) x_q = dot - 8 sum x_q          (exact)
-//   int8: codes + 128 (0..255);     sum  w x_q      = dot - 128 sum x_q        (exact)
-// so the only correction is the activation group's own code sum, computed when x is rounded.
-// Per row r, group a of 32 columns, weight group g = 32 a / group:
-//   int4: y += scale_g * (d_a * (dot - 8 s_a)) + zero_g * (d_a * s_a)   (w = (q-8) scale + zero)
-//   int8: y += scale_g * (d_a * (dot - 128 s_a))                        (w = q scale)
+//   int4: codes 0..15 as they are, w = q * scale + offset (GGUF Q4_1's own form: offset = m;
+//         Q4_0: -8 d; servelm's (q - 8) scale + zero: zero - 8 scale)
+//   int8: codes + 128 (0..255);     sum  w x_q = dot - 128 sum x_q        (exact)
+// so the only correction is the activation group's own code sum s_a, computed when x is
+// rounded. Per row r, group a of 32 columns, weight group g = 32 a / group:
+//   int4: y += scale_g * (d_a * dot) + offset_g * (d_a * s_a)
+//   int8: y += scale_g * (d_a * (dot - 128 s_a))                         (w = q scale)
+// Scales are float32, bfloat16 or float16, whichever holds them exactly (the layer decides:
+// GGUF's d and m are float16 in the file): a decode step reads every weight from L3 or
+// memory once, and float32 scales are a third of an int4 layer's bytes.
 //
 // Layout (servelm/quant/cpu_panels.py pack_*_vnni): panels of 16 weight rows, along K in
 // blocks whose one 64-byte vector is 16 lanes x 4 consecutive columns of a row:
 //   int4: codes [P, Kp/8, 16, 4] u8: byte b of lane j in block i holds q[16p+j][8i+b] (low
-//         nibble) and q[16p+j][8i+4+b] (high nibble); sz [P, G, 2, 16] as quant_gemm.cpp's
+//         nibble) and q[16p+j][8i+4+b] (high nibble); so [P, G, 2, 16]: (scale, offset)
 //   int8: codes [P, Kp/4, 16, 4] u8: byte b of lane j in block i is q[16p+j][4i+b] + 128;
 //         scale [16P] (per row) or [P, G, 16] (per `group` columns, group % 32 == 0)
 // Kp is a multiple of 32; x may have K <= Kp columns (Kp - 32 < K): the rest count as 0.
-// Padded rows have scale 0 (and zero 0).
+// Padded rows have scale 0 (and offset 0).
 //
 // Without avx512_vnni in the build the same math runs through an AVX-512BW emulation of
 // vpdpbusd (exact: 16-bit products, pairwise 32-bit sums), and without AVX-512BW the ops
@@ -100,6 +104,12 @@ inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const bf16* p) { return (__m512)load16(p); }
+inline __m512 load_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -116,7 +126,7 @@ struct RowsA8 {
 
 // out[r] = the 16 outputs of one int4 panel for rows 0..R of `x`.
 template <int R, typename S>
-inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* sz,
+inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* so,
                           __m512* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
@@ -136,25 +146,23 @@ inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, 
       }
     }
     const int64_t g = a * kAGroup / group;
-    const __m512 scale = (__m512)load16(sz + (2 * g) * kLanes);
-    const __m512 zero = (__m512)load16(sz + (2 * g + 1) * kLanes);
+    const __m512 scale = load_scales(so + (2 * g) * kLanes);
+    const __m512 offset = load_scales(so + (2 * g + 1) * kLanes);
     for (int r = 0; r < R; ++r) {
       const float d = x.d[r * x.A + a];
-      const int32_t s = x.s[r * x.A + a];
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[r], hi[r]),
-                                           _mm512_set1_epi32(8 * s));
+      const __m512i dot = _mm512_add_epi32(lo[r], hi[r]);
       const __m512 xd = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d));
       acc[r] = _mm512_fmadd_ps(scale, xd, acc[r]);
-      acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(d * float(s)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(d * float(x.s[r * x.A + a])), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// The same for an int8 panel (codes + 128); sc: the panel's scales, G_stride 0 for one per row.
-template <int R>
-inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes,
-                          const float* sc, __m512* out) {
+// The same for an int8 panel (codes + 128); sc: the panel's scales (group 0: one per row).
+template <int R, typename S>
+inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* sc,
+                          __m512* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t a = 0; a < x.A; ++a) {
@@ -170,7 +178,7 @@ inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes,
         d1[r] = dpbusd(d1[r], w1, bcast4(xr + 4));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(sc + (group > 0 ? a * kAGroup / group : 0) * kLanes);
+    const __m512 scale = load_scales(sc + (group > 0 ? a * kAGroup / group : 0) * kLanes);
     for (int r = 0; r < R; ++r) {
       const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(d0[r], d1[r]),
                                            _mm512_set1_epi32(128 * x.s[r * x.A + a]));
@@ -261,18 +269,35 @@ void check_panels(const at::Tensor& codes, int64_t cols_per_block, int64_t N, co
               " panels");
 }
 
+bool is_scale_dtype(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
+}
+
+// fn(pointer to t's values as float, bf16 or c10::Half).
+template <typename Fn>
+void with_scales(const at::Tensor& t, Fn fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(t.data_ptr<float>());
+  } else if (t.scalar_type() == at::kBFloat16) {
+    fn(reinterpret_cast<const bf16*>(t.data_ptr()));
+  } else {
+    fn(t.data_ptr<c10::Half>());
+  }
+}
+
 // y[M, N] = x @ w.T, w the int4 panels (VNNI layout), x rounded to int8 per 32 columns; y in
-// x's dtype.
-at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+// x's dtype. so: (scale, offset) per group, w = q * scale + offset.
+at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& so,
                         int64_t N, int64_t group) {
   check_panels(codes, 8, N, "int4_gemm_a8: codes");
   const int64_t P = codes.size(0), Kp = codes.size(1) * 8, G = (Kp + group - 1) / group;
   TORCH_CHECK(group > 0 && group % kAGroup == 0, "int4_gemm_a8: group must be a multiple of 32");
-  TORCH_CHECK(sz.device().is_cpu() && sz.is_contiguous() &&
-                  sz.sizes() == at::IntArrayRef({P, G, 2, kLanes}) &&
-                  (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16),
-              "int4_gemm_a8: sz must be a contiguous [P, ceil(Kp / group), 2, 16] float32 or "
-              "bfloat16 CPU tensor");
+  TORCH_CHECK(so.device().is_cpu() && so.is_contiguous() &&
+                  so.sizes() == at::IntArrayRef({P, G, 2, kLanes}) &&
+                  is_scale_dtype(so),
+              "int4_gemm_a8: so must be a contiguous [P, ceil(Kp / group), 2, 16] float32, "
+              "bfloat16 or float16 CPU tensor");
 #if defined(__AVX512BW__)
   auto [q, d, s] = quantize_x(x, Kp, "int4_gemm_a8: x");
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
@@ -280,18 +305,13 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
                     Kp / kAGroup};
   const uint8_t* pc = codes.data_ptr<uint8_t>();
   const int64_t panel_bytes = Kp / 2 * kLanes;
-  auto run = [&](auto* pz) {
+  with_scales(so, [&](auto* pso) {
     run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
                [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
                  int4_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
-                                                   pz + p * G * 2 * kLanes, out);
+                                                   pso + p * G * 2 * kLanes, out);
                });
-  };
-  if (sz.scalar_type() == at::kFloat) {
-    run(sz.data_ptr<float>());
-  } else {
-    run(reinterpret_cast<const bf16*>(sz.data_ptr()));
-  }
+  });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "int4_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
@@ -302,7 +322,8 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         int64_t N, int64_t group) {
   check_panels(codes, 4, N, "int8_gemm_a8: codes");
-  check_cpu(scale, at::kFloat, "int8_gemm_a8: scale");
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && is_scale_dtype(scale),
+              "int8_gemm_a8: scale must be a contiguous float32, bfloat16 or float16 CPU tensor");
   const int64_t P = codes.size(0), Kp = codes.size(1) * 4;
   TORCH_CHECK(group >= 0 && group % kAGroup == 0,
               "int8_gemm_a8: group must be 0 (a scale per row) or a multiple of 32");
@@ -315,13 +336,14 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
                     Kp / kAGroup};
   const uint8_t* pc = codes.data_ptr<uint8_t>();
-  const float* ps = scale.data_ptr<float>();
   const int64_t panel_bytes = Kp * kLanes;
-  run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
-             [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
-               int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
-                                                 ps + p * G * kLanes, out);
-             });
+  with_scales(scale, [&](auto* ps) {
+    run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
+               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
+                 int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
+                                                   ps + p * G * kLanes, out);
+               });
+  });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "int8_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
@@ -359,7 +381,7 @@ bool int8_dot_probe() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
-  m.def("int4_gemm_a8(Tensor x, Tensor codes, Tensor sz, int n, int group) -> Tensor",
+  m.def("int4_gemm_a8(Tensor x, Tensor codes, Tensor so, int n, int group) -> Tensor",
         &int4_gemm_a8);
   m.def("int8_gemm_a8(Tensor x, Tensor codes, Tensor scale, int n, int group) -> Tensor",
         &int8_gemm_a8);

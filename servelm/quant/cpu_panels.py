@@ -15,9 +15,12 @@ take the codes as unsigned bytes, four consecutive columns of a row in one 32-bi
 that one 64-byte vector is 16 rows x 4 columns (K padded to Kp, a multiple of 32):
 
     int4 (VNNI): codes [P, Kp/8, 16, 4] uint8, byte b of lane j in block i holds
-                 q[16p+j, 8i+b] (low nibble) and q[16p+j, 8i+4+b] (high nibble); sz as above
+                 q[16p+j, 8i+b] (low nibble) and q[16p+j, 8i+4+b] (high nibble);
+                 so [P, G, 2, 16] (scale, offset), w = q * scale + offset (Q4_1's form)
     int8 (VNNI): codes [P, Kp/4, 16, 4] uint8, byte b of lane j in block i = q[16p+j, 4i+b]
                  + 128 (padded columns: code 0 + 128); scales as above
+    Their scales are stored in the narrowest float type that holds them exactly
+    (`narrowest_exact`: GGUF's float16 d and m stay float16).
 """
 
 from __future__ import annotations
@@ -57,13 +60,24 @@ def unpack_int4_panels(codes: torch.Tensor, sz: torch.Tensor, n: int, group: int
     return int4_panel_weight(q, sz, n, group)
 
 
-def int4_panel_weight(q: torch.Tensor, sz: torch.Tensor, n: int, group: int) -> torch.Tensor:
-    """The float32 weight [N, K] of codes q [>= N, K] (rows of the panels) and sz [P, G, 2, 16]."""
+def int4_panel_weight(q: torch.Tensor, sz: torch.Tensor, n: int, group: int,
+                      centred: bool = True) -> torch.Tensor:
+    """The float32 weight [N, K] of codes q [>= N, K] (rows of the panels) and sz [P, G, 2, 16]:
+    (q - 8) * scale + zero, or with centred=False (the VNNI layout's `so`) q * scale + offset."""
     k = q.shape[1]
     s = sz.float().permute(2, 0, 3, 1).reshape(2, -1, sz.shape[1])  # [2, N', G]
     scale = s[0].repeat_interleave(group, dim=1)[:n, :k]
     zero = s[1].repeat_interleave(group, dim=1)[:n, :k]
-    return ((q[:n].float() - 8) * scale + zero).contiguous()
+    return ((q[:n].float() - (8 if centred else 0)) * scale + zero).contiguous()
+
+
+def narrowest_exact(t: torch.Tensor) -> torch.Tensor:
+    """t in float16 or bfloat16 where that holds every value exactly, else float32."""
+    t32 = t.float()
+    for dtype in (torch.float16, torch.bfloat16):
+        if torch.equal(t32.to(dtype).float(), t32):
+            return t32.to(dtype)
+    return t32
 
 
 def pack_int8_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

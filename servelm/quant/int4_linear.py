@@ -12,7 +12,8 @@ weight; in_features is padded to a multiple of 32 (codes 8 meeting zero-padded x
 With `activations="int8"` (`--quant-activations int8`, where the CPU runs avx512_vnni: see
 servelm/quant/int8_act.py) the codes are packed for `int4_gemm_a8` instead
 (servelm/cpu_kernels/quant_gemm_a8.cpp): x rounded to int8 per 32 columns, integer dot
-products, the same scale / zero applied per group.
+products, the same weights as (scale, offset = zero - 8 scale) per group (`so`, in float16
+for GGUF's d and m, which it holds exactly: a third fewer bytes than float32 scale / zero).
 `kernel="aten"` (the fallback where the kernels do not build, or `--cpu-kernels quant=torch`):
 `_convert_weight_to_int4pack_for_cpu` packs the codes once (half a byte a weight);
 `_weight_int4pack_mm_for_cpu` multiplies. It is fast only with bf16 activations, so x is cast
@@ -34,8 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.quant.cpu_panels import (int4_panel_weight, pack_int4_panels, pack_int4_vnni,
-                                      panel_ops, unpack_int4_panels, unpack_int4_vnni)
+from servelm.quant.cpu_panels import (int4_panel_weight, narrowest_exact, pack_int4_panels,
+                                      pack_int4_vnni, panel_ops, unpack_int4_panels,
+                                      unpack_int4_vnni)
 from servelm.quant.int8_act import use_int8
 from servelm.quant.quantized_linear import QuantizedLinear
 
@@ -129,11 +131,16 @@ class Int4Linear(QuantizedLinear):
             # or float32 (GGUF's exact (d, m + 8 d); other dtypes widen to float32).
             sz_dtype = torch.bfloat16 if scale.dtype == torch.bfloat16 else torch.float32
             qp = F.pad(q.cpu(), (0, self.k_padded - in_features), value=8)
-            codes, sz = pack_int4_panels(qp, scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype),
-                                         sz_dtype)
             if use_int8(activations, f"int4 layer {out_features} x {in_features}"):
                 self.activations = "int8"
-                codes = pack_int4_vnni(qp)  # the same codes, in int4_gemm_a8's order
+                self.register_buffer("codes", pack_int4_vnni(qp))  # int4_gemm_a8's order
+                s = scale.cpu().float()
+                offset = zero.cpu().float() - 8 * s  # GGUF Q4_1: m again, exactly
+                self.register_buffer("so", narrowest_exact(
+                    pack_int4_panels(qp, s, offset, torch.float32)[1]))
+                return
+            codes, sz = pack_int4_panels(qp, scale.cpu().to(sz_dtype), zero.cpu().to(sz_dtype),
+                                         sz_dtype)
             self.register_buffer("codes", codes)
             self.register_buffer("sz", sz)
             return
@@ -168,7 +175,7 @@ class Int4Linear(QuantizedLinear):
             return self._add_bias(x @ self.dequantize().to(x.device, x.dtype).t())
         if self.kernel == "cpu" and self.activations == "int8":  # pads x itself; y in x's dtype
             xa = x if x.dtype == torch.bfloat16 else x.float()
-            y = torch.ops.servelm_cpu.int4_gemm_a8(xa.contiguous(), self.codes, self.sz,
+            y = torch.ops.servelm_cpu.int4_gemm_a8(xa.contiguous(), self.codes, self.so,
                                                    self.out_features, self.group_size)
             return self._add_bias(y).to(x.dtype)
         if self.kernel == "cpu":
@@ -197,7 +204,8 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "cpu":
             if self.activations == "int8":
                 w = int4_panel_weight(unpack_int4_vnni(self.codes.cpu(), self.out_features),
-                                      self.sz.cpu(), self.out_features, self.group_size)
+                                      self.so.cpu(), self.out_features, self.group_size,
+                                      centred=False)
             else:
                 w = unpack_int4_panels(self.codes.cpu(), self.sz.cpu(), self.out_features,
                                        self.group_size)
@@ -214,7 +222,7 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton":
             parts = (self.qweight, self.scale_t, self.zero_t)
         elif self.kernel == "cpu":
-            parts = (self.codes, self.sz)
+            parts = (self.codes, self.so if self.activations == "int8" else self.sz)
         else:
             parts = (self.packed, self.scale_zero)
         return sum(t.numel() * t.element_size() for t in parts)

@@ -12,7 +12,9 @@ compute dtype, rounded up so no code leaves [-127, 127].
 With `activations="int8"` (`--quant-activations int8`, where the CPU runs avx512_vnni: see
 servelm/quant/int8_act.py) the "cpu" kernel is `int8_gemm_a8` (servelm/cpu_kernels/
 quant_gemm_a8.cpp) on the codes + 128 in its VNNI order: x rounded to int8 per 32 columns,
-integer dot products, the same scales (per row, or per group of a multiple of 32 columns).
+integer dot products, the same scales (per row, or per group of a multiple of 32 columns),
+stored in the narrowest float type that holds them exactly (`scale32` is then float16 for
+Q8_0's d, bfloat16 for the per-row method's scales).
 
 Grouped int8 (`group_size` > 0: one float32 scale per `group_size` inputs of a row, GGUF's
 Q8_0 with group 32) runs as it is on the "cpu" kernel only; the aten and Triton paths take one
@@ -27,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.quant.cpu_panels import (pack_int8_panels, pack_int8_vnni, panel_ops,
-                                      unpack_int8_panels, unpack_int8_vnni)
+from servelm.quant.cpu_panels import (narrowest_exact, pack_int8_panels, pack_int8_vnni,
+                                      panel_ops, unpack_int8_panels, unpack_int8_vnni)
 from servelm.quant.int8_act import use_int8
 from servelm.quant.quantized_linear import QuantizedLinear, round_up_to
 
@@ -94,6 +96,7 @@ class Int8Linear(QuantizedLinear):
                     activations, f"int8 layer {out_features} x {in_features}"):
                 self.activations = "int8"
                 codes = pack_int8_vnni(q.cpu())  # the same codes + 128, in int8_gemm_a8's order
+                scale32 = narrowest_exact(scale32)  # Q8_0's d: float16, half the bytes
             self.register_buffer("codes", codes)
             self.register_buffer("scale32", scale32)
             self.register_buffer("q", None)
@@ -145,5 +148,5 @@ class Int8Linear(QuantizedLinear):
     @property
     def num_weight_bytes(self) -> int:
         if self.q is None:
-            return self.codes.numel() + self.scale32.numel() * 4
+            return self.codes.numel() + self.scale32.numel() * self.scale32.element_size()
         return self.q.numel() + self.scale.numel() * self.scale.element_size()

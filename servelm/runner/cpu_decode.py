@@ -186,7 +186,9 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
     if kind in (_KIND_INT4_A8, _KIND_INT8_A8):  # y in x's dtype: the bias as the layer adds it
         bias = none if m.bias is None else m.bias
-    if kind in (_KIND_INT4, _KIND_INT4_A8):
+    if kind == _KIND_INT4_A8:
+        return [m.codes, m.so, bias], [kind, m.out_features, m.group_size, m.k_padded]
+    if kind == _KIND_INT4:
         return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
     return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]
 

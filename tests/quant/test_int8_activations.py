@@ -68,21 +68,21 @@ def test_activation_rounding_is_the_torch_reference_bit_for_bit(m, k):
 @pytest.mark.parametrize("m", [1, 3, 64])
 @pytest.mark.parametrize("n,k,group", [(37, 100, 32), (960, 576, 32), (50, 192, 64),
                                        (576, 1536, 128)])
-@pytest.mark.parametrize("sz_dtype", [torch.float32, torch.bfloat16])
-def test_int4_a8_gemm_is_the_integer_math(m, n, k, group, sz_dtype):
+@pytest.mark.parametrize("so_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_a8_gemm_is_the_integer_math(m, n, k, group, so_dtype):
     g = torch.Generator().manual_seed(n + k)
     kp = -(-k // 32) * 32
     num_groups = -(-kp // group)
     q = torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, num_groups, generator=g) * 0.02).to(sz_dtype)
-    zero = (torch.randn(n, num_groups, generator=g) * 0.02).to(sz_dtype)
+    scale = (torch.rand(n, num_groups, generator=g) * 0.02).to(so_dtype)
+    offset = (torch.randn(n, num_groups, generator=g) * 0.02).to(so_dtype)
     codes = pack_int4_vnni(q)
     assert torch.equal(unpack_int4_vnni(codes, n), q)
-    _, sz = pack_int4_panels(q, scale, zero, sz_dtype)
+    _, so = pack_int4_panels(q, scale, offset, so_dtype)  # (scale, offset) in the sz layout
     x = _x(m, k)
-    y = ops.int4_gemm_a8(x, codes, sz, n, group)  # x of width k: the op pads to kp
+    y = ops.int4_gemm_a8(x, codes, so, n, group)  # x of width k: the op pads to kp
     rep = lambda t: t.double().repeat_interleave(group, dim=1)[:, :kp]  # noqa: E731
-    w = (q.double() - 8) * rep(scale) + rep(zero)
+    w = q.double() * rep(scale) + rep(offset)
     want = dequantized_x(x, kp) @ w.t()
     assert y.shape == (m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -90,18 +90,21 @@ def test_int4_a8_gemm_is_the_integer_math(m, n, k, group, sz_dtype):
 
 @needs_vnni
 @pytest.mark.parametrize("m", [1, 3, 64])
-@pytest.mark.parametrize("n,k,group", [(37, 100, 0), (37, 100, 32), (960, 576, 32),
-                                       (49, 1536, 0), (33, 256, 64)])
-def test_int8_a8_gemm_is_the_integer_math(m, n, k, group):
+@pytest.mark.parametrize("n,k,group,dtype", [(37, 100, 0, torch.float32),
+                                             (37, 100, 32, torch.float16),
+                                             (960, 576, 32, torch.float32),
+                                             (49, 1536, 0, torch.bfloat16),
+                                             (33, 256, 64, torch.float32)])
+def test_int8_a8_gemm_is_the_integer_math(m, n, k, group, dtype):
     g = torch.Generator().manual_seed(n * k)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     num_groups = -(-k // group) if group else 1
-    scale = torch.rand(n, num_groups, generator=g) * 0.01
+    scale = (torch.rand(n, num_groups, generator=g) * 0.01).to(dtype).float()
     codes = pack_int8_vnni(q)
     assert torch.equal(unpack_int8_vnni(codes, n, k), q)
     _, scale32 = pack_int8_panels(q, scale[:, 0] if group == 0 else scale)
     x = _x(m, k)
-    y = ops.int8_gemm_a8(x, codes, scale32, n, group)
+    y = ops.int8_gemm_a8(x, codes, scale32.to(dtype), n, group)
     kp = codes.shape[1] * 4
     s = scale.double().repeat_interleave(group or k, dim=1)[:, :k]
     w = F.pad(q.double() * s, (0, kp - k))
@@ -152,10 +155,11 @@ def test_layers_with_int8_activations_run_the_a8_kernels():
     int4, int8, int4_float = _layers("int8")
     assert int4.activations == int8.activations == "int8"
     assert "activations=int8" in repr(int4)
-    assert torch.equal(int4.dequantize(), int4_float.dequantize())  # the same weight
+    # the same weight, as q * scale + (zero - 8 scale): float32 rounding apart
+    torch.testing.assert_close(int4.dequantize(), int4_float.dequantize(), rtol=1e-6, atol=1e-8)
     x = _x(5, 100)
     y = int4(x)
-    torch.testing.assert_close(y, ops.int4_gemm_a8(F.pad(x, (0, 28)), int4.codes, int4.sz, 72, 32))
+    torch.testing.assert_close(y, ops.int4_gemm_a8(F.pad(x, (0, 28)), int4.codes, int4.so, 72, 32))
     # int8 activations move the result by the activations' rounding only (~0.4% per group)
     ref = x @ int4.dequantize().t()
     assert (y - ref).norm() / ref.norm() < 0.02
@@ -264,3 +268,29 @@ def test_bfloat16_model_with_int8_activations_runs_in_the_stack(tiny_hf, tiny_en
                                  quant_activations="int8", dtype="bfloat16",
                                  max_num_batched_tokens=32)
     assert engine.runner.model.layers[0].mlp.down_proj.activations == "int8"
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_keep_their_float16_scales(kind):
+    """GGUF's d (and Q4_1's m) are float16 in the file: the int8-activation layers store them
+    so (half the scale bytes of float32) and compute with exactly gguf-py's weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from servelm.quant import get_quant_method
+    from servelm.quant.gguf_blocks import GGUFBlocks
+
+    w = np.random.default_rng(0).normal(0, 0.05, (96, 192)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[kind])
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
+    blocks = GGUFBlocks(kind, torch.from_numpy(raw), (96, 192))
+    layer = get_quant_method("gguf", activations="int8").from_blocks(blocks, None)
+    assert layer.activations == "int8"
+    scales = layer.scale32 if kind == "Q8_0" else layer.so
+    assert scales.dtype == torch.float16
+    assert torch.equal(layer.dequantize(), ref)
+    x = _x(4, 192)
+    want = dequantized_x(x, 192) @ ref.double().t()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
