@@ -3,13 +3,16 @@ TP pays at the same total cores. Writes JSON (+ a PNG) under benchmarks/results/
 
     1. all-reduce microbenchmark: two processes, one core each, gloo all_reduce of
        [tokens, hidden] float32 for decode-sized messages: microseconds per call.
-    2. decode on the default model, 2 cores in all: TP=1 with 2 threads (the C++ decode
-       stack), TP=1 with 2 threads on the eager path (what TP runs), TP=2 with 1 thread per
-       rank; one stream (128 prompt tokens, 128 new) and 64 streams (32-256 prompt tokens,
-       64 new); decode tok/s counted once every request has its first token.
-    3. in the TP=2 decode: bytes all-reduced per token per layer (servelm/parallel/group.py's
-       count) against the planner's formula (servelm/planner/tp_comm.py), and the seconds
-       spent in all-reduces (waiting for the other rank included) per decode step.
+    2. decode on the default model in float32 (--dtype), 2 cores in all: TP=1 with 2
+       threads and TP=2 with 1 thread per rank, each on the C++ decode stack (under TP its
+       all-reduces run inside it, servelm/parallel/decode_stack.py) and on the eager path
+       (--cpu-kernels decode=torch); one stream (128 prompt tokens, 128 new) and 64 streams
+       (32-256 prompt tokens, 64 new); decode tok/s counted once every request has its
+       first token. Each run records the decode path it took (stack | eager).
+    3. in the TP=2 decodes: bytes all-reduced per token per layer (servelm/parallel/group.py's
+       count, the stack's included) against the planner's formula (servelm/planner/
+       tp_comm.py), and the seconds spent in all-reduces (waiting for the other rank
+       included; timed in C++ on the stack) per decode step.
 
     python benchmarks/cpu/parallel_bench.py            (see run_parallel.sh)
     python benchmarks/cpu/parallel_bench.py --quick    (tiny sizes: checks that it runs)
@@ -76,13 +79,13 @@ def allreduce_bench(sizes: list[int], iters: int) -> list[dict]:
 
 
 def decode_run(model: str, tp: int, cpu_kernels: str, num_prompts: int, input_len: tuple,
-               output_len: int, seed: int = 0) -> dict:
+               output_len: int, dtype: str, seed: int = 0) -> dict:
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine
     from servelm.protocol import EngineRequest, SamplingParams
 
     engine = build_engine(EngineArgs(model=model, tensor_parallel_size=tp, num_threads=2,
-                                     cpu_kernels=cpu_kernels, max_num_seqs=64,
+                                     cpu_kernels=cpu_kernels, max_num_seqs=64, dtype=dtype,
                                      kv_cache_memory=512 * 2**20, enable_prefix_caching=False))
     rng = random.Random(seed)
     for i in range(num_prompts):
@@ -106,7 +109,9 @@ def decode_run(model: str, tp: int, cpu_kernels: str, num_prompts: int, input_le
         decode_tokens += sum(len(d.token_ids) for d in deltas)
         decode_steps += 1
     end = time.perf_counter()
-    out = {"tp": tp, "cpu_kernels": cpu_kernels, "num_prompts": num_prompts,
+    out = {"tp": tp, "cpu_kernels": cpu_kernels, "dtype": dtype,
+           "decode_path": "stack" if engine.runner.cpu_stack is not None else "eager",
+           "num_prompts": num_prompts,
            "output_len": output_len, "total_s": end - start,
            "decode_s": end - decode_start, "decode_steps": decode_steps,
            "decode_tok_s": decode_tokens / (end - decode_start) if decode_tokens else None}
@@ -160,6 +165,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--sizes", default="1,8,64,256")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--dtype", default="float32", help="the model's (float32: as the records "
+                   "before bfloat16 were)")
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.allreduce_rank is not None:
@@ -179,9 +186,10 @@ def main() -> int:
     batch = (64, (32, 256), 64) if not a.quick else (4, (8, 32), 4)
     for label, tp, kernels in (("TP=1 C++ stack", 1, "auto"),
                                ("TP=1 eager", 1, "decode=torch"),
-                               ("TP=2 eager", 2, "auto")):
+                               ("TP=2 C++ stack", 2, "auto"),
+                               ("TP=2 eager", 2, "decode=torch")):
         for n, lens, out_len in (single, batch):
-            run = decode_run(a.model, tp, kernels, n, lens, out_len)
+            run = decode_run(a.model, tp, kernels, n, lens, out_len, a.dtype)
             run["label"] = label
             print(json.dumps(run), flush=True)
             result["decode"].append(run)

@@ -59,5 +59,8 @@ def build(path: str, **kwargs):
     from servelm.engine_builder import build_engine
 
     kwargs.setdefault("num_blocks", 64)
+    # float32 whatever --dtype auto picks: the comparisons are TP against TP=1 within float32
+    # rounding (in bfloat16 each rank rounds its partial sum before the all-reduce adds them)
+    kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("block_size", 4)
     return build_engine(EngineArgs(model=path, **kwargs))
