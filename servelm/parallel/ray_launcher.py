@@ -30,6 +30,7 @@ import os
 import socket
 import time
 
+import msgspec
 import torch
 
 from servelm.config import EngineArgs
@@ -45,18 +46,30 @@ PLACEMENT_TIMEOUT_S = 120.0  # a group the cluster cannot hold fails the build, 
 NODE_RESOURCE_SLIVER = 0.001
 
 
+class WorkerPlace(msgspec.Struct):
+    """Where a rank's actor runs, as it reports it (codec bytes over Ray, never pickle)."""
+
+    node: str  # its node's address in the cluster
+    pid: int
+    placement_group: str | None  # the group's id (hex) Ray scheduled it in
+    gpus: list[int] = []  # the GPU ids Ray gave it (it sees them as cuda:0..)
+
+
+_place_decoder = codec.Decoder(WorkerPlace)
+
+
 class WorkerActor:
     """One rank of a replica inside a Ray actor (a process Ray started in the rank's
-    bundle): first `where`, then `run` for as long as the replica lives."""
+    bundle): first `where`, then `run` for as long as the replica lives. Both speak codec
+    bytes (Ray carries them; nothing pickled of ours)."""
 
-    def where(self) -> dict:
-        """Its node's address, its pid, its placement (group id, GPUs Ray gave it)."""
+    def where(self) -> bytes:
+        """A WorkerPlace: its node's address, its pid, its group, the GPUs Ray gave it."""
         import ray
 
-        ctx = ray.get_runtime_context()
-        pg = ctx.get_placement_group_id()
-        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "placement_group": pg, "gpus": [int(g) for g in ray.get_gpu_ids()]}
+        pg = ray.get_runtime_context().get_placement_group_id()
+        return codec.encode(WorkerPlace(ray.util.get_node_ip_address(), os.getpid(), pg,
+                                        [int(g) for g in ray.get_gpu_ids()]))
 
     def run(self, frame: bytes) -> int:
         """The worker main (servelm/parallel/worker.py) for the WorkerStart in frame."""
@@ -72,14 +85,14 @@ class RayWorkerSet(WorkerSet):
         self.ray, self.pg = ray, pg
         self.actors = actors  # rank -> actor handle
         self.runs = runs  # rank -> the ObjectRef of its `run` (ready: the rank has ended)
-        self.places = places  # rank -> WorkerActor.where()
+        self.places: dict[int, WorkerPlace] = places
         self.procs = {}
         self._removed = False
         atexit.register(self.terminate)
 
     def dead(self) -> str:
         if self._removed:
-            return "; ".join(f"worker rank {r} (Ray actor, pid {p['pid']}) stopped"
+            return "; ".join(f"worker rank {r} (Ray actor, pid {p.pid}) stopped"
                              for r, p in self.places.items())
         refs = list(self.runs.values())
         if not refs:
@@ -88,8 +101,9 @@ class RayWorkerSet(WorkerSet):
         out = []
         for rank, ref in self.runs.items():
             if ref in ready:
-                out.append(f"worker rank {rank} (Ray actor on {self.places[rank]['node']}, "
-                           f"pid {self.places[rank]['pid']}) {self._how(ref)}")
+                place = self.places[rank]
+                out.append(f"worker rank {rank} (Ray actor on {place.node}, pid {place.pid}) "
+                           f"{self._how(ref)}")
         return "; ".join(out)
 
     def _how(self, ref) -> str:
@@ -97,12 +111,12 @@ class RayWorkerSet(WorkerSet):
             return f"exit code {self.ray.get(ref, timeout=0)}"
         except self.ray.exceptions.RayActorError:
             return "died (its Ray actor is gone)"
-        except Exception as exc:  # the worker main raised: say what
+        except self.ray.exceptions.RayError as exc:  # the worker main raised: say what
             return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
     @property
     def pids(self) -> list[int]:
-        return [p["pid"] for p in self.places.values()]
+        return [p.pid for p in self.places.values()]
 
     def terminate(self, grace_s: float = 3.0) -> None:
         """Let the ranks finish (after rank 0's STOP their main returns), then kill the
@@ -161,7 +175,7 @@ def _start_actors(ray, pg, world: int, cpus: int, gpu: bool) -> dict:
 def _rank0_gpu(places: dict, here: str) -> str:
     """The first GPU of this node no worker actor here was given (Ray hands the actors
     their GPUs; rank 0 is no actor, so it takes one Ray did not)."""
-    taken = {g for p in places.values() if p["node"] == here for g in p["gpus"]}
+    taken = {g for p in places.values() if p.node == here for g in p.gpus}
     free = [i for i in range(torch.cuda.device_count()) if i not in taken]
     if not free:
         raise RuntimeError(f"parallel_launcher ray: no GPU left on {here} for rank 0")
@@ -180,7 +194,8 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
     actors = _start_actors(ray, pg, world, threads, gpu)
     workers = RayWorkerSet(ray, pg, actors, {}, {})
     try:
-        wheres = ray.get([a.where.remote() for a in actors.values()], timeout=JOIN_TIMEOUT_S)
+        wheres = [_place_decoder.decode(b) for b in ray.get(
+            [a.where.remote() for a in actors.values()], timeout=JOIN_TIMEOUT_S)]
         workers.places = dict(zip(actors, wheres))
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -193,7 +208,7 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
             workers.runs[rank] = actor.run.remote(codec.encode(spec))
         logger.info("model parallel over Ray: %d ranks in placement group %s (%s), %d "
                     "threads each, workers %s", world, pg.id.hex(), args.parallel_placement,
-                    threads, [(p["node"], p["pid"]) for p in wheres])
+                    threads, [(p.node, p.pid) for p in wheres])
         device = torch.device(_rank0_gpu(workers.places, host) if gpu else args.device)
         if gpu:
             rank_args = dataclasses.replace(rank_args, device=str(device))

@@ -49,7 +49,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"  # a zombie has ended
 
 
 def _released(workers) -> bool:
@@ -77,7 +78,7 @@ def test_tp2_over_ray_matches_one_process_and_uses_its_bundles(cluster, tiny):
         assert table["bundles"][0]["CPU"] == table["bundles"][1]["CPU"] == 1.0
         # rank 1's actor runs in the group and holds bundle 1's CPU; bundle 0's is rank 0's
         # (this process, no actor), so Ray still counts it free
-        assert workers.places[1]["placement_group"] == pg
+        assert workers.places[1].placement_group == pg
         free = ray.available_resources()
         assert free.get(f"CPU_group_1_{pg}", 0.0) == 0.0
         assert free[f"CPU_group_0_{pg}"] == 1.0
