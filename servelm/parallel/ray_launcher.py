@@ -58,6 +58,10 @@ class WorkerPlace(msgspec.Struct):
 _place_decoder = codec.Decoder(WorkerPlace)
 
 
+class PlacementError(RuntimeError):
+    """The cluster did not place the replica's placement group in time."""
+
+
 class WorkerActor:
     """One rank of a replica inside a Ray actor (a process Ray started in the rank's
     bundle): first `where`, then `run` for as long as the replica lives. Both speak codec
@@ -152,13 +156,13 @@ def _reserve(ray, args: EngineArgs, bundles: list[dict]):
 
     pg = placement_group(bundles, strategy=args.parallel_placement,
                          name=f"servelm-{os.getpid()}-{time.monotonic_ns()}")
-    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)  # read here: tests lower it
     if not ready:
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(
+        raise PlacementError(
             f"parallel_launcher ray: the cluster did not place {len(bundles)} bundles "
-            f"{bundles[-1]} ({args.parallel_placement}) in {PLACEMENT_TIMEOUT_S:g} s; it has "
-            f"{ray.cluster_resources()}")
+            f"{bundles[-1]} (parallel_placement {args.parallel_placement}) in "
+            f"{PLACEMENT_TIMEOUT_S:g} s; it has {ray.cluster_resources()}")
     return pg
 
 

@@ -114,6 +114,23 @@ def test_a_killed_actor_fails_the_replica_and_leaves_no_actor_or_group(cluster, 
     assert _wait(lambda: _released(workers), 10)
 
 
+def test_a_group_the_cluster_cannot_place_fails_the_build_and_is_removed(cluster, tiny,
+                                                                         monkeypatch):
+    """STRICT_SPREAD wants one node per rank; this cluster has one node."""
+    from ray.util import placement_group_table
+
+    from servelm.parallel import ray_launcher
+
+    monkeypatch.setattr(ray_launcher, "PLACEMENT_TIMEOUT_S", 2.0)
+    with pytest.raises(ray_launcher.PlacementError, match="parallel_placement STRICT_SPREAD"):
+        build(tiny, tensor_parallel_size=2, parallel_launcher="ray",
+              parallel_placement="STRICT_SPREAD")
+    mine = [g for g in placement_group_table().values()
+            if g["name"].startswith(f"servelm-{os.getpid()}-")]
+    assert mine and all(g["state"] == "REMOVED" for g in mine)
+    assert _wait(lambda: ray.available_resources().get("CPU") == RAY_CPUS, 10)
+
+
 def test_the_launcher_is_chosen_by_name(tmp_path):
     import argparse
 
