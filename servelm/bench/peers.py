@@ -111,7 +111,9 @@ def llama_server_command(args: argparse.Namespace, requests: list, port: int) ->
             "--parallel", str(n_parallel), "--ctx-size", str(n_parallel * slot_context(requests)),
             "--cont-batching", "--threads", str(args.threads),
             "--threads-batch", str(args.threads), "--batch-size", "2048",
-            "--ubatch-size", "512", "--seed", str(args.seed), "--no-webui"]
+            "--ubatch-size", "512", "--seed", str(args.seed), "--no-webui"] + (
+                [] if args.server_log_verbosity is None
+                else ["--log-verbosity", str(args.server_log_verbosity)])
 
 
 def completion_body(req) -> dict:
@@ -181,6 +183,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_reason(returncode: int) -> str:
+    """-4 -> "-4 (SIGILL)": a server killed by a signal says which."""
+    import signal
+
+    if returncode >= 0:
+        return str(returncode)
+    try:
+        return f"{returncode} ({signal.Signals(-returncode).name})"
+    except ValueError:
+        return str(returncode)
+
+
 def wait_healthy(proc, port: int, timeout_s: float) -> None:
     """Poll GET /health until it answers 200 (it answers 503 while the model loads)."""
     import http.client
@@ -188,7 +202,8 @@ def wait_healthy(proc, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready")
+            raise RuntimeError(f"llama-server exited with {exit_reason(proc.returncode)} "
+                               "before it was ready")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
@@ -219,7 +234,9 @@ def stop_server(proc, grace_s: float = 30.0) -> None:
 
 def log_facts(log_text: str) -> dict:
     """What llama-server's log says about the run: its CPU feature line, and the AMX weight
-    buffer if it made one (weights repacked for AMX tiles show as an "AMX" buffer)."""
+    buffer if it made one (weights repacked for AMX tiles show as an "AMX" buffer). Both are
+    logged only from --log-verbosity 4 (setup_peers.sh's smoke run keeps them in the build
+    file next to the binary)."""
     lines = log_text.splitlines()
     system_info = next((ln.split("system_info:", 1)[1].strip() for ln in lines
                         if "system_info:" in ln), None)
@@ -272,8 +289,19 @@ def run_llama_server(args: argparse.Namespace, requests: list) -> tuple[list, fl
                           "endpoint": "/completion, prompt as token ids, streamed",
                           "mode": "parallel slots, continuous batching", "log": log.name,
                           **facts},
-             "peer_version": llama_server_version(args.server_bin)}
+             "peer_version": llama_server_version(args.server_bin),
+             "build": llama_server_build(args.server_bin)}
     return timings, elapsed, extra
+
+
+def llama_server_build(server_bin: str) -> dict | None:
+    """How setup_peers.sh built the binary (its AMX choice and why, the CPU features its smoke
+    run logged): BINARY.build.json, when there is one."""
+    try:
+        with open(server_bin + ".build.json") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def llama_server_version(server_bin: str) -> str | None:
@@ -463,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-bin", help="llama-server: the llama-server binary")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="llama-server: seconds one request may take")
+    p.add_argument("--server-log-verbosity", type=int, default=None,
+                   help="llama-server: its --log-verbosity (4 logs its CPU features)")
     p.add_argument("--workload", help="JSON from servelm bench (overrides the shape flags)")
     p.add_argument("--num-prompts", type=int, default=1)
     p.add_argument("--input-len", default="128")

@@ -33,10 +33,12 @@ fi
 # llama.cpp's `llama-server` serves parallel slots with continuous batching, its best
 # configuration for many requests. GGML_NATIVE compiles for this CPU, and with it ggml's AMX
 # int8 kernels wherever the compiler sees AMX flags. A CPU flag is not proof that an
-# instruction set is usable (a VM can advertise AMX and not let a process use the tile state;
-# llama.cpp then dies of an illegal instruction), so the native build is run on the model
-# first and, if that run fails, rebuilt with AMX off. The choice lands in llama.cpp/AMX and
-# the llama-cpp-python build below follows it.
+# instruction set is usable, so the native build is run on the model first and, if that run
+# fails, rebuilt with AMX off. (On the Intel Xeon of docs/benchmarks.md, with amx_tile and
+# amx_int8 flags, the native build dies of SIGILL at a `tilezero` in ggml's Q4_1 AMX kernel
+# during its warm-up, although a standalone ldtilecfg/tilezero/tdpbssd probe runs there.)
+# The choice lands in llama.cpp/AMX, and llama-server.build.json next to the binary keeps it
+# with the CPU features its smoke run logged; the llama-cpp-python build below follows it.
 LLAMA_SERVER=$PEERS/llama.cpp/bin/llama-server
 NO_AMX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 build_llama_server() {  # $1: build dir, $2: extra C/C++ flags
@@ -48,9 +50,19 @@ build_llama_server() {  # $1: build dir, $2: extra C/C++ flags
     -DCMAKE_C_FLAGS="$2" -DCMAKE_CXX_FLAGS="$2"
   nice -n 10 cmake --build "$1" --target llama-server -j "$(nproc)"
 }
-smoke_llama_server() {  # $1: binary; 4 prompts of 64 tokens: prefill runs the batched GEMMs
+smoke_llama_server() {  # $1: binary, $2: result JSON; 4 prompts of 64 tokens: batched GEMMs
   timeout 600 "$MAIN_PY" "$PEERS_PY" --backend llama-server --server-bin "$1" --model "$GGUF" \
-    --num-prompts 4 --input-len 64 --output-len 8 --threads 2 --no-progress
+    --num-prompts 4 --input-len 64 --output-len 8 --threads 2 --no-progress \
+    --server-log-verbosity 4 --out "$2"
+}
+record_llama_server_build() {  # $1: AMX choice, $2: smoke result JSON, $3: why
+  "$MAIN_PY" - "$1" "$2" "$3" "$LLAMA_SERVER.build.json" <<'PY'
+import json, sys
+amx, smoke, why, out = sys.argv[1:]
+settings = json.load(open(smoke))["settings"]
+json.dump({"amx": amx, "why": why, "system_info": settings.get("system_info"),
+           "amx_buffer_lines": settings.get("amx_buffer_lines")}, open(out, "w"), indent=2)
+PY
 }
 if [ ! -x "$LLAMA_SERVER" ]; then
   mkdir -p llama.cpp/bin
@@ -59,18 +71,21 @@ if [ ! -x "$LLAMA_SERVER" ]; then
     "llama-cpp-python==$LLAMA_CPP_VERSION" -d dl
   [ -d "llama.cpp/llama_cpp_python-$LLAMA_CPP_VERSION" ] || tar -xzf "$sdist" -C llama.cpp
   build_llama_server llama.cpp/build-native "" > logs/llama-server-native.log 2>&1
-  if smoke_llama_server llama.cpp/build-native/bin/llama-server \
+  if smoke_llama_server llama.cpp/build-native/bin/llama-server logs/smoke-native.json \
       > logs/llama-server-smoke-native.log 2>&1; then
     echo native > llama.cpp/AMX
     cp llama.cpp/build-native/bin/llama-server "$LLAMA_SERVER"
+    record_llama_server_build native logs/smoke-native.json "the native build ran the model"
   else
-    echo "llama-server (native) failed on the model; rebuilding with AMX off:" \
-         "$(tail -n 3 logs/llama-server-smoke-native.log)" >&2
+    failure=$(grep "^RuntimeError" logs/llama-server-smoke-native.log | tail -n 1 || true)
+    echo "llama-server (native) failed on the model ($failure); rebuilding with AMX off" >&2
     build_llama_server llama.cpp/build-noamx "$NO_AMX_FLAGS" > logs/llama-server-noamx.log 2>&1
-    smoke_llama_server llama.cpp/build-noamx/bin/llama-server \
+    smoke_llama_server llama.cpp/build-noamx/bin/llama-server logs/smoke-noamx.json \
       > logs/llama-server-smoke-noamx.log 2>&1
     echo off > llama.cpp/AMX
     cp llama.cpp/build-noamx/bin/llama-server "$LLAMA_SERVER"
+    record_llama_server_build off logs/smoke-noamx.json \
+      "the native build (AMX on) failed on the model: $failure"
   fi
 fi
 

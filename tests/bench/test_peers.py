@@ -76,6 +76,11 @@ def test_log_facts_reads_cpu_features_and_amx_buffer():
     assert peers.log_facts("nothing") == {"system_info": None, "amx_buffer_lines": []}
 
 
+def test_exit_reason_names_the_signal():
+    assert peers.exit_reason(-4) == "-4 (SIGILL)"  # how llama.cpp's AMX kernels die here
+    assert peers.exit_reason(1) == "1"
+
+
 def test_vllm_bf16_is_vllm_in_bfloat16_with_vllms_interpreter_and_model():
     args = bench_args(["x.gguf", "--peers", "vllm,vllm-bf16", "--no-servelm", "--threads", "2",
                        "--peer-python", "vllm=/vpy", "--peer-model", "vllm=/hf"])
