@@ -40,55 +40,107 @@ def _is_plain(engine) -> bool:
     return engine.speculator is None and engine.tokenizer is None and not engine._pending
 
 
-def advance_decodes(rep, until_s: float, records: dict) -> int:
+class DecodeRun:
+    """A bulk run of plain decode steps, possibly paused between calls (`defer`): its
+    steps' blocks, clock, step counters and timeline are applied as they are run; the
+    sequences' tokens and positions and the client's records are caught up by finish_run."""
+
+    __slots__ = ("running", "base", "groups", "limit", "context", "steps", "times", "step_s",
+                 "in_flight")
+
+    def __init__(self, running: list, limit: int, context: int, bs: int):
+        self.running = list(running)
+        self.base = [seq.num_computed_tokens for seq in running]
+        # A sequence takes or fills a block only where its next position is 0 or 1 past a
+        # block boundary: group the sequences by that phase, in running order (the
+        # scheduler's).
+        self.groups: dict[int, list[int]] = {}
+        for i, c in enumerate(self.base):
+            self.groups.setdefault((c + 1) % bs, []).append(i)
+        self.limit = limit  # steps before the first finish
+        self.context = context  # the next step's context tokens
+        self.steps = 0
+        self.times: list[float] = []  # each step's end
+        self.step_s = 0.0  # the last step's
+        # the running sequences' tokens still to generate when the run began (the router's
+        # tokens in flight, which Replica.load takes from here while the run is paused)
+        self.in_flight = sum(seq.max_tokens - seq.num_output_tokens for seq in running)
+
+
+def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> int:
     """Run plain decode steps of replica `rep` that start before `until_s`; returns how many
-    (0: the next step is not plain; the caller runs Engine.step)."""
-    engine = rep.engine
-    sched, bm = engine.scheduler, engine.block_manager
+    (0: the next step is not plain; the caller runs Engine.step). defer: a run stopped only
+    by `until_s` is left pending in `rep.pending_run` and continued by the next call; the
+    caller must finish_run before anything else looks at or changes the engine."""
+    run = getattr(rep, "pending_run", None)
+    if run is None:
+        run = _start_run(rep.engine)
+        if run is None:
+            return 0
+        rep.pending_run = run
+    before = run.steps
+    _run(rep, run, until_s)
+    n = run.steps - before
+    if not defer or n == 0 or run.steps >= run.limit or rep.clock.now < until_s:
+        finish_run(rep, records)
+    return n
+
+
+def _start_run(engine) -> DecodeRun | None:
+    """A run, if the engine's next step is a plain decode (the module doc)."""
+    sched = engine.scheduler
     running = sched.running
     num_seqs = len(running)
     if not num_seqs or not _is_plain(engine):
-        return 0
+        return None
     cfg = sched.config
     if sched.waiting and num_seqs < cfg.max_num_seqs:
-        return 0
+        return None
     if num_seqs > cfg.max_num_batched_tokens:
-        return 0
+        return None
     max_model_len = engine.max_model_len
     limit = None  # steps before the first finish
     context = 0
     for seq in running:
         n = len(seq.token_ids)
         if n - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-            return 0
+            return None
         p = seq.params
         if not p.ignore_eos or p.stop_token_ids:
-            return 0
+            return None
         left = min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) - 1
         limit = left if limit is None or left < limit else limit
         context += n
     if limit <= 0:
-        return 0
-    runner = rep.runner
-    base = [seq.num_computed_tokens for seq in running]
-    steps, step_s, times = _run(rep, running, base, context, limit, until_s)
+        return None
+    return DecodeRun(running, limit, context, engine.block_manager.block_size)
+
+
+def finish_run(rep, records: dict) -> None:
+    """Catch a pending run's sequences and records up to the steps it ran (nothing read
+    them between those steps), and the engine's last-step counters; no-op without one."""
+    run = getattr(rep, "pending_run", None)
+    if run is None:
+        return
+    rep.pending_run = None
+    steps = run.steps
     if not steps:
-        return 0
-    # The sequences and records as `steps` one-token steps leave them, caught up at once:
-    # nothing reads them between those steps (their blocks were taken step by step).
+        return
+    runner = rep.runner
+    times = run.times
     now = times[-1]
-    for seq, c in zip(running, base):
+    for seq, c in zip(run.running, run.base):
         _catch_up(runner, seq, c + 1 + steps)
         seq.num_computed_tokens = c + steps
         seq.timings.last_token_time = now
         rec = records[seq.request_id]
         rec.chunk_times += times
         rec.num_output_tokens += steps
-    stats = engine.stats
+    num_seqs = len(run.running)
+    stats = rep.engine.stats
     stats.num_generated_tokens += num_seqs * steps
     stats.num_computed_tokens += num_seqs * steps
-    _note_last_step(stats, step_s, num_seqs, context + num_seqs * (steps - 1))
-    return steps
+    _note_last_step(stats, run.step_s, num_seqs, run.context - num_seqs)
 
 
 def _catch_up(runner, seq, num_tokens: int) -> None:
@@ -98,24 +150,17 @@ def _catch_up(runner, seq, num_tokens: int) -> None:
         seq.token_ids += runner.tokens(seq, n)
 
 
-def _run(rep, running: list, base: list[int], context: int, limit: int, until_s: float):
-    """The steps of a plain decode run from computed tokens `base`: blocks taken, the clock,
-    counters and timeline, step by step; the sequences' tokens and records are the caller's
-    to catch up. Returns (steps, the last step's seconds, every step's end)."""
+def _run(rep, run: DecodeRun, until_s: float) -> None:
+    """Run's next steps that start before until_s: blocks taken, the clock, counters and
+    timeline, step by step."""
     engine, clock, runner = rep.engine, rep.clock, rep.runner
     bm = engine.block_manager
     cost, bs = runner.cost, bm.block_size
+    running, base, groups, times = run.running, run.base, run.groups, run.times
     num_seqs = len(running)
-    # A sequence takes or fills a block only where its next position is 0 or 1 past a block
-    # boundary: group the sequences by that phase, in running order (the scheduler's).
-    groups: dict[int, list[int]] = {}
-    for i, c in enumerate(base):
-        groups.setdefault((c + 1) % bs, []).append(i)
     timeline, stats = rep.timeline, engine.stats
     waiting = len(engine.scheduler.waiting)
-    times: list[float] = []
-    steps = 0
-    step_s = 0.0
+    steps, context, limit = run.steps, run.context, run.limit
     while steps < limit and clock.now < until_s:
         fill = groups.get(-steps % bs, ())
         grow = groups.get((1 - steps) % bs, ()) if bs > 1 else ()
@@ -126,6 +171,7 @@ def _run(rep, running: list, base: list[int], context: int, limit: int, until_s:
             if base[i] + steps == len(running[i].block_table) * bs:
                 need += 1
         if need > bm.num_free_blocks:
+            run.limit = steps  # the scheduler would preempt: the run ends here
             break
         for i in touched:
             seq = running[i]
@@ -143,8 +189,9 @@ def _run(rep, running: list, base: list[int], context: int, limit: int, until_s:
         engine._step_id += 1
         stats.num_steps += 1
         steps += 1
+        run.step_s = step_s
         timeline.append((clock.now, bm.num_used_blocks / bm.num_blocks, waiting, num_seqs))
-    return steps, step_s, times
+    run.steps, run.context = steps, context
 
 
 def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
@@ -286,4 +333,4 @@ def _decode_only_step(rep, records: dict, hidden: list, ctx: int) -> list:
     return []
 
 
-__all__ = ["advance_decodes", "mixed_step"]
+__all__ = ["DecodeRun", "advance_decodes", "finish_run", "mixed_step"]

@@ -30,7 +30,7 @@ from servelm.engine.engine import Engine
 from servelm.engine.slo_policy import SLOUnattainableError
 from servelm.protocol import EngineRequest, RequestSLO, SamplingParams
 from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
-from servelm.sim.bulk import advance_decodes, mixed_step
+from servelm.sim.bulk import DecodeRun, advance_decodes, finish_run, mixed_step
 from servelm.sim.cost_model import StepCostModel, StepShape
 from servelm.sim.runner import SimRunner, VirtualClock
 
@@ -69,6 +69,9 @@ class Replica:
     is_stepping: bool = False
     last_finish: float | None = None  # when the last step finished a request, if it did
     num_mixed_steps: int = 0  # engine steps run with hidden decodes (bulk.mixed_step)
+    # A bulk run paused at an arrival elsewhere (bulk.advance_decodes defer): its sequences
+    # and records are caught up (bulk.finish_run) before this replica takes a request.
+    pending_run: DecodeRun | None = None
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)
     # (time, kv usage, waiting, running) after each step
     # load() less the prompt's cached tokens, kept until the engine's state changes: a
@@ -87,7 +90,11 @@ class Replica:
         if base is None:
             sched = self.engine.scheduler
             in_flight = sum(s.num_uncomputed_tokens for s in sched.waiting)
-            in_flight += sum(s.max_tokens - s.num_output_tokens for s in sched.running)
+            run = self.pending_run
+            if run is None:
+                in_flight += sum(s.max_tokens - s.num_output_tokens for s in sched.running)
+            else:  # its sequences' tokens are not caught up: one token each per step run
+                in_flight += run.in_flight - run.steps * len(run.running)
             base = self._load = ReplicaLoad(len(sched.waiting), len(sched.running), in_flight,
                                             bm.num_used_blocks / bm.num_blocks, True, 0)
         if prompt is None or bm.prefix_cache is None:
@@ -156,7 +163,7 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
             continue
         t, _, rep = heapq.heappop(steps)
         rep.clock.now = t
-        n = advance_decodes(rep, t_arrive, records) if bulk else 0
+        n = advance_decodes(rep, t_arrive, records, defer=True) if bulk else 0
         rep.changed()
         if n:
             num_steps += n
@@ -170,6 +177,8 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
             heapq.heappush(steps, (rep.clock.now, next(order), rep))
         else:
             rep.is_stepping = False
+    for rep in replicas:  # none is left pending (each ran to its last step), but be sure
+        finish_run(rep, records)
     first = min((r.arrival_s for r in requests), default=0.0)
     return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
                      time.perf_counter() - started, num_steps, num_bulk,
@@ -188,6 +197,7 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
     rep = replicas[policy.pick([x.load(prompt) for x in replicas], route)]
     records[rid] = rec = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
                                        scheduled_time=sent, sent_time=sent, written_time=sent)
+    finish_run(rep, records)  # its sequences as stepping would have left them
     if not rep.is_stepping:  # the SLO policy's admission check reads the replica's clock
         rep.clock.now = max(rep.clock.now, t)
     try:

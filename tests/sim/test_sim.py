@@ -132,7 +132,8 @@ def test_calibrate_fits_the_real_engine_and_sim_reads_the_model(tmp_path, tiny_h
 
 def test_the_load_a_policy_sees_is_the_replicas_state_at_that_arrival(monkeypatch):
     """Loads are kept between a replica's changes: at every routing decision they must equal
-    what the replicas' queues and blocks say right then."""
+    what the replicas' queues and blocks say right then (stepping), and bulk advance, which
+    leaves a paused run's sequences to be caught up later, must show the policy the same."""
     from servelm.sim import fleet
 
     replicas = []
@@ -143,29 +144,36 @@ def test_the_load_a_policy_sees_is_the_replicas_state_at_that_arrival(monkeypatc
     class Checking:
         name = "checking"
 
-        def __init__(self):
+        def __init__(self, check: bool):
             self.inner = make_policy("least_loaded")
-            self.num_checked = 0
+            self.check = check
+            self.seen = []
 
         def pick(self, loads, request):
-            for load, rep in zip(loads, replicas):
+            for load, rep in zip(loads, replicas if self.check else ()):
                 sched, bm = rep.engine.scheduler, rep.engine.block_manager
                 fresh = (len(sched.waiting), len(sched.running),
                          sum(s.num_uncomputed_tokens for s in sched.waiting)
                          + sum(s.max_tokens - s.num_output_tokens for s in sched.running),
                          bm.num_used_blocks / bm.num_blocks)
                 assert load[:4] == fresh
-            self.num_checked += 1
+            self.seen.append(list(loads))
             return self.inner.pick(loads, request)
 
     rng = random.Random(4)
     reqs = [SimRequest(rng.uniform(0, 3), [rng.randrange(100, 900) for _ in
                                            range(rng.randint(10, 300))], rng.randint(1, 40))
             for _ in range(150)]
-    policy = Checking()
-    sim = simulate(reqs, 4, SPEC, StepCostModel("lin", base_s=0.004, per_decode_token_s=0.0005,
-                                                 per_prefill_token_s=0.00005), policy)
-    assert policy.num_checked == 150 and len(sim.records) == 150
+    cost = StepCostModel("lin", base_s=0.004, per_decode_token_s=0.0005,
+                         per_prefill_token_s=0.00005)
+    stepping = Checking(check=True)
+    simulate(reqs, 4, SPEC, cost, stepping, bulk=False)
+    replicas.clear()
+    policy = Checking(check=False)
+    sim = simulate(reqs, 4, SPEC, cost, policy)
+    assert len(policy.seen) == 150 and len(sim.records) == 150
+    assert policy.seen == stepping.seen
+    assert sim.num_bulk_steps > 0
     assert max(max(t[3] for t in rep.timeline) for rep in sim.replicas) > 1  # loads varied
 
 
