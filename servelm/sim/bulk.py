@@ -1,11 +1,14 @@
 """Bulk advance: run a replica's plain decode steps in one tight loop instead of one engine
 step each, when that gives exactly what stepping gives.
 
-Owns: advance_decodes, the test of when a step is a "plain decode" (below) and its update of
-the engine's state, the runner's clock and the client's records.
-Never: schedules, admits, preempts, finishes or prefills: the first step that would do any
-of those is left to Engine.step, as is every step of an engine this loop does not know
-(speculation, a tokenizer, stop tokens).
+Owns: advance_decodes (and DecodeRun, a run paused between calls, caught up by finish_run),
+the test of when a step is a "plain decode" (below) and its update of the engine's state,
+the runner's clock and the client's records; and mixed_step, which runs the plain decodes
+at the head of the running list outside the engine in a step whose other work (prefill
+chunks, finishing decodes, admissions) goes through the real Scheduler and Engine.step.
+Never: schedules, admits, preempts, finishes or prefills itself: that work is the real
+Scheduler's and Engine.step's, as is every step of an engine this module does not know
+(speculation, a tokenizer, stop tokens, the SLO policy for mixed steps).
 
 A plain decode step, starting at virtual time t:
   - no request arrives before t has been admitted elsewhere: t < the next arrival (an
