@@ -7,7 +7,8 @@ zero per 32) and int8-g32 (Q8_0, and the head servelm builds for every quantized
 head also as float32 (at::linear on the float weight) for scale. M = 1, 4 and 64 rows (one
 decode, a few, a prefill chunk). Each case runs both kernels interleaved A/B in one process
 at the thread count given, on random codes; median of the rounds. A per-token summary adds
-the four block shapes x 30 layers plus the head at M = 1. Writes result.json (command,
+the four block shapes x 30 layers plus the head at M = 1. Scales as the gguf layers keep
+them: float32 (scale, zero) for float activations, float16 (d, m) for int8. Writes result.json (command,
 machine, commit) and plot.png under benchmarks/results/quant-act-micro-<UTC ts>/.
 
     .venv/bin/python benchmarks/cpu/quant_act_micro.py [--threads 2] [--rounds 7]
@@ -43,16 +44,18 @@ def _cases(name: str, n: int, k: int):
     gen = torch.Generator().manual_seed(n + k)
     q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale, zero = torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32) * 0.01
-    c4, sz = pack_int4_panels(q4, scale, zero, torch.float32)
+    c4, sz = pack_int4_panels(q4, scale, zero, torch.float32)  # gguf's float-activation layers
     c4v = pack_int4_vnni(q4)
+    so = pack_int4_panels(q4, scale, zero - 8 * scale, torch.float16)[1]  # and int8's (d, m)
     q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     c8, s8 = pack_int8_panels(q8, scale)
     c8v = pack_int8_vnni(q8)
+    s8h = s8.half()  # Q8_0's d as the int8-activation layers keep it
     cases = {
         "int4-g32": {"float": lambda x: ops.int4_gemm(x, c4, sz, n, 32),
-                     "int8": lambda x: ops.int4_gemm_a8(x, c4v, sz, n, 32)},
+                     "int8": lambda x: ops.int4_gemm_a8(x, c4v, so, n, 32)},
         "int8-g32": {"float": lambda x: ops.int8_gemm(x, c8, s8, n, 32),
-                     "int8": lambda x: ops.int8_gemm_a8(x, c8v, s8, n, 32)},
+                     "int8": lambda x: ops.int8_gemm_a8(x, c8v, s8h, n, 32)},
     }
     if name == "head":
         w = torch.randn(n, k, generator=gen)
