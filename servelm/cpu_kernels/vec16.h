@@ -28,6 +28,19 @@ inline f32x16 load16(const bf16* p) {
 }
 inline f32x16 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const bf16*>(p)); }
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+// float32 -> bfloat16, rounded to nearest even (c10::BFloat16's rounding, NaN aside: no
+// kernel here stores one).
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  const u32x16 b = (u32x16)v;
+  const u32x16 r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  *reinterpret_cast<u16x16*>(p) = __builtin_convertvector(r, u16x16);
+}
+// v as a T row would hold it after store16 (a bfloat16 sum is rounded before it is reused).
+inline f32x16 as_stored(f32x16 v, const float*) { return v; }
+inline f32x16 as_stored(f32x16 v, const c10::BFloat16*) {
+  const u32x16 b = (u32x16)v;
+  return (f32x16)(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16);
+}
 
 // *p in every lane (one load-broadcast; splat(x) would add x to a zero vector first).
 inline f32x16 broadcast16(const float* p) {

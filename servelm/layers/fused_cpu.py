@@ -2,8 +2,9 @@
 
 Eager torch runs a residual add + RMSNorm, rotary and SiLU-and-mul as ~25 small ops per
 decoder layer, each a pass over memory and, on the CPU, a parallel region; fused they are 4.
-Float32 CPU tensors only (other dtypes and devices keep the torch code, which defines what
-the kernels compute). The engine option `--cpu-kernels layer_ops=MODE` chooses, for the
+Float32 and bfloat16 CPU tensors (bfloat16: float32 arithmetic inside, each result rounded
+once); other dtypes and devices keep the torch code, which defines what the kernels compute.
+The engine option `--cpu-kernels layer_ops=MODE` chooses, for the
 process (servelm/cpu_kernels/choice.py; these ops run deep in every layer, so they read the
 choice the engine build set rather than taking an argument):
 
@@ -19,10 +20,11 @@ import torch
 from servelm import cpu_kernels
 
 PART = "layer_ops"  # of CpuKernelChoice
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def fused_ops(x: torch.Tensor):
     """torch.ops.servelm_cpu if `x` may take the fused kernels, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
         return None
     return cpu_kernels.ops_for_mode(PART)

@@ -24,6 +24,7 @@ from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.deterministic import enable_deterministic
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
+from servelm.runner.logits import head_rows, refine_near_max
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled
 from servelm.vision.runner import VisionRunner
@@ -70,6 +71,8 @@ class ModelRunner:
                  lora=None, deterministic: bool = False):
         self.model = model
         self.lora = lora  # servelm.lora.manager.LoraManager, or None (LoRA off)
+        # A 16-bit head's near-maximum logits are recomputed in float32 (runner/logits.py).
+        self._head_rows = head_rows(getattr(model, "language_model", model))
         from servelm.layers.moe import Experts
 
         self._experts = [m for m in model.modules() if isinstance(m, Experts)]
@@ -143,6 +146,9 @@ class ModelRunner:
                               prompt_logprobs=prompt_lps, embeddings=embeddings,
                               kv_saved=kv_saved)
         logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
+        if self._head_rows is not None:
+            refine_near_max(logits, hidden[fb.logits_indices], self._head_rows,
+                            self.config.final_logit_softcapping)
         rows = 0
         plain, spec = [], []
         for w in works:

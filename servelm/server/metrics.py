@@ -109,7 +109,7 @@ class CostModel:
     def from_engine(cls, engine, peak_bandwidth: float | None,
                     peak_flops: float | None) -> CostModel:
         """An in-process Engine: its ModelConfig and the EngineArgs it was built with."""
-        args = getattr(engine, "engine_args", None) or EngineArgs(model="")
+        args = getattr(engine, "engine_args", None) or EngineArgs(model="", dtype="float32")
         return cls.from_config(engine.model_config, dtype=args.dtype,
                                quantization=args.quantization,
                                kv_cache_dtype=args.kv_cache_dtype,

@@ -84,6 +84,46 @@ def test_silu_and_mul_matches_reference(ops, shape):
     torch.testing.assert_close(ops.silu_and_mul(x), ref, atol=1e-5, rtol=1e-5)
 
 
+BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 (8 significant bits)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_rms_norm_is_torchs(ops, shape, weight_dtype):
+    """bfloat16 rows: the sum rounded to bfloat16 exactly as torch adds, the norm in float32
+    rounded once, as torch.rms_norm computes it (at most one bfloat16 step apart: the order
+    of the sum of squares)."""
+    x = _randn(*shape, seed=1).bfloat16()
+    residual = _randn(*shape, seed=2).bfloat16()
+    weight = _randn(shape[-1], seed=3).to(weight_dtype)
+    out, total = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == total.dtype == torch.bfloat16
+    assert torch.equal(total, x + residual)
+    ref = torch.rms_norm((x + residual).float(), (shape[-1],), weight.float(), 1e-5)
+    torch.testing.assert_close(out.float(), ref, atol=1e-6, rtol=BF16_ULP)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5).float(),
+                               torch.rms_norm(x.float(), (shape[-1],), weight.float(), 1e-5),
+                               atol=1e-6, rtol=BF16_ULP)
+
+
+def test_bf16_silu_and_rotary_round_the_float32_result_once(ops):
+    x = _randn(64, 2 * 1536, seed=4, scale=4.0).bfloat16()
+    gate, up = x.double().chunk(2, dim=-1)
+    want = (gate * torch.sigmoid(gate) * up).float().bfloat16()
+    got = ops.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=BF16_ULP)
+    rotary = RotaryEmbedding(64, 4096, 10000.0)
+    q, k = _randn(7, 9, 64, seed=5).bfloat16(), _randn(7, 3, 64, seed=6).bfloat16()
+    positions = torch.tensor([0, 1, 5, 100, 999, 2048, 4095])
+    q32, k32 = q.float(), k.float()
+    ops.rotary_(q, k, positions, rotary.cos, rotary.sin)
+    ops.rotary_(q32, k32, positions, rotary.cos, rotary.sin)
+    assert torch.equal(q, q32.bfloat16()) and torch.equal(k, k32.bfloat16())
+    with pytest.raises(RuntimeError, match="both the same"):
+        ops.rotary_(q, k32, positions, rotary.cos, rotary.sin)
+
+
 def _both_paths(cpu_kernel_mode, fn):
     results = {}
     for path in ("kernel", "torch"):
@@ -95,7 +135,8 @@ def _both_paths(cpu_kernel_mode, fn):
 def test_layers_take_the_fused_path_only_where_it_applies(ops, cpu_kernel_mode):
     cpu_kernel_mode(fused_cpu.PART, "auto")
     assert fused_cpu.fused_ops(torch.zeros(2, 16)) is ops
-    assert fused_cpu.fused_ops(torch.zeros(2, 16, dtype=torch.bfloat16)) is None
+    assert fused_cpu.fused_ops(torch.zeros(2, 16, dtype=torch.bfloat16)) is ops
+    assert fused_cpu.fused_ops(torch.zeros(2, 16, dtype=torch.float16)) is None
     assert fused_cpu.fused_ops(torch.zeros(2, 16, device="meta")) is None
     cpu_kernel_mode(fused_cpu.PART, "torch")
     assert fused_cpu.fused_ops(torch.zeros(2, 16)) is None

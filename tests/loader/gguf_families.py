@@ -44,7 +44,7 @@ def assert_matches_transformers(model, path, prompt: list[int], max_tokens: int)
     from servelm.engine_builder import build_engine
 
     engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     prepared_weights_cache=False))
+                                     dtype="float32", prepared_weights_cache=False))
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(prefill_logits(engine, prompt), ref, atol=1e-4, rtol=1e-4)

@@ -125,7 +125,8 @@ def test_quantization_gguf_keeps_the_experts_blocks(moe_file):
               if isinstance(t, GGUFBlocks)}
     assert blocks and all(".experts." in n for n in blocks)  # the file's Q8_0 tensors
     engine = build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
-                                     quantization="gguf", prepared_weights_cache=False))
+                                     dtype="float32", quantization="gguf",
+                                     prepared_weights_cache=False))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, Experts)]
     assert experts and all(m.w13 is None for m in experts)
     first = experts[0].q13[0]  # layer 0, expert 0: [gate | up]

@@ -1,7 +1,7 @@
 """The CPU decode stack (runner/cpu_decode.py, cpu_kernels/decode_stack.cpp) runs all-decode
 steps through the same kernels in the same order as the eager model: the same tokens and
-bit-identical logprobs with `--cpu-kernels decode=torch`, for float, int8 and int4 layers, float32
-and fp8 KV caches, GQA, qkv biases (Qwen2) and q/k norms (Qwen3); and it stays out of the steps and setups it does
+bit-identical logprobs with `--cpu-kernels decode=torch`, for float32 and bfloat16 models,
+int8 and int4 layers, float32, bfloat16 and fp8 KV caches, GQA, qkv biases (Qwen2) and q/k norms (Qwen3); and it stays out of the steps and setups it does
 not cover."""
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ def _run(engine, max_tokens=20, logprobs=2):
     return [o.outputs[0] for o in outs]
 
 
-@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("int8", "auto"),
-                                             ("int4-g32", "auto"), (None, "fp8")])
+@pytest.mark.parametrize("quantization,kv,dtype", [
+    (None, "auto", "float32"), ("int8", "auto", "float32"), ("int4-g32", "auto", "float32"),
+    (None, "fp8", "float32"), (None, "auto", "bfloat16"), (None, "fp8", "bfloat16")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_stack_matches_the_eager_model_bit_for_bit(tiny_hf, tiny_engine, arch, quantization,
-                                                   kv):
+                                                   kv, dtype):
     hf = tiny_hf(arch)
-    kwargs = dict(max_num_batched_tokens=32, quantization=quantization, kv_cache_dtype=kv)
+    kwargs = dict(max_num_batched_tokens=32, quantization=quantization, kv_cache_dtype=kv,
+                  dtype=dtype)
     engine = tiny_engine(hf, cpu_kernels="decode=kernel", **kwargs)
     stack = engine.runner.cpu_stack
     assert stack is not None
@@ -46,7 +48,7 @@ def test_stack_matches_the_eager_model_bit_for_bit(tiny_hf, tiny_engine, arch, q
 
 def test_stack_stays_out_where_it_does_not_apply(tiny_hf, tiny_engine):
     hf = tiny_hf("llama")
-    assert tiny_engine(hf, dtype="bfloat16").runner.cpu_stack is None
+    assert tiny_engine(hf, dtype="float16").runner.cpu_stack is None
     engine = tiny_engine(hf)
     # a prefill step (and a mixed one) runs eagerly
     outs = LLM(engine=engine).generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0),

@@ -1,0 +1,63 @@
+"""A 16-bit model's sampled logits, with the ones near each row's maximum recomputed in float32.
+
+A bfloat16 head rounds every logit to 8 significant bits: at a logit of 25 one step is 0.125,
+so two tokens a few hundredths apart in float32 can come out equal, and greedy decoding then
+picks between them by token id, not by value. (The default model's answer to "What is the
+capital of France?" turned on such a tie: 25.16 against 25.13 for the first token in float32
+arithmetic on the same bfloat16 hidden state, 25.5 against 25.5 in bfloat16.)
+
+`refine_near_max` recomputes, in float32, each logit within one bfloat16 step of its row's
+maximum: a few dot products of the hidden row with the head's weight rows. Every other logit
+is more than one step below the maximum, so its exact value is below the exact value of the
+maximum's token and the refined argmax is the float32 argmax of the same hidden state.
+Sampling at a temperature sees the same values for those tokens and the rounded ones for
+the rest, as before.
+
+Owns: that refinement and finding the head's weight rows.
+Never: touches float32 models (nothing to refine) or a head whose rows are not kept (a packed
+untied head: its oneDNN layout has no rows to read), which keeps plain bfloat16 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_REFINED = (torch.bfloat16, torch.float16)
+_MAX_CANDIDATES = 4096  # a degenerate row (all logits equal) is left as it is
+
+
+def head_rows(model: nn.Module) -> torch.Tensor | None:
+    """The output head's weight [V, hidden] where it is kept in a 16-bit dtype, else None."""
+    from servelm.layers.linear import PackedLinear
+
+    head = getattr(model, "lm_head", "absent")
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if ((head is None or type(head) is PackedLinear and tied)  # a packed copy of the embedding
+            and type(getattr(model, "embed_tokens", None)) is nn.Embedding):
+        weight = model.embed_tokens.weight  # (a vocabulary-parallel one holds a shard)
+    elif type(head) is nn.Linear:
+        weight = head.weight
+    else:
+        return None
+    return weight if weight.dtype in _REFINED else None
+
+
+def refine_near_max(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                    softcap: float | None = None) -> int:
+    """logits [N, V] float32 (from hidden [N, H] through `weight`, rounded to 16 bits) is
+    updated in place; returns how many logits were recomputed."""
+    top = logits.max(dim=-1, keepdim=True).values
+    # one bfloat16 step at the maximum's magnitude (float16 steps are finer: still covered)
+    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)
+    near = logits >= top - step
+    counts = near.sum(dim=-1)
+    if int(counts.max()) <= 1 and int(counts.min()) == 1:
+        return 0  # every row has one clear maximum: nothing to decide
+    near &= (counts <= _MAX_CANDIDATES)[:, None]
+    rows, cols = near.nonzero(as_tuple=True)
+    exact = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
+    if softcap:
+        exact = torch.tanh(exact / softcap) * softcap
+    logits[rows, cols] = exact
+    return int(rows.numel())
