@@ -131,9 +131,34 @@ def _build() -> None:
     build_dir = _build_dir()
     name = build_dir.name
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
     cpp_extension.load(name, [str(_DIR / s) for s in _SOURCES], extra_cflags=_CFLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
+
+
+_STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old lost its builder
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """cpp_extension's lock file marks a build in progress and other processes wait for it
+    to go, forever: a builder killed mid-build leaves it behind and every later start would
+    hang. One older than any build is removed, with the partial build beside it (a waiter
+    would otherwise load a library that was never linked)."""
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age < _STALE_LOCK_S:
+        return
+    logger.warning("servelm's C++ CPU kernels: removing a build lock left %.0f s ago by a "
+                   "build that did not finish (%s); building again", age, lock)
+    for stale in build_dir.iterdir():
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
 
 
 def _build_dir() -> Path:

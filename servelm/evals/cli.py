@@ -49,7 +49,8 @@ def add_parser(subparsers) -> None:
     q.add_argument("model")
     q.add_argument("--methods", default="float32,int8,int4-g32,int4-g128,gguf",
                    help="comma-separated; the first is the reference (float32 = none); a "
-                        "'+a8' suffix (gguf+a8) runs the method with --quant-activations int8")
+                        "'+a8' suffix (gguf+a8) runs the method with --quant-activations int8, an "
+                        "'@DTYPE' suffix (float32@bfloat16) in that --dtype")
     q.add_argument("--out", type=Path, default=None, help="JSON record path")
     q.add_argument("--window", type=int, default=1024)
     q.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
@@ -108,14 +109,19 @@ def cmd_quality(args) -> int:
 
     from servelm.quant.int8_act import split_method  # "gguf+a8": gguf, int8 activations
 
-    bad = [m for m in methods if m != "float32" and split_method(m)[0] not in
-           quant_method_names()]
-    if bad or not methods:
-        from servelm.protocol import InvalidParameterError
+    from servelm.evals.quality import split_dtype  # "gguf@bfloat16": gguf in bfloat16
+    from servelm.protocol import InvalidParameterError
 
+    try:
+        bases = [split_dtype(m)[0] for m in methods]
+    except ValueError as exc:
+        raise InvalidParameterError(str(exc), param="methods") from None
+    bad = [m for m, b in zip(methods, bases)
+           if b != "float32" and split_method(b)[0] not in quant_method_names()]
+    if bad or not methods:
         raise InvalidParameterError(f"methods {bad or methods!r}: each must be 'float32' or "
                                     f"one of {quant_method_names()} (+a8: int8 "
-                                    "activations)", param="methods")
+                                    "activations, @DTYPE: in that dtype)", param="methods")
     machine, commit = machine_info(), git_commit()
     record = run_quality(args.model, methods, window=args.window, run_lm_eval=args.lm_eval,
                          lm_eval_limit=args.lm_eval_limit, dtype=args.dtype,

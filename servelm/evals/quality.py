@@ -51,6 +51,9 @@ def _engine_stats(model: str, method: str, text: str, window: int, engine_kwargs
 
     from servelm.quant.int8_act import split_method
 
+    method, dtype = split_dtype(method)  # "gguf@bfloat16": that method in bfloat16
+    if dtype is not None:
+        engine_kwargs = {**engine_kwargs, "dtype": dtype}
     quant, acts = split_method(method)  # "gguf+a8": int8 activations
     engine = build_engine(EngineArgs(model=model, quantization=None if method == FLOAT else quant,
                                      quant_activations=acts, **engine_kwargs))
@@ -93,8 +96,10 @@ def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
         row = _engine_stats(model, method, text, window, engine_kwargs)
         log(f"[{method}] perplexity {row['perplexity']:.3f} ({row['ppl_tokens']} tokens), "
             f"{row['bytes_per_param']:.3f} bytes/param")
-        quant = [] if method == FLOAT else _serve_quant_args(method)
-        with ServeProcess(model, quant + serve_args) as server:
+        base, method_dtype = split_dtype(method)
+        quant = [] if base == FLOAT else _serve_quant_args(base)
+        extra = [] if method_dtype is None else ["--dtype", method_dtype]  # the later wins
+        with ServeProcess(model, quant + serve_args + extra) as server:
             tokens = behaviour.greedy_chat_tokens(server.url, server.served_model_name,
                                                   prompts)
             if reference_tokens is None:
@@ -123,6 +128,16 @@ def run_quality(model: str, methods: list[str], text_path: Path = HELDOUT_TEXT,
             "text": {"path": str(text_path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "window": window},
             "methods": rows}
+
+
+def split_dtype(method: str) -> tuple[str, str | None]:
+    """"gguf@bfloat16" -> ("gguf", "bfloat16"): a method run in another --dtype than the
+    record's (bfloat16 against the float32 reference); no suffix -> (method, None)."""
+    base, sep, dtype = method.partition("@")
+    if sep and dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"methods: {method!r}: the dtype after '@' must be float32, "
+                         "bfloat16 or float16")
+    return base, (dtype if sep else None)
 
 
 def _serve_quant_args(method: str) -> list[str]:
