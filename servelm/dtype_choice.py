@@ -6,7 +6,10 @@ The rule, decided once at start-up and logged with its reason:
           checked by running it: servelm/cpu_kernels/isa.py) and the checkpoint's weights are
           stored in 16 bits or fewer (bfloat16, float16, a quantized GGUF); float32 elsewhere.
           A float32 checkpoint stays float32: its publisher kept precision that bfloat16
-          would round away, so the faster path is not taken silently.
+          would round away, so the faster path is not taken silently. Quantized weights
+          (--quantization int8|int4|gguf) with float activations run float32: servelm's
+          quantized CPU kernels take float32 rows (with --quant-activations int8 the rule
+          above applies).
     GPU   bfloat16 where the device supports it, else float16.
 
 On the AMX Xeon of docs/benchmarks.md the bfloat16 path is 2-3x float32 in batch (oneDNN on
@@ -30,9 +33,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WIDE = {"float32", "F32", "float64", "F64"}
 
 
-def resolve(requested: str, device: str, source=None) -> tuple[str, str]:
+def resolve(requested: str, device: str, source=None, quantization: str | None = None,
+            activations: str = "float") -> tuple[str, str]:
     """(dtype, why) for a requested --dtype; source: the loader's ModelSource, or None for
-    weights handed in directly (treated as stored in float32)."""
+    weights handed in directly (treated as stored in float32). quantization / activations:
+    --quantization and --quant-activations (servelm's quantized CPU kernels with float
+    activations take float32 rows)."""
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {requested!r}")
     if requested != "auto":
@@ -45,6 +51,9 @@ def resolve(requested: str, device: str, source=None) -> tuple[str, str]:
         return "float16", "the GPU has no bfloat16"
     from servelm.cpu_kernels import isa
 
+    if quantization not in (None, "fp8") and activations == "float":
+        return "float32", (f"--quantization {quantization} with float activations: its CPU "
+                           "kernels take float32 rows")
     stored = stored_dtype(source)
     if stored in _WIDE:
         return "float32", f"the checkpoint is stored in {stored}"

@@ -90,7 +90,8 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
     """--dtype auto made concrete (servelm/dtype_choice.py), logged with its reason."""
     if args.dtype != "auto":
         return args
-    dtype, why = dtype_choice.resolve(args.dtype, args.device, source)
+    dtype, why = dtype_choice.resolve(args.dtype, args.device, source, args.quantization,
+                                      args.quant_activations)
     dtype_choice.log_choice(args.dtype, dtype, why)
     return dataclasses.replace(args, dtype=dtype)
 
