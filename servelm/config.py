@@ -732,7 +732,9 @@ class EngineArgs:
     max_num_encoder_tokens: int = 2048
     encoder_cache_tokens: int = 16384
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": bfloat16 on a CPU that runs bfloat16 dot products (probed) for a checkpoint
+    # stored in 16 bits or fewer, else float32; bfloat16 on a GPU (servelm/dtype_choice.py).
+    dtype: str = "auto"
     attention_backend: str = "torch"
     cuda_graphs: bool = False  # capture decode steps (needs --device cuda, triton backend)
     seed: int = 0
@@ -942,7 +944,11 @@ def add_engine_cli_args(parser) -> None:
                    help="write each step's shape and wall time (start to next start) to FILE, "
                         "as JSON lines, for `servelm bench calibrate --served-steps` (docs/sim.md)")
     g.add_argument("--device", default=d("device"))
-    g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=d("dtype"),
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto: bfloat16 where the CPU runs bfloat16 dot products "
+                        "(checked at start-up) and the checkpoint is stored in 16 bits or "
+                        "fewer, else float32; on a GPU bfloat16 (default %(default)s)")
     g.add_argument("--attention-backend", default=d("attention_backend"),
                    choices=["torch", "triton"])
     g.add_argument("--cuda-graphs", action="store_true", default=d("cuda_graphs"),

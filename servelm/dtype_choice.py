@@ -9,7 +9,7 @@ The rule, decided once at start-up and logged with its reason:
           would round away, so the faster path is not taken silently. Quantized weights
           (--quantization int8|int4|gguf) with float activations run float32: servelm's
           quantized CPU kernels take float32 rows (with --quant-activations int8 the rule
-          above applies).
+          above applies). --deterministic runs float32 (its CPU kernels are float32).
     GPU   bfloat16 where the device supports it, else float16.
 
 On the AMX Xeon of docs/benchmarks.md the bfloat16 path is 2-3x float32 in batch (oneDNN on
@@ -34,11 +34,11 @@ _WIDE = {"float32", "F32", "float64", "F64"}
 
 
 def resolve(requested: str, device: str, source=None, quantization: str | None = None,
-            activations: str = "float") -> tuple[str, str]:
+            activations: str = "float", deterministic: bool = False) -> tuple[str, str]:
     """(dtype, why) for a requested --dtype; source: the loader's ModelSource, or None for
     weights handed in directly (treated as stored in float32). quantization / activations:
     --quantization and --quant-activations (servelm's quantized CPU kernels with float
-    activations take float32 rows)."""
+    activations take float32 rows); deterministic: --deterministic (float32 on the CPU)."""
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {requested!r}")
     if requested != "auto":
@@ -51,6 +51,8 @@ def resolve(requested: str, device: str, source=None, quantization: str | None =
         return "float16", "the GPU has no bfloat16"
     from servelm.cpu_kernels import isa
 
+    if deterministic:
+        return "float32", "--deterministic runs float32 on the CPU (batch-invariant kernels)"
     if quantization not in (None, "fp8") and activations == "float":
         return "float32", (f"--quantization {quantization} with float activations: its CPU "
                            "kernels take float32 rows")

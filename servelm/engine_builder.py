@@ -91,7 +91,7 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
     if args.dtype != "auto":
         return args
     dtype, why = dtype_choice.resolve(args.dtype, args.device, source, args.quantization,
-                                      args.quant_activations)
+                                      args.quant_activations, args.deterministic)
     dtype_choice.log_choice(args.dtype, dtype, why)
     return dataclasses.replace(args, dtype=dtype)
 

@@ -9,7 +9,8 @@ import pytest
 from servelm.evals import DATA_DIR, behaviour
 from servelm.evals.serve_process import ServeProcess
 
-SERVE_ARGS = ["--kv-cache-memory", "128MiB", "--max-model-len", "2048"]
+# float32: the agreement and score thresholds are float32's (docs/quantization.md)
+SERVE_ARGS = ["--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--dtype", "float32"]
 
 
 def test_normalize_answer_and_agreement():

@@ -13,7 +13,10 @@ def engine(default_model_path):
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine
 
-    return build_engine(EngineArgs(model=MODEL, kv_cache_memory=192 * 2**20, max_num_seqs=64))
+    # float32: the limits, costs and logprobs these tests check are float32's (a bfloat16
+    # pool holds twice the tokens in the same bytes)
+    return build_engine(EngineArgs(model=MODEL, kv_cache_memory=192 * 2**20, max_num_seqs=64,
+                                   dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,8 @@ def test_chunked_prefill_gives_the_same_prompt_outputs(default_model_path):
     out = {}
     for budget in (None, 8):
         kw = {"max_num_batched_tokens": budget} if budget else {}
-        engine = build_engine(EngineArgs(model=MODEL, kv_cache_memory=32 * 2**20, **kw))
+        engine = build_engine(EngineArgs(model=MODEL, kv_cache_memory=32 * 2**20,
+                                         dtype="float32", **kw))
         ids = engine.tokenizer.encode(text)
         for name, params in [("lp", SamplingParams(max_tokens=1, prompt_logprobs=0)),
                              ("mean", SamplingParams(max_tokens=1, pooling="mean"))]:
