@@ -211,7 +211,8 @@ def test_grammars_prompt_logprobs_and_embeddings_cross_the_core_boundary(engine)
                        j["choices"][0])
         return out
 
-    client = CoreClient.spawn(EngineArgs(model=MODEL, kv_cache_memory=64 * 2**20),
+    client = CoreClient.spawn(EngineArgs(model=MODEL, kv_cache_memory=64 * 2**20,
+                                         dtype="float32"),  # the local engine's dtype
                               load_tokenizer(resolve_model(MODEL)))
     remote = LiveServer(client)
     local = LiveServer(engine)
