@@ -58,6 +58,8 @@ struct tile_config {
 };
 
 // One 16 x 16 float tile C += A (16 x 32 bf16) . B (16 pairs x 16 x 2 bf16), all ones: 32.
+// Each AMX test asks for tile state and loads its configuration itself: moved into a shared
+// function the configuration did not survive the return here (the tests then failed).
 __attribute__((target("amx-tile,amx-bf16"))) static int t_amx_bf16(void) {
   if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
   struct tile_config cfg;
