@@ -6,8 +6,8 @@ of the chosen latency) against the body (at or below the median), and for each s
 share of the tail's excess latency it explains on the requests that carry its signature:
 
   suspect        signature on a tail request                      time it explains
-  queueing       arrived in a burst (arrivals within a median      queue
-                 latency either side >= 3x the body's)
+  queueing       arrived in a burst (arrivals within a median      queue while the KV
+                 latency either side >= 3x the body's)             pool was not full
   long_prefill   a step before its first token held another        time in such steps
                  sequence's chunk >= 4x the body's prompts, or     (+ its own prefill)
                  its own prompt is >= 4x the body's
@@ -244,7 +244,8 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
     arrivals = lambda r: w.arrivals_around(r, span)
     body_arrivals = w.body_median(arrivals)
     burst = lambda r: arrivals(r) >= max(3, 3 * body_arrivals)
-    queue = lambda r: r.queue_s or 0.0
+    # Time queued while the KV pool was full is the pool's (preemption's), not the burst's.
+    queue = lambda r: max(0.0, (r.queue_s or 0.0) - r.queue_kv_full_s)
     score, ts, bs = _explained(w, burst, queue)
     out.append(Suspect(
         "queueing", score, ts, bs,
