@@ -122,8 +122,9 @@ def add_parser(subparsers) -> None:
     r.add_argument("--num-replicas", type=int, default=1, metavar="N",
                    help="with --backend ray: replicas to place")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="with --backend ray: the cluster to join (default $RAY_ADDRESS, a "
-                        "cluster started here with `ray start`, else a local Ray instance)")
+                   help="with --backend ray or --parallel-launcher ray: the cluster to join "
+                        "(default $RAY_ADDRESS, a cluster started here with `ray start`, "
+                        "else a local Ray instance)")
     r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C",
                    help="with --backend ray: CPUs each replica actor holds (its --threads "
                         "unless given; default %(default)s)")
@@ -194,6 +195,8 @@ def handler(args) -> int:
 
         _setup_request_log(args.log_requests)
         return serve_ray(args, _serve_argv())
+    if args.ray_address is not None:  # for --parallel-launcher ray in the core, our child
+        os.environ["RAY_ADDRESS"] = args.ray_address
     if args.disagg:
         from servelm.router.disagg import serve_disagg
 
