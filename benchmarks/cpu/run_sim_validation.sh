@@ -11,8 +11,10 @@
 # than the measured runs), and `servelm bench calibrate --served-steps` fits the model to
 # every step it ran, timed start to next start (scheduling, detokenizing, streaming and the
 # front end's share of the cores included), plus the front end's per-request admission lag
-# (arrival_s). CALIBRATE=engine fits to steps of a lone engine instead (the earlier record's
-# method, 30-56% optimistic: its served steps were slower than its lone ones).
+# (arrival_s: the lag of the requests that found the engine loop idle; a request that arrives
+# during a step also waits for its end, which the simulator models itself). CALIBRATE=engine
+# fits to steps of a lone engine instead (the earlier record's method, 30-56% optimistic: its
+# served steps were slower than its lone ones).
 #
 # Run it ALONE on the machine: 2 cores shared with anything else make both the calibration
 # and the measurement wrong (and differently wrong), so the comparison means nothing.
@@ -133,9 +135,11 @@ fi
 import json, sys
 m = json.load(open(sys.argv[1]))
 fit = m["fit"]
+adm = fit.get("admit_s") or {}
 print("[validate] calibrated ({}): mean error {:.1%}, p90 {:.1%} over {} steps; arrival_s "
-      "{:.1f} ms".format(fit.get("source", "engine"), fit["mean_abs_rel_error"],
-                         fit["p90_abs_rel_error"], fit["num_samples"], 1e3 * m["arrival_s"]))
+      "{:.1f} ms ({} of {} admissions found the loop idle)".format(
+          fit.get("source", "engine"), fit["mean_abs_rel_error"], fit["p90_abs_rel_error"],
+          fit["num_samples"], 1e3 * m["arrival_s"], adm.get("n_idle", 0), adm.get("n", 0)))
 EOF
 fi
 
@@ -186,7 +190,10 @@ for name in light knee overload; do
   "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" --trace "$OUT/trace-$name.jsonl" \
     "${SLO[@]}" --cost-scale "$SCALE" --out "$OUT/sim-scaled-$name.json" > /dev/null
 done
-# The model on the measured runs' own served steps (steps it was not fitted to).
+# The model on the measured runs' own served steps (steps it was not fitted to), by the kind
+# of step: TTFT is made of the steps with a prefill chunk (alone at light load, beside decodes
+# nearer the knee), TPOT mostly of the decode-only ones. The admission lag to compare with
+# arrival_s is the idle loop's: a busy loop's also holds the wait for the step in progress.
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/step-error.md"
 import sys
 from pathlib import Path
@@ -196,16 +203,30 @@ from servelm.sim.step_trace import read_step_trace
 out = Path(sys.argv[1])
 model = StepCostModel.load(out / "cost-model.json")
 for path in sorted(out.glob("measure-steps-*.jsonl")):
-    _, shapes, seconds, admit = read_step_trace(path)
+    _, shapes, seconds, admissions = read_step_trace(path)
     if not shapes:
         continue
     pred = np.array([model.predict(s) for s in shapes])
     y = np.array(seconds)
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    idle = [a.lag_s for a in admissions if a.is_idle]
     print(f"Cost model on the measured runs' {len(y)} served steps ({path.name}): mean |error| "
           f"{rel.mean():.1%}, p90 {np.percentile(rel, 90):.1%}; total predicted / measured "
-          f"{pred.sum() / y.sum():.3f}; admission lag p50 "
-          f"{1e3 * np.median(admit) if admit else 0:.1f} ms (model {1e3 * model.arrival_s:.1f})\n")
+          f"{pred.sum() / y.sum():.3f}; admission lag p50 of the {len(idle)} that found the "
+          f"loop idle {1e3 * np.median(idle) if idle else float('nan'):.1f} ms (model "
+          f"{1e3 * model.arrival_s:.1f}), of all {len(admissions)} "
+          f"{1e3 * np.median([a.lag_s for a in admissions]) if admissions else 0:.1f} ms\n")
+    print("| steps | n | measured mean (ms) | error p50 (signed) | total predicted / measured |")
+    print("|---|---|---|---|---|")
+    dec = np.array([s.num_decode_tokens for s in shapes])
+    pre = np.array([s.num_prefill_tokens for s in shapes])
+    for name, sel in (("decode only", pre == 0), ("prefill only", (pre > 0) & (dec == 0)),
+                      ("prefill beside decodes", (pre > 0) & (dec > 0))):
+        if sel.any():
+            err = (pred[sel] - y[sel]) / y[sel]
+            print(f"| {name} | {sel.sum()} | {1e3 * y[sel].mean():.1f} | {np.median(err):+.1%} "
+                  f"| {pred[sel].sum() / y[sel].sum():.3f} |")
+    print()
 EOF
 for variant in "" "scaled-"; do
 "$PY" - "$OUT" "$variant" "$SCALE" <<'EOF' | tee "$OUT/error-table${variant:+-scaled}.md"

@@ -104,7 +104,8 @@ def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCo
     """Fit to the steps `servelm serve --step-trace` recorded (servelm/sim/step_trace.py):
     each step's wall time start to next start, so the model holds what serving spends per
     step, not only the forward. The first `skip_steps` of each file (warm-up) are dropped.
-    Every file must come from the same engine (its KV pool and limits)."""
+    Every file must come from the same engine (its KV pool and limits).
+    arrival_s: the front end's own admission lag (front_end_lag)."""
     from servelm.bench.results import git_commit, machine_info
     from servelm.sim.step_trace import read_step_trace
 
@@ -112,10 +113,10 @@ def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCo
         raise ValueError("served_steps: give at least one step-trace file")
     if skip_steps < 0:
         raise ValueError(f"skip_steps must be >= 0, got {skip_steps}")
-    engine, shapes, seconds, admit = None, [], [], []
+    engine, shapes, seconds, admissions = None, [], [], []
     for path in paths:
         eng, sh, sec, adm = read_step_trace(path)
-        admit += adm
+        admissions += adm
         if engine is not None and eng != engine:
             raise ValueError(f"served_steps: {path} ran on another engine ({eng}) than "
                              f"{paths[0]} ({engine})")
@@ -123,14 +124,35 @@ def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCo
         shapes += sh[skip_steps:]
         seconds += sec[skip_steps:]
     model = fit_cost_model(name, shapes, seconds)
-    if admit:  # the front end's per-request part: the median, robust to a stalled request
-        model.arrival_s = float(np.median(admit))
-        model.fit["admit_s"] = {"n": len(admit), "p50": model.arrival_s,
-                                "p90": float(np.percentile(admit, 90))}
+    if admissions:
+        model.arrival_s, model.fit["admit_s"] = front_end_lag(admissions)
     model.fit.update({"machine": machine_info(), "commit": git_commit(), "source": "served",
                       "step_traces": [str(p) for p in paths], "skip_steps": skip_steps,
                       "engine": engine})
     return model
+
+
+def front_end_lag(admissions) -> tuple[float, dict]:
+    """The per-request lag the simulator adds before a request reaches the engine's queue
+    (StepCostModel.arrival_s), and a report of the admissions it came from.
+
+    A request taken by an idle loop waited for nothing but the front end (parsing,
+    tokenizing, the hop into the engine): the median of those lags, robust to a stalled one.
+    A request that arrived during a step also waited for that step to end, which the
+    simulator models itself (a simulated request arriving during a step waits for the next):
+    counting that wait in arrival_s as well would delay every simulated request by about half
+    a step, and make one that arrives near a step's end miss it. With no idle admission the
+    smallest lag stands in (an upper bound on the front end's part: the request that arrived
+    closest to a step's end)."""
+    lags = np.array([a.lag_s for a in admissions], dtype=np.float64)
+    idle = np.array([a.lag_s for a in admissions if a.is_idle], dtype=np.float64)
+    lag = float(np.median(idle)) if len(idle) else float(lags.min())
+    report = {"n": len(lags), "p50": float(np.median(lags)),
+              "p90": float(np.percentile(lags, 90)), "n_idle": len(idle),
+              "p50_idle": float(np.median(idle)) if len(idle) else None,
+              "arrival_s_from": "median of idle admissions" if len(idle) else
+              "smallest admission lag (no admission found the loop idle)"}
+    return lag, report
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

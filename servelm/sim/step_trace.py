@@ -15,11 +15,17 @@ MODEL`) comes out optimistic for a served engine.
 
     {"kind": "step-trace", "engine": {num_blocks, block_size, ...}}
     {"t": 1764612345.123, "s": 0.0312, "shape": [seqs, decode, decode ctx, prefill, pairs]}
-    {"admit_s": 0.0021}      a request's time from the HTTP handler to the engine's queue
+    {"admit_s": 0.0021, "idle": true, "t": 1764612345.155}    a request taken into the engine
 
-The admission lines give the front end's per-request part that no step holds: a request
-reaches the engine's queue `admit_s` after it reached the server (parsing, tokenizing, the
-hop into the engine), which the simulator models as the cost model's `arrival_s`.
+An admission line holds a request's time from the HTTP handler's stamp to the engine taking
+it (`admit_s`), whether the loop was idle when it took it, and when (wall clock). The loop
+takes new requests only between steps, so a request that arrives during a step waits for
+that step's end, and its `admit_s` holds the rest of the step. The simulator models that
+wait itself (a simulated request that arrives during a step waits for the next one); what
+it needs as the cost model's `arrival_s` is only the front end's own part (parsing,
+tokenizing, the hop into the engine), which is the whole lag only when the loop was idle:
+`Admission.is_idle`. Traces written before the flag existed have it inferred from the line
+order (`_infer_idle`).
 """
 
 from __future__ import annotations
@@ -73,10 +79,15 @@ class StepTrace:
 
     def admitted(self, request) -> None:
         """The loop put `request` into the engine; its arrival_time is the front end's
-        (the same monotonic clock, in this process or the engine core's)."""
+        (the same monotonic clock, in this process or the engine core's). The loop was idle
+        unless a step ran since the last begin() and has not ended: the loop admits between
+        Engine.step and the next begin(), and idle() ends the last step before it waits."""
         if request.arrival_time is not None:
-            lag = max(0.0, self.clock() - request.arrival_time)
-            self._file.write(json.dumps({"admit_s": lag}) + "\n")
+            now = self.clock()
+            lag = max(0.0, now - request.arrival_time)
+            self._file.write(json.dumps({"admit_s": lag, "idle": self._pending is None,
+                                         "t": round(time.time() - (self.clock() - now), 6)})
+                             + "\n")
 
     def idle(self) -> None:
         self._end(self.clock())
@@ -111,11 +122,22 @@ def open_step_trace(engine) -> StepTrace | None:
     return StepTrace(path, engine) if path else None
 
 
+class Admission(NamedTuple):
+    lag_s: float  # the HTTP handler's stamp -> the engine taking the request
+    is_idle: bool  # the loop was waiting for work: the lag is the front end's alone
+
+
 class StepTraceData(NamedTuple):
     engine: dict  # engine_block() of the engine that ran the steps
     shapes: list[StepShape]
     seconds: list[float]  # per step, start to next start
-    admit_s: list[float]  # per admitted request, HTTP handler to the engine's queue
+    admissions: list[Admission]  # per admitted request, in the order the engine took them
+
+
+# A step that ended at idle() and the next step's start are apart by at least the time the
+# loop waited; one begin() ends a step and starts the next at the same clock reading, so
+# back-to-back steps' lines differ only by the wall-clock conversion's rounding (~1 us).
+_IDLE_GAP_S = 5e-4
 
 
 def read_step_trace(path: str | Path) -> StepTraceData:
@@ -124,17 +146,47 @@ def read_step_trace(path: str | Path) -> StepTraceData:
     head = json.loads(lines[0]) if lines else {}
     if head.get("kind") != KIND:
         raise ValueError(f"{path} is not a step trace (servelm serve --step-trace)")
-    shapes, seconds, admit = [], [], []
-    for line in lines[1:]:
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    rows = [json.loads(line) for line in lines[1:] if line.strip()]
+    if any("admit_s" in r and "idle" not in r for r in rows):
+        rows = _infer_idle(rows)
+    shapes, seconds, admissions = [], [], []
+    for row in rows:
         if "admit_s" in row:
-            admit.append(float(row["admit_s"]))
+            admissions.append(Admission(float(row["admit_s"]), bool(row["idle"])))
         else:
             shapes.append(StepShape(*row["shape"]))
             seconds.append(float(row["s"]))
-    return StepTraceData(head["engine"], shapes, seconds, admit)
+    return StepTraceData(head["engine"], shapes, seconds, admissions)
 
 
-__all__ = ["StepTrace", "StepTraceData", "engine_block", "open_step_trace", "read_step_trace"]
+def _infer_idle(rows: list[dict]) -> list[dict]:
+    """Admission lines without the `idle` flag (older traces): a step's line is written when
+    it ends, at the next begin() or at idle(), and admissions are written between the two
+    steps' lines. After a step that ended at idle(), the next step starts a gap later (the
+    wait); the first admission written after that step's line is the request that woke the
+    loop (idle), any later one in the same group arrived while the next step ran. Between
+    back-to-back steps every admission waited for a step. The first request of a file woke
+    the loop. (A second request taken in the same wake-up counts as busy here: the line
+    order cannot tell it apart; the flag written since can.)"""
+    out = [dict(r) for r in rows]
+    prev_step: dict | None = None
+    group: list[dict] = []
+
+    def settle(next_step: dict | None) -> None:
+        woke = prev_step is None or next_step is None or (
+            next_step["t"] - (prev_step["t"] + prev_step["s"]) > _IDLE_GAP_S)
+        for i, adm in enumerate(group):
+            adm.setdefault("idle", woke and i == 0)
+        group.clear()
+
+    for row in out:
+        if "admit_s" in row:
+            group.append(row)
+        else:
+            settle(row)
+            prev_step = row
+    settle(None)
+    return out
+
+
+__all__ = ["Admission", "StepTrace", "StepTraceData", "engine_block", "open_step_trace", "read_step_trace"]
