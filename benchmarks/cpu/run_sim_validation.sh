@@ -31,6 +31,13 @@
 #   STAGE=measure RUNS="knee overload" bash benchmarks/cpu/run_sim_validation.sh
 #   STAGE=replay bash benchmarks/cpu/run_sim_validation.sh       # seconds: the tables
 #
+# Every calibration pass writes its own trace (calibrate-steps-HHMMSS.jsonl) and the model is
+# fitted to all of them in OUT, so a second `STAGE=calibrate` after the measure stage (or
+# BRACKET=1 with all stages) brackets the measured runs in time: the machine's speed drifts
+# by several per cent from minute to minute (docs/sim.md, "Reading a validation record's
+# errors"), and a calibration from both sides of the measurement is not biased by the drift
+# between one calibration and the runs after it.
+#
 # The replay prints the error table of the calibrated model (the validation), the model's
 # error on the measured runs' own served steps (out of sample: the measuring server records
 # them too), and a second table with the model times one factor fitted to the light run's
@@ -117,16 +124,19 @@ bench() {  # OUTFILE FLAGS...
 }
 
 # 1. The step-cost model, on the engine the server will run.
-if stage calibrate; then
+calibrate_pass() {
 if [ "$CALIBRATE" = served ]; then
-  start_server calibrate-server "$OUT/calibrate-steps.jsonl"
+  local ts
+  ts=$(date -u +%H%M%S)
+  start_server "calibrate-server-$ts" "$OUT/calibrate-steps-$ts.jsonl"
   for rate in $CAL_RATES; do  # seed 1: other prompts than the measured runs' (seed 0)
-    bench "$OUT/calibrate-serve-$rate.json" --seed 1 --request-rate "$rate" \
+    bench "$OUT/calibrate-serve-$rate-$ts.json" --seed 1 --request-rate "$rate" \
       --num-prompts "$CAL_PROMPTS" --warmup 2
   done
   stop_server  # the trace is complete once the server has stopped
-  "$PY" -m servelm.cli bench calibrate "$MODEL" --served-steps "$OUT/calibrate-steps.jsonl" \
-    --name "$MODEL-served" --out "$OUT/cost-model.json" > "$LOGS/calibrate.log"
+  # Every pass's trace in OUT (calibrate-steps.jsonl: an older record's single pass).
+  "$PY" -m servelm.cli bench calibrate "$MODEL" --served-steps "$OUT"/calibrate-steps*.jsonl \
+    --name "$MODEL-served" --out "$OUT/cost-model.json" > "$LOGS/calibrate-$ts.log"
 else
   "$PY" -m servelm.cli bench calibrate "$MODEL" "${ENGINE[@]}" --no-progress \
     --out "$OUT/cost-model.json" > "$LOGS/calibrate.log"
@@ -136,11 +146,15 @@ import json, sys
 m = json.load(open(sys.argv[1]))
 fit = m["fit"]
 adm = fit.get("admit_s") or {}
-print("[validate] calibrated ({}): mean error {:.1%}, p90 {:.1%} over {} steps; arrival_s "
-      "{:.1f} ms ({} of {} admissions found the loop idle)".format(
-          fit.get("source", "engine"), fit["mean_abs_rel_error"], fit["p90_abs_rel_error"],
-          fit["num_samples"], 1e3 * m["arrival_s"], adm.get("n_idle", 0), adm.get("n", 0)))
+print("[validate] calibrated ({}, {} trace(s)): mean error {:.1%}, p90 {:.1%} over {} steps; "
+      "arrival_s {:.1f} ms ({} of {} admissions found the loop idle)".format(
+          fit.get("source", "engine"), len(fit.get("step_traces", [])),
+          fit["mean_abs_rel_error"], fit["p90_abs_rel_error"], fit["num_samples"],
+          1e3 * m["arrival_s"], adm.get("n_idle", 0), adm.get("n", 0)))
 EOF
+}
+if stage calibrate; then
+  calibrate_pass
 fi
 
 if stage measure; then
@@ -176,6 +190,10 @@ for name in $RUNS; do
     --warmup 2 --record-requests "$OUT/trace-$name.jsonl"
 done
 stop_server
+fi
+# BRACKET=1: a second calibration pass after the measured runs; the model is refitted to both.
+if [ "$STAGE" = all ] && [ "${BRACKET:-0}" = 1 ]; then
+  calibrate_pass
 fi
 
 stage replay || exit 0
