@@ -364,7 +364,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--served-steps", nargs="+", default=None, metavar="TRACE",
                    help="fit to the steps a server recorded (`servelm serve --step-trace "
                         "TRACE`) instead of running steps in a lone engine: served steps also "
-                        "pay for scheduling, detokenizing, streaming and the front end")
+                        "pay for scheduling, detokenizing, streaming and the front end; the "
+                        "model's arrival_s is the admission lag of the requests that found "
+                        "the engine loop idle")
     p.add_argument("--skip-steps", type=int, default=8,
                    help="with --served-steps: warm-up steps dropped from each trace (default 8)")
     g = p.add_argument_group("host bandwidths for `servelm plan --calibration` (--host)")
