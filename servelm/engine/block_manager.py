@@ -106,19 +106,31 @@ class BlockManager:
                  match: PrefixMatch = _NO_MATCH) -> None:
         """Take the matched blocks (if any), then fresh ones for num_new_tokens; register
         the blocks this step fills in the prefix cache (see register_computed)."""
-        if not self.can_allocate(seq, num_new_tokens, match=match):
-            raise RuntimeError("allocate without can_allocate")
         needed = self.num_blocks_needed(seq, num_new_tokens, match)
-        for block in match.blocks:
-            self._take(block)
-            seq.block_table.append(block)
+        revived = sum(1 for b in match.blocks if self._ref_counts[b] == 0) if match.blocks else 0
+        if needed + revived > self.num_free_blocks:  # can_allocate's test
+            raise RuntimeError("allocate without can_allocate")
+        table = seq.block_table
         if match.blocks:
+            for block in match.blocks:
+                self._take(block)
+            table += match.blocks
             seq.num_computed_tokens += match.num_tokens
             self._num_cached[seq.seq_id] = len(match.blocks)
-        for _ in range(needed):
-            block = self._pop_free()
-            self._take(block)
-            seq.block_table.append(block)
+        if needed:
+            # A block on the free list is in no cache and held by none: taking it sets its
+            # count to 1. Past the free list, blocks come from eviction (_pop_free).
+            free, refs = self._free, self._ref_counts
+            popleft = free.popleft
+            fresh = min(needed, len(free))
+            for _ in range(fresh):
+                block = popleft()
+                refs[block] = 1
+                table.append(block)
+            for _ in range(needed - fresh):
+                block = self._pop_free()
+                self._take(block)
+                table.append(block)
         # Only real tokens are registered: draft slots (speculation) hold no known token yet.
         self.register_computed(seq, min(seq.num_computed_tokens + num_new_tokens,
                                         seq.num_tokens))
@@ -165,9 +177,20 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of seq (newest first, so older blocks are reused last)."""
-        for block in reversed(seq.block_table):
-            if block != DROPPED:
-                self._release(block)
+        refs, cache = self._ref_counts, self.prefix_cache
+        cached = cache._nodes if cache is not None else ()
+        for block in reversed(seq.block_table):  # _release, inlined (a block at a time)
+            if block == DROPPED:
+                continue
+            count = refs[block]
+            if count <= 0:
+                raise RuntimeError(f"double free of block {block}")
+            refs[block] = count - 1
+            if count == 1:
+                if block in cached:
+                    cache.set_evictable(block, True)
+                else:
+                    self._free.append(block)
         seq.block_table = []
         self._num_cached.pop(seq.seq_id, None)
         self._drop_cursor.pop(seq.seq_id, None)

@@ -31,7 +31,7 @@ import hashlib
 import heapq
 import itertools
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -76,16 +76,23 @@ def block_hashes(token_ids: list[int], block_size: int, extra_key=None) -> list[
     return out
 
 
-@dataclass(eq=False)
 class _Node:
-    block: int
-    key: tuple[int, ...]
-    parent: "_Node | None"
-    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
-    last_access: int = 0
-    is_evictable: bool = False  # no sequence holds the block
-    namespace: object = None  # roots only: the extra_key they are filed under
-    hash: int = 0  # chain hash (set while events or hashes are kept; roots: the namespace's)
+    """One cached block (a root: a namespace, block -1). A plain class with slots: a
+    2,000-token prompt makes 125 of them, so their construction is on the hot path."""
+
+    __slots__ = ("block", "key", "parent", "children", "last_access", "is_evictable",
+                 "namespace", "hash")
+
+    def __init__(self, block: int, key: tuple[int, ...], parent: "_Node | None",
+                 last_access: int = 0, namespace: object = None):
+        self.block = block
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.last_access = last_access
+        self.is_evictable = False  # no sequence holds the block
+        self.namespace = namespace  # roots only: the extra_key they are filed under
+        self.hash = 0  # chain hash (set while events or hashes are kept; roots: the namespace's)
 
 
 # Rough CPython sizes (64-bit) behind PrefixCacheUsage.num_bytes: a node (object, its dict of
@@ -227,18 +234,20 @@ class PrefixCache:
             return start
         now = next(self._clock)
         bs = self.block_size
+        nodes = self._nodes
+        hashed = self.record_events or self.keep_hashes
         for i in range(start, len(blocks)):  # keys of the new blocks only (a decode step
             key = tuple(tokens[i * bs:(i + 1) * bs])  # inserts one block of a long prompt)
-            node = parent.children.get(key)
+            children = parent.children
+            node = children.get(key)
+            block = blocks[i]
             if node is None:
-                node = _Node(blocks[i], key, parent, last_access=now)
-                parent.children[key] = node
-                self._nodes[blocks[i]] = node
-                if self.record_events or self.keep_hashes:
+                node = children[key] = nodes[block] = _Node(block, key, parent, now)
+                if hashed:
                     node.hash = block_hash(parent.hash, key)
-                if self.record_events:
-                    self._events.append((STORED, node.hash, parent.hash))
-            elif node.block != blocks[i]:
+                    if self.record_events:
+                        self._events.append((STORED, node.hash, parent.hash))
+            elif node.block != block:
                 return i
             parent = node
         return len(blocks)

@@ -1,149 +1,201 @@
-"""Bulk advance: run a replica's plain decode steps in one tight loop instead of one engine
-step each, when that gives exactly what stepping gives.
+"""Bulk advance: run a replica's plain decodes outside the engine, lazily, when that gives
+exactly what stepping gives.
 
-Owns: advance_decodes (and DecodeRun, a run paused between calls, caught up by finish_run),
-the test of when a step is a "plain decode" (below) and its update of the engine's state,
-the runner's clock and the client's records; and mixed_step, which runs the plain decodes
-at the head of the running list outside the engine in a step whose other work (prefill
-chunks, finishing decodes, admissions) goes through the real Scheduler and Engine.step.
+Owns: the decode head (DecodeHead: the sequences at the head of the running list that
+decode one token a step and cannot finish yet, advanced without touching them each step,
+caught up when they leave it), advance_decodes (steps in which the head is all that runs),
+mixed_step (steps whose other work, prefill chunks, finishing decodes and admissions, goes
+through the real Scheduler and Engine.step) and finish_run (catch everything up).
 Never: schedules, admits, preempts, finishes or prefills itself: that work is the real
 Scheduler's and Engine.step's, as is every step of an engine this module does not know
-(speculation, a tokenizer, stop tokens, the SLO policy for mixed steps).
+(speculation, a tokenizer, stop tokens, and the SLO policy for mixed steps).
 
-A plain decode step, starting at virtual time t:
-  - no request arrives before t has been admitted elsewhere: t < the next arrival (an
-    arrival changes what the router sees, and at t itself it is admitted first);
-  - every running sequence computes exactly one token (its last sampled one) and none is
-    left out by the token budget; nothing is waiting, or the running list is full
-    (max_num_seqs), so the scheduler would not look at the queue;
-  - no sequence finishes: each has more than one token left below max_tokens and
-    max_model_len (the finishing step goes through the engine);
-  - the blocks that this step's sequences need (those whose KV just filled their last
-    block) are free: no preemption.
-Such a step changes, per sequence, one token, one computed position and at a block boundary
-one new block and one prefix-cache registration (made here through the real
-BlockManager.allocate, in the scheduler's order); the step's time is the cost model's for
-its shape, added to the clock as SimRunner does. Everything else (the runner's view of the
-sequence) is caught up by the next Engine.describe, whose deltas are "everything since I
-last told you". tests/sim/test_bulk.py runs workloads both ways and asserts identical
-per-request timings, tokens, steps, clock, engine counters and cache state.
+The head. Between steps it is a prefix of the scheduler's running list, in that order: a
+sequence joins when everything before it in the list is in the head and it is a plain
+decode (its last sampled token is its one uncomputed token, ignore_eos, no stop tokens,
+more than one token left below max_tokens and max_model_len), at most the step's token
+budget of them. A member joined at head step j with num_computed_tokens c is, at head step
+S, at c + (S - j) computed positions with one more token sampled; its Sequence, the
+engine's token counters and the client's record (chunk times, token count) are caught up
+only when it leaves: at the step in which it takes its last token (it is then an ordinary
+decode of the engine, and finishes in that step), or when the head is dissolved (before a
+step that might preempt, or that this module does not cover). Per step the head costs a
+few operations plus one visit to each member whose next position takes or fills a block
+(members are grouped by that phase): there, through the real BlockManager.allocate, a new
+block or a full block into the prefix cache, in the running list's order, as the
+scheduler's loop would take them.
 
-This module reads a few of the engine's private fields (`_pending`, `_step_id`): it stands
-in for Engine.step on the one kind of step it covers, and the equality tests are what keep
-the two in step when the engine changes.
+A step is then one of:
+  - a plain decode step (advance_decodes): the running list is the head, nothing would be
+    admitted (nothing waits, or max_num_seqs run), no member takes its last token, and
+    the blocks the members need are free; it starts before the next arrival (which
+    changes what the router sees; at that instant itself the arrival is admitted first);
+  - a mixed step (mixed_step): the head's blocks are taken first, then the real
+    Scheduler._schedule_running runs over the rest of the running list (the members
+    leaving in this step, then what follows the head), with the head's tokens spent from
+    the budget, and _schedule_waiting over the queue; Engine.step runs that batch and the
+    SimRunner adds the head's decodes to the step's shape. A member that leaves has its
+    block (if its position takes or fills one) taken at its place in the head's order, so
+    the scheduler, reaching it, finds nothing left to take: the pool and the prefix cache
+    (LRU stamps included) end as in the scheduler's order. Only when the blocks the step
+    could need at most are free (so no preemption can happen);
+  - otherwise the head is dissolved and the step is Engine.step.
+The step's time is the cost model's for its whole shape. tests/sim/test_bulk.py runs
+workloads both ways (`simulate(..., bulk=False)`, `servelm sim --no-bulk`) and asserts
+identical per-request timings, tokens, steps, clock, engine counters and cache state.
+
+This module reads a few of the engine's private fields (`_pending`, `_step_id`) and calls
+the scheduler's two halves: it stands in for Engine.step on the steps it covers, and the
+equality tests are what keep the two in step when the engine changes.
 """
 
 from __future__ import annotations
+
+import heapq
+import itertools
 
 from servelm.sim.cost_model import StepShape
 
 
 def _is_plain(engine) -> bool:
-    """The engine features this loop knows how to skip over."""
+    """The engine features this module knows how to skip over."""
     return engine.speculator is None and engine.tokenizer is None and not engine._pending
 
 
-class DecodeRun:
-    """A bulk run of plain decode steps, possibly paused between calls (`defer`): its
-    steps' blocks, clock, step counters and timeline are applied as they are run; the
-    sequences' tokens and positions and the client's records are caught up by finish_run."""
+class DecodeHead:
+    """The lazily advanced head of one replica's running list (the module doc)."""
 
-    __slots__ = ("running", "base", "groups", "limit", "context", "steps", "times", "step_s",
-                 "in_flight")
+    __slots__ = ("seqs", "info", "groups", "leave", "steps", "t0", "times", "ctx0", "rem0",
+                 "sum_join", "shown", "bs", "order")
 
-    def __init__(self, running: list, limit: int, context: int, bs: int):
-        self.running = list(running)
-        self.base = [seq.num_computed_tokens for seq in running]
-        # A sequence takes or fills a block only where its next position is 0 or 1 past a
-        # block boundary: group the sequences by that phase, in running order (the
-        # scheduler's).
-        self.groups: dict[int, list[int]] = {}
-        for i, c in enumerate(self.base):
-            self.groups.setdefault((c + 1) % bs, []).append(i)
-        self.limit = limit  # steps before the first finish
-        self.context = context  # the next step's context tokens
-        self.steps = 0
-        self.times: list[float] = []  # each step's end
-        self.step_s = 0.0  # the last step's
-        # the running sequences' tokens still to generate when the run began (the router's
-        # tokens in flight, which Replica.load takes from here while the run is paused)
-        self.in_flight = sum(seq.max_tokens - seq.num_output_tokens for seq in running)
+    def __init__(self, bs: int):
+        self.seqs: list = []  # the members, in running order
+        # seq_id -> [base computed, join step, (order, seq), phase key, remaining at join]
+        self.info: dict[int, list] = {}
+        self.groups: dict[int, list] = {}  # phase -> [(order, seq)] in running order
+        self.leave: list = []  # heap of (step of its last token, order, seq)
+        self.steps = 0  # S: head steps run
+        self.t0 = 0  # the step times[0] ended
+        self.times: list[float] = []  # end time of each head step from t0
+        self.ctx0 = 0  # sum of (base + 1 - join): the members' context is ctx0 + k * S
+        self.rem0 = 0  # sum of tokens left at join: in flight is rem0 - (k * S - sum_join)
+        self.sum_join = 0
+        self.shown: list = []  # (order, seq): members leaving in the step about to run
+        self.bs = bs
+        self.order = itertools.count()
+
+    @property
+    def context(self) -> int:
+        return self.ctx0 + len(self.seqs) * self.steps
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens the members have still to generate (the router's tokens in flight)."""
+        return self.rem0 - (len(self.seqs) * self.steps - self.sum_join)
+
+    def join(self, seq, left: int) -> None:
+        c, s = seq.num_computed_tokens, self.steps
+        item = (next(self.order), seq)
+        key = (c + 1 - s) % self.bs
+        rem = seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens)
+        self.info[seq.seq_id] = [c, s, item, key, rem]
+        self.groups.setdefault(key, []).append(item)
+        heapq.heappush(self.leave, (s + left - 1, item[0], seq))
+        self.seqs.append(seq)
+        self.ctx0 += c + 1 - s
+        self.rem0 += rem
+        self.sum_join += s
+
+    def catch_up(self, seq, runner, records) -> None:
+        """seq's tokens, positions, last token time and record as stepping leaves them."""
+        info = self.info[seq.seq_id]
+        base, join = info[0], info[1]
+        d = self.steps - join
+        if d <= 0:
+            return
+        _catch_up(runner, seq, base + d + 1)
+        seq.num_computed_tokens = base + d
+        t0, times = self.t0, self.times
+        seq.timings.last_token_time = times[self.steps - 1 - t0]
+        rec = records[seq.request_id]
+        rec.chunk_times += times[join - t0:self.steps - t0]
+        rec.num_output_tokens += d
+        # re-based at this step: base + 1 - join and rem - (S - join) are unchanged
+        info[0], info[1], info[4] = base + d, self.steps, info[4] - d
+        self.sum_join += d
+        self.rem0 -= d
+
+    def remove(self, seq) -> None:
+        """Take a caught-up member out (its running-list place stays the engine's)."""
+        info = self.info.pop(seq.seq_id)
+        base, join, item, key, rem = info
+        self.groups[key].remove(item)
+        self.seqs.remove(seq)
+        self.ctx0 -= base + 1 - join
+        self.rem0 -= rem
+        self.sum_join -= join
+
+    def step_done(self, now: float) -> None:
+        self.steps += 1
+        self.times.append(now)
+        if len(self.times) > 4096 and not self.seqs:
+            self.t0, self.times = self.steps, []
+        elif len(self.times) > 65536:  # drop times no member can still need
+            first = min(info[1] for info in self.info.values())
+            if first - self.t0 > 32768:
+                del self.times[:first - self.t0]
+                self.t0 = first
 
 
-def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> int:
-    """Run plain decode steps of replica `rep` that start before `until_s`; returns how many
-    (0: the next step is not plain; the caller runs Engine.step). defer: a run stopped only
-    by `until_s` is left pending in `rep.pending_run` and continued by the next call; the
-    caller must finish_run before anything else looks at or changes the engine."""
-    run = getattr(rep, "pending_run", None)
-    if run is None:
-        run = _start_run(rep.engine)
-        if run is None:
-            return 0
-        rep.pending_run = run
-    before = run.steps
-    _run(rep, run, until_s)
-    n = run.steps - before
-    if not defer or n == 0 or run.steps >= run.limit or rep.clock.now < until_s:
-        finish_run(rep, records)
-    return n
+def _left(seq, max_model_len: int) -> int:
+    """Tokens seq may still generate if it is a plain decode now, else 0."""
+    n = len(seq.token_ids)
+    c = seq.num_computed_tokens
+    if n - c != 1 or c < seq.num_prompt_tokens:
+        return 0
+    p = seq.params
+    if not p.ignore_eos or p.stop_token_ids:
+        return 0
+    return min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n)
 
 
-def _start_run(engine) -> DecodeRun | None:
-    """A run, if the engine's next step is a plain decode (the module doc)."""
-    sched = engine.scheduler
-    running = sched.running
-    num_seqs = len(running)
-    if not num_seqs or not _is_plain(engine):
-        return None
-    cfg = sched.config
-    if sched.waiting and num_seqs < cfg.max_num_seqs:
-        return None
-    if num_seqs > cfg.max_num_batched_tokens:
-        return None
+def _sync(rep, records) -> DecodeHead:
+    """The head as the next step starts: members taking their last token in it leave
+    (caught up, into `shown`); the plain decodes right after it join."""
+    head = rep.decode_head
+    engine = rep.engine
+    if head is None:
+        head = rep.decode_head = DecodeHead(engine.block_manager.block_size)
+    leave, s = head.leave, head.steps
+    while leave and leave[0][0] <= s:
+        _, _, seq = heapq.heappop(leave)
+        head.catch_up(seq, rep.runner, records)
+        head.shown.append(head.info[seq.seq_id][2])  # (order, seq)
+        head.remove(seq)
+    running = engine.scheduler.running
+    m = len(head.seqs) + len(head.shown)
+    budget = engine.scheduler.config.max_num_batched_tokens
     max_model_len = engine.max_model_len
-    limit = None  # steps before the first finish
-    context = 0
-    for seq in running:
-        n = len(seq.token_ids)
-        if n - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-            return None
-        p = seq.params
-        if not p.ignore_eos or p.stop_token_ids:
-            return None
-        left = min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) - 1
-        limit = left if limit is None or left < limit else limit
-        context += n
-    if limit <= 0:
-        return None
-    return DecodeRun(running, limit, context, engine.block_manager.block_size)
+    while m < len(running) and m < budget:
+        seq = running[m]
+        left = _left(seq, max_model_len)
+        if left <= 1:
+            break
+        head.join(seq, left)
+        m += 1
+    return head
 
 
 def finish_run(rep, records: dict) -> None:
-    """Catch a pending run's sequences and records up to the steps it ran (nothing read
-    them between those steps), and the engine's last-step counters; no-op without one."""
-    run = getattr(rep, "pending_run", None)
-    if run is None:
+    """Dissolve the replica's head: every member caught up to the steps run (Engine.step
+    may then run). No-op without one."""
+    head = getattr(rep, "decode_head", None)
+    if head is None:
         return
-    rep.pending_run = None
-    steps = run.steps
-    if not steps:
-        return
+    rep.decode_head = None
     runner = rep.runner
-    times = run.times
-    now = times[-1]
-    for seq, c in zip(run.running, run.base):
-        _catch_up(runner, seq, c + 1 + steps)
-        seq.num_computed_tokens = c + steps
-        seq.timings.last_token_time = now
-        rec = records[seq.request_id]
-        rec.chunk_times += times
-        rec.num_output_tokens += steps
-    num_seqs = len(run.running)
-    stats = rep.engine.stats
-    stats.num_generated_tokens += num_seqs * steps
-    stats.num_computed_tokens += num_seqs * steps
-    _note_last_step(stats, run.step_s, num_seqs, run.context - num_seqs)
+    for seq in head.seqs:
+        head.catch_up(seq, runner, records)
 
 
 def _catch_up(runner, seq, num_tokens: int) -> None:
@@ -153,48 +205,99 @@ def _catch_up(runner, seq, num_tokens: int) -> None:
         seq.token_ids += runner.tokens(seq, n)
 
 
-def _run(rep, run: DecodeRun, until_s: float) -> None:
-    """Run's next steps that start before until_s: blocks taken, the clock, counters and
-    timeline, step by step."""
+def _touched(head: DecodeHead) -> list:
+    """The members whose position this step takes or fills a block, in running order."""
+    bs, s = head.bs, head.steps
+    groups = head.groups
+    fill = groups.get(-s % bs, ())
+    grow = groups.get((1 - s) % bs, ()) if bs > 1 else ()
+    if fill and grow:
+        return sorted(fill + grow)
+    return fill or grow
+
+
+def _position(head: DecodeHead, seq) -> int:
+    info = head.info[seq.seq_id]
+    return info[0] + head.steps - info[1]
+
+
+def _needs_block(seq, c: int, bs: int) -> bool:
+    return c == len(seq.block_table) * bs
+
+
+def _take_blocks(bm, runner, seq, c: int, bs: int) -> None:
+    """What the scheduler's allocate(seq, 1) does for a decode at position c, if its
+    position takes or fills a block."""
+    if (c + 1) % bs == 0 or c + 1 > len(seq.block_table) * bs:
+        seq.num_computed_tokens = c  # as the scheduler sees it at this step
+        _catch_up(runner, seq, c + 1)
+        bm.allocate(seq, 1)  # a new block and/or a full block into the cache
+
+
+def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> int:
+    """Run plain decode steps of replica `rep` that start before `until_s`; returns how many
+    (0: the next step is not plain; the caller runs a step). defer: the head stays lazy
+    after the call (the caller runs mixed_step or finish_run before anything else reads
+    the running sequences); else it is dissolved."""
+    engine = rep.engine
+    sched = engine.scheduler
+    running = sched.running
+    if not running or not _is_plain(engine):
+        finish_run(rep, records)
+        return 0
+    head = _sync(rep, records)
+    n = 0
+    k = len(head.seqs)
+    if (not head.shown and k == len(running)
+            and not (sched.waiting and k < sched.config.max_num_seqs)):
+        n = _run(rep, head, until_s)
+    if not defer:
+        finish_run(rep, records)
+    return n
+
+
+def _run(rep, head: DecodeHead, until_s: float) -> int:
+    """Plain decode steps of the head (the whole running list) that start before until_s
+    and before a member's last token: blocks, clock, counters and timeline, step by step."""
     engine, clock, runner = rep.engine, rep.clock, rep.runner
     bm = engine.block_manager
     cost, bs = runner.cost, bm.block_size
-    running, base, groups, times = run.running, run.base, run.groups, run.times
-    num_seqs = len(running)
+    info = head.info
+    k = len(head.seqs)
     timeline, stats = rep.timeline, engine.stats
     waiting = len(engine.scheduler.waiting)
-    steps, context, limit = run.steps, run.context, run.limit
-    while steps < limit and clock.now < until_s:
-        fill = groups.get(-steps % bs, ())
-        grow = groups.get((1 - steps) % bs, ()) if bs > 1 else ()
-        touched = sorted(fill + grow) if fill and grow else (fill or grow)
-        # Blocks this step takes: a sequence whose KV filled its last block needs one.
-        need = 0
-        for i in touched:
-            if base[i] + steps == len(running[i].block_table) * bs:
-                need += 1
-        if need > bm.num_free_blocks:
-            run.limit = steps  # the scheduler would preempt: the run ends here
-            break
-        for i in touched:
-            seq = running[i]
-            c = base[i] + steps
-            if (c + 1) % bs == 0 or c + 1 > len(seq.block_table) * bs:
-                seq.num_computed_tokens = c  # as the scheduler sees it at this step
-                _catch_up(runner, seq, c + 1)
-                bm.allocate(seq, 1)  # a new block and/or a full block into the cache
-        step_s = cost.predict(StepShape(num_seqs, num_seqs, context, 0, 0))
+    last = head.leave[0][0]  # the first step a member takes its last token in
+    steps = 0
+    step_s = 0.0
+    while head.steps < last and clock.now < until_s:
+        touched = _touched(head)
+        s = head.steps
+        if touched:
+            need = 0
+            for _, seq in touched:
+                i = info[seq.seq_id]
+                if _needs_block(seq, i[0] + s - i[1], bs):
+                    need += 1
+            if need > bm.num_free_blocks:
+                break  # the scheduler would preempt: an engine step
+            for _, seq in touched:
+                i = info[seq.seq_id]
+                _take_blocks(bm, runner, seq, i[0] + s - i[1], bs)
+        context = head.ctx0 + k * s
+        step_s = cost.predict(StepShape(k, k, context, 0, 0))
         clock.now += step_s
         runner.num_steps += 1
         runner.busy_s += step_s
-        times.append(clock.now)
-        context += num_seqs
         engine._step_id += 1
         stats.num_steps += 1
+        head.step_done(clock.now)
         steps += 1
-        run.step_s = step_s
-        timeline.append((clock.now, bm.num_used_blocks / bm.num_blocks, waiting, num_seqs))
-    run.steps, run.context = steps, context
+        timeline.append((clock.now, bm.num_used_blocks / bm.num_blocks, waiting, k))
+    if steps:
+        stats.num_generated_tokens += k * steps
+        stats.num_computed_tokens += k * steps
+        _note_last_step(stats, step_s, k, head.ctx0 + k * (head.steps - 1))
+    return steps
 
 
 def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
@@ -206,134 +309,104 @@ def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
     stats.last_num_verify_tokens = stats.last_num_prefill_tokens = 0
 
 
-def _leading_decodes(engine, budget: int) -> tuple[int, list, int]:
-    """The head of the running list that decodes one token each this step: its length m,
-    the hidden decodes among it (no finish, no stop check: run here, below) and the context
-    they read. A decode in the head that is not hidden (it may finish) must take no block
-    and fill none this step, so that scheduling the hidden ones first leaves the pool and
-    the prefix cache exactly as the scheduler's order would; the head ends before the
-    first one that would."""
-    max_model_len = engine.max_model_len
-    bs = engine.block_manager.block_size
-    m = ctx = 0
-    hidden = []
-    for seq in engine.scheduler.running:
-        if m == budget:
-            break
-        n = len(seq.token_ids)
-        c = seq.num_computed_tokens
-        if n - c != 1 or c < seq.num_prompt_tokens:
-            break
-        p = seq.params
-        if (p.ignore_eos and not p.stop_token_ids
-                and min(seq.max_tokens - (n - seq.num_prompt_tokens), max_model_len - n) > 1):
-            hidden.append(seq)
-            ctx += n
-        elif n % bs == 0 or n > len(seq.block_table) * bs:
-            break  # it takes or fills a block: it and what follows go through the engine
-        m += 1
-    return m, hidden, ctx
-
-
 def mixed_step(rep, records: dict) -> list | None:
-    """One engine step in which most sequences at the head of the running list decode one
-    token each ("hidden" decodes) and the rest of the step (prefill chunks, finishing
-    decodes, admissions) goes through the real Scheduler and Engine.step. Returns the step's
-    deltas (the hidden decodes' tokens are stamped here), or None when it does not apply
-    (the caller runs Engine.step).
-
-    Scheduler.schedule visits the running list in order, then the waiting queue; here the
-    hidden decodes are visited first (their blocks allocated in order, as the scheduler's
-    loop would, the same budget spent), then Scheduler._schedule_running runs over the rest
-    and Scheduler._schedule_waiting as schedule() runs it. A hidden decode needing a block
-    that is not free would preempt: then this does not apply. The step's time is the cost
-    model's for the whole step's shape (SimRunner adds the hidden part)."""
+    """One step with the head's decodes lazy and the rest (members taking their last
+    token, what follows the head, admissions) through the real Scheduler and Engine.step.
+    Returns the step's deltas, or None after dissolving the head when it does not apply
+    (the caller runs Engine.step). See the module doc."""
     engine = rep.engine
     sched, bm = engine.scheduler, engine.block_manager
-    if not _is_plain(engine) or sched.policy is not None or not sched.running:
+    if not sched.running or not _is_plain(engine) or sched.policy is not None:
+        finish_run(rep, records)
         return None
-    cfg = sched.config
-    m, hidden, ctx = _leading_decodes(engine, cfg.max_num_batched_tokens)
-    k = len(hidden)
-    if k == 0:
+    head = _sync(rep, records)
+    k = len(head.seqs)
+    shown = head.shown
+    if k == 0:  # nothing lazy: an ordinary step (the leaving members are caught up)
+        shown.clear()
         return None
+    runner, bs = rep.runner, bm.block_size
     running = sched.running
-    head = running[:m]
-    bs = bm.block_size
-    growing = sum(1 for seq in hidden if seq.num_computed_tokens == len(seq.block_table) * bs)
-    if growing > bm.num_free_blocks:
+    m = k + len(shown)
+    cfg = sched.config
+    budget = cfg.max_num_batched_tokens
+    info = head.info
+    s = head.steps
+    # The blocks this step can need at most: the head's, the leaving members', and the
+    # rest's for as many tokens as the budget leaves them. Within the free blocks, no
+    # preemption can happen, and the order below is the scheduler's.
+    touched = _touched(head)
+    need = 0
+    for _, seq in touched:
+        i = info[seq.seq_id]
+        if _needs_block(seq, i[0] + s - i[1], bs):
+            need += 1
+    for _, seq in shown:  # caught up: their fields are current
+        if _needs_block(seq, seq.num_computed_tokens, bs):
+            need += 1
+    left = budget - m
+    if left > 0:
+        blocks = bm.blocks_for_tokens
+        for seq in running[m:]:
+            c = seq.num_computed_tokens
+            new = min(len(seq.token_ids) - c, left)
+            need += max(0, blocks(c + new) - len(seq.block_table))
+    if need > bm.num_free_blocks:
+        shown.clear()
+        finish_run(rep, records)
         return None
+    if shown:  # the leaving members take their blocks at their places in the head's order
+        # (join order is running order: members join at the head's end)
+        for _, seq in sorted([*touched, *shown]):
+            c = _position(head, seq) if seq.seq_id in info else seq.num_computed_tokens
+            _take_blocks(bm, runner, seq, c, bs)
+    else:
+        for _, seq in touched:
+            i = info[seq.seq_id]
+            _take_blocks(bm, runner, seq, i[0] + s - i[1], bs)
     from servelm.engine.scheduler import ScheduledBatch
 
     batch = ScheduledBatch()
     sched.encoder_budget.reset()
-    for seq in hidden:
-        c1 = seq.num_computed_tokens + 1
-        if c1 % bs == 0 or c1 > len(seq.block_table) * bs:
-            bm.allocate(seq, 1)
-    if k < m:
-        ids = {id(seq) for seq in hidden}
-        shown = [seq for seq in head if id(seq) not in ids]
-    else:
-        shown = []
-    sched.running = shown + running[m:]
+    sched.running = [seq for _, seq in shown] + running[m:]
     try:
-        budget = sched._schedule_running(batch, cfg.max_num_batched_tokens - k)
-    finally:  # preemption pops from the tail, never into the head
-        sched.running = head + sched.running[len(shown):]
-    if not batch.preempted:
-        sched._schedule_waiting(batch, budget)
-    if batch.is_empty:  # only the hidden decodes run: the step is theirs alone
-        return _decode_only_step(rep, records, hidden, ctx)
-    runner = rep.runner
-    runner.hidden = (k, ctx)
-    sched.schedule = lambda: batch  # Engine.step runs the batch built above
-    try:
-        deltas = engine.step()
+        rest_budget = sched._schedule_running(batch, budget - k)
     finally:
-        del sched.schedule
-        runner.hidden = None
-    _stamp_hidden(rep, records, hidden, rep.clock.now)
-    st = engine.stats
-    st.last_num_seqs += k
-    st.last_num_tokens += k
-    st.last_num_decode_tokens += k
-    st.last_num_context_tokens += ctx
-    st.last_num_attention_pairs += ctx  # a one-token step at position c: c + 1 pairs
-    st.num_computed_tokens += k
+        sched.running = running
+    assert not batch.preempted, "a preemption the block bound above excludes"
+    sched._schedule_waiting(batch, rest_budget)
+    ctx = head.context
+    stats = engine.stats
+    if batch.is_empty:  # only the head runs: its step alone
+        step_s = runner.cost.predict(StepShape(k, k, ctx, 0, 0))
+        rep.clock.now += step_s
+        runner.num_steps += 1
+        runner.busy_s += step_s
+        engine._step_id += 1
+        stats.num_steps += 1
+        _note_last_step(stats, step_s, k, ctx)
+        deltas = []
+    else:
+        runner.hidden = (k, ctx)
+        sched.schedule = lambda: batch  # Engine.step runs the batch built above
+        try:
+            deltas = engine.step()
+        finally:
+            del sched.schedule
+            runner.hidden = None
+        stats.last_num_seqs += k
+        stats.last_num_tokens += k
+        stats.last_num_decode_tokens += k
+        stats.last_num_context_tokens += ctx
+        stats.last_num_attention_pairs += ctx  # a one-token step at position c: c + 1 pairs
+    stats.num_generated_tokens += k
+    stats.num_computed_tokens += k
+    head.step_done(rep.clock.now)
+    unfinished = any(not seq.is_finished for _, seq in shown)
+    shown.clear()
+    if unfinished:  # not expected (a leaving member takes its last token): be exact anyway
+        finish_run(rep, records)
     return deltas
 
 
-def _stamp_hidden(rep, records: dict, hidden: list, now: float) -> None:
-    """The hidden decodes' part of a step that ended at `now`: what Engine._account and
-    _on_token do for a one-token step that finishes nothing, and the client's record."""
-    token_of = rep.runner._token
-    for seq in hidden:
-        seq.num_computed_tokens += 1
-        seq.append_token(token_of(seq))
-        seq.timings.last_token_time = now
-        rec = records[seq.request_id]
-        rec.chunk_times.append(now)
-        rec.num_output_tokens += 1
-    rep.engine.stats.num_generated_tokens += len(hidden)
-
-
-def _decode_only_step(rep, records: dict, hidden: list, ctx: int) -> list:
-    """A step of hidden decodes alone (the rest scheduled nothing), as Engine.step runs it:
-    its blocks are taken already; the clock, counters and records as for a bulk step."""
-    engine, runner, clock = rep.engine, rep.runner, rep.clock
-    k = len(hidden)
-    step_s = runner.cost.predict(StepShape(k, k, ctx, 0, 0))
-    clock.now += step_s
-    runner.num_steps += 1
-    runner.busy_s += step_s
-    engine._step_id += 1
-    stats = engine.stats
-    stats.num_steps += 1
-    stats.num_computed_tokens += k
-    _stamp_hidden(rep, records, hidden, clock.now)
-    _note_last_step(stats, step_s, k, ctx)
-    return []
-
-
-__all__ = ["DecodeRun", "advance_decodes", "finish_run", "mixed_step"]
+__all__ = ["DecodeHead", "advance_decodes", "finish_run", "mixed_step"]

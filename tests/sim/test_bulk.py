@@ -185,3 +185,23 @@ def test_a_run_of_synthetic_tokens_is_what_one_token_steps_append():
         run.token_ids += runner.tokens(run, _PERIOD + 40)
         assert run.token_ids == stepped.token_ids
         assert not {0, 7} & set(run.token_ids[len(prompt):])
+
+
+def test_a_run_leaves_no_cyclic_garbage_and_restores_the_collector():
+    """simulate() turns Python's cyclic collector off while it runs (its passes over the
+    fleet's live objects found nothing): a run, evicting from a small prefix cache and
+    preempting, must leave nothing for the collector while its result is alive, and the
+    collector on again after."""
+    import gc
+
+    spec = ReplicaSpec(num_blocks=96, block_size=16, max_num_seqs=16,
+                       max_num_batched_tokens=256, max_model_len=2048, vocab_size=1000)
+    gc.collect()
+    assert gc.isenabled()
+    sim = simulate(_random_requests(120, 7), 2, spec, COST, make_policy("least_loaded"))
+    assert gc.isenabled()
+    assert sum(r.engine.scheduler.num_preemptions for r in sim.replicas) > 0
+    assert sum(r.engine.block_manager.prefix_cache.stats.num_evicted_blocks
+               for r in sim.replicas) > 0
+    assert gc.collect() == 0
+    assert len(sim.records) == 120
