@@ -67,6 +67,61 @@ class LeastLoaded:
             raise RuntimeError("no healthy replica")
         return min(healthy, key=lambda i: (loads[i].num_tokens_in_flight, loads[i].kv_usage, i))
 
+    def load_index(self, loads: Sequence[ReplicaLoad]) -> "LeastLoadedIndex":
+        """An incremental form of pick over loads that change a few at a time."""
+        return LeastLoadedIndex(loads)
+
+
+class LeastLoadedIndex:
+    """LeastLoaded.pick kept up to date as single replicas' loads change: a tournament tree
+    over (tokens in flight, KV usage, index) of the healthy replicas, O(log n) per update
+    and O(1) per pick, where pick over a list is O(n) (a simulator routes every arrival
+    among hundreds of replicas, of which a few changed since the last one). pick() is
+    LeastLoaded.pick over the loads given so far (tests/router: random updates)."""
+
+    _NONE = (float("inf"), float("inf"), -1)  # an unhealthy replica, or padding
+
+    def __init__(self, loads: Sequence[ReplicaLoad]):
+        n = len(loads)
+        size = 1
+        while size < n:
+            size *= 2
+        self._size = size
+        tree = [self._NONE] * (2 * size)
+        for i, load in enumerate(loads):
+            tree[size + i] = self._key(load, i)
+        for j in range(size - 1, 0, -1):
+            a, b = tree[2 * j], tree[2 * j + 1]
+            tree[j] = a if a <= b else b
+        self._tree = tree
+
+    def _key(self, load: ReplicaLoad, i: int) -> tuple:
+        if not load.is_healthy:
+            return self._NONE
+        return (load.num_tokens_in_flight, load.kv_usage, i)
+
+    def update(self, i: int, load: ReplicaLoad) -> None:
+        tree = self._tree
+        j = self._size + i
+        key = self._key(load, i)
+        if tree[j] == key:
+            return
+        tree[j] = key
+        j >>= 1
+        while j:
+            a, b = tree[2 * j], tree[2 * j + 1]
+            best = a if a <= b else b
+            if tree[j] == best:
+                break  # nothing above changes
+            tree[j] = best
+            j >>= 1
+
+    def pick(self) -> int:
+        i = self._tree[1][2]
+        if i < 0:
+            raise RuntimeError("no healthy replica")
+        return i
+
 
 class Session:
     """Sticky: requests with the same `user` (or session id) go to the same healthy replica
@@ -139,5 +194,5 @@ def make_policy(name: str) -> RoutingPolicy:
                          f"{policy_names()}") from None
 
 
-__all__ = ["LeastLoaded", "PrefixAffinity", "ReplicaLoad", "RoundRobin", "RouteRequest",
+__all__ = ["LeastLoaded", "LeastLoadedIndex", "PrefixAffinity", "ReplicaLoad", "RoundRobin", "RouteRequest",
            "RoutingPolicy", "Session", "make_policy", "policy_names"]

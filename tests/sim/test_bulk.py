@@ -205,3 +205,54 @@ def test_a_run_leaves_no_cyclic_garbage_and_restores_the_collector():
                for r in sim.replicas) > 0
     assert gc.collect() == 0
     assert len(sim.records) == 120
+
+
+def test_the_incremental_least_loaded_index_picks_what_least_loaded_picks():
+    """LeastLoadedIndex (what the simulator routes with) after random single-replica
+    updates, ties and unhealthy replicas included, equals LeastLoaded.pick over the list."""
+    import pytest
+
+    from servelm.router.policies import LeastLoaded, ReplicaLoad
+
+    rng = random.Random(11)
+    policy = LeastLoaded()
+    for n in (1, 2, 5, 8, 33):
+        def load():
+            return ReplicaLoad(rng.randrange(3), rng.randrange(3), rng.choice([0, 5, 9, 40]),
+                               rng.choice([0.0, 0.25, 0.5]), rng.random() < 0.85)
+        loads = [load() for _ in range(n)]
+        index = policy.load_index(loads)
+        for _ in range(400):
+            i = rng.randrange(n)
+            loads[i] = load()
+            index.update(i, loads[i])
+            if any(x.is_healthy for x in loads):
+                assert index.pick() == policy.pick(loads, None)
+            else:
+                with pytest.raises(RuntimeError):
+                    index.pick()
+
+
+def test_routing_with_the_incremental_index_is_routing_over_every_load():
+    """least_loaded through its index (the fleet's default path) and through pick() over
+    every replica's load at every arrival give the same run."""
+
+    class OverTheList:  # least_loaded without load_index
+        name = "least_loaded"
+        reads_cached_tokens = False
+
+        def __init__(self):
+            self.inner = make_policy("least_loaded")
+
+        def pick(self, loads, request):
+            return self.inner.pick(loads, request)
+
+    spec = ReplicaSpec(num_blocks=300, block_size=16, max_num_seqs=12,
+                       max_num_batched_tokens=256, max_model_len=2048, vocab_size=1000)
+    reqs = _random_requests(250, 12, span=3.0)
+    a = simulate(reqs, 6, spec, COST, make_policy("least_loaded"))
+    b = simulate(reqs, 6, spec, COST, OverTheList())
+    assert list(map(_record_key, a.records)) == list(map(_record_key, b.records))
+    for x, y in zip(a.replicas, b.replicas):
+        assert _replica_state(x) == _replica_state(y)
+    assert len({rep.engine.stats.num_steps for rep in a.replicas}) > 1
