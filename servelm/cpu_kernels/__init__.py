@@ -4,6 +4,8 @@
     mla_attention.cpp     paged_decode_mla: the same for multi-head latent attention (one
                           [latent | rope key] entry per token, shared by every head)
     layer_ops.cpp         rms_norm, add_rms_norm, rotary_, silu_and_mul: fused float32 layer ops
+    logit_rows.cpp        logit_rows: the head's logits as float32 with each row's argmax and
+                          how many lie within one bfloat16 step of its maximum, one pass a row
     quant_gemm.cpp        int4_gemm, int8_gemm: weight-only quantized matmuls, float32 activations
     quant_gemm_a8.cpp     int4_gemm_a8, int8_gemm_a8: the same weights times int8 activations
                           (avx512_vnni dot products), int8_dot_probe
@@ -46,7 +48,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
            "ops_for_mode"]
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
-            "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp")
+            "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()

@@ -13,6 +13,11 @@ maximum's token and the refined argmax is the float32 argmax of the same hidden 
 Sampling at a temperature sees the same values for those tokens and the rounded ones for
 the rest, as before.
 
+`finish_logits` is the runner's way in: on the CPU one C++ pass a row
+(cpu_kernels/logit_rows.cpp) makes the float32 logits, each row's argmax and the count of
+logits within one step of the maximum, so only rows with a tie are recomputed and the sampler
+can take the argmax it already has (servelm/sampling/sampler.py).
+
 Owns: that refinement and finding the head's weight rows.
 Never: touches float32 models (nothing to refine) or a head whose rows are not kept (a packed
 untied head: its oneDNN layout has no rows to read), which keeps plain bfloat16 logits.
@@ -61,3 +66,31 @@ def refine_near_max(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Te
         exact = torch.tanh(exact / softcap) * softcap
     logits[rows, cols] = exact
     return int(rows.numel())
+
+
+def finish_logits(raw: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 logits [N, V], each row's argmax or None) of the head's output `raw` [N, V]
+    for `hidden` [N, H]. weight: the head's 16-bit rows (`head_rows`), whose near-maximum
+    logits are recomputed; None: no refinement. The argmax comes with the CPU kernel (it is
+    the refined logits' argmax); elsewhere it is None and the sampler computes it."""
+    from servelm.layers.fused_cpu import PART
+    from servelm import cpu_kernels
+
+    refine = weight is not None and raw.dtype in _REFINED
+    ops = cpu_kernels.ops_for_mode(PART) if raw.device.type == "cpu" and raw.dim() == 2 and \
+        raw.dtype in (torch.float32, *_REFINED) else None
+    if ops is None:
+        logits = raw.float()
+        if refine:
+            refine_near_max(logits, hidden, weight, softcap)
+        return logits, None
+    logits, argmax, near = ops.logit_rows(raw.contiguous())
+    if refine:
+        tied = ((near > 1) & (near <= _MAX_CANDIDATES)).nonzero().flatten()
+        if tied.numel():
+            sub = logits[tied]
+            refine_near_max(sub, hidden[tied], weight, softcap)
+            logits[tied] = sub
+            argmax[tied] = sub.argmax(dim=-1)
+    return logits, argmax

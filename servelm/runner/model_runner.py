@@ -24,7 +24,7 @@ from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.deterministic import enable_deterministic
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
-from servelm.runner.logits import head_rows, refine_near_max
+from servelm.runner.logits import finish_logits, head_rows
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled
 from servelm.vision.runner import VisionRunner
@@ -145,10 +145,9 @@ class ModelRunner:
             return StepResult([], forward_s=time.perf_counter() - start, draft_s=draft_s,
                               prompt_logprobs=prompt_lps, embeddings=embeddings,
                               kv_saved=kv_saved)
-        logits = self.model.compute_logits(hidden[fb.logits_indices]).float()
-        if self._head_rows is not None:
-            refine_near_max(logits, hidden[fb.logits_indices], self._head_rows,
-                            self.config.final_logit_softcapping)
+        head_hidden = hidden[fb.logits_indices]
+        logits, argmax = finish_logits(self.model.compute_logits(head_hidden), head_hidden,
+                                       self._head_rows, self.config.final_logit_softcapping)
         rows = 0
         plain, spec = [], []
         for w in works:
@@ -161,9 +160,11 @@ class ModelRunner:
         sampled: list[SampledToken] = []
         if plain:
             idx = [r for _, r in plain]
-            plain_logits = logits if len(idx) == rows else logits[idx]
+            whole = len(idx) == rows
+            plain_logits = logits if whole else logits[idx]
+            plain_argmax = argmax if argmax is None or whole else argmax[idx]
             sched = [w.scheduled for w, _ in plain]
-            out = sample(plain_logits, self._sampling_tensors(sched, masks))
+            out = sample(plain_logits, self._sampling_tensors(sched, masks), plain_argmax)
             sampled = self._sampled_tokens(sched, out)
         result = StepResult(sampled, {}, draft_s=draft_s, prompt_logprobs=prompt_lps,
                             embeddings=embeddings)

@@ -64,8 +64,12 @@ def draw_tensors(params: list, vocab_size: int, device) -> SamplingTensors:
     return st
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """logits: [B, V] float32."""
+def sample(logits: torch.Tensor, st: SamplingTensors,
+           argmax: torch.Tensor | None = None) -> SamplerOutput:
+    """logits: [B, V] float32. argmax: each row's argmax of these logits where the caller
+    has it (the runner's logit pass computes it); used only if no mask, bias or penalty
+    changed the logits."""
+    given = logits
     raw_logprobs = None
     if st.num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -74,7 +78,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         logits = logits.masked_fill(~st.allowed, float("-inf"))
     logits = _add_biases(logits, st.biases)
     logits = _apply_penalties(logits, st)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax if argmax is not None and logits is given else logits.argmax(dim=-1)
     if st.all_greedy:
         tokens = greedy
     else:

@@ -72,3 +72,45 @@ def test_head_rows_finds_a_tied_or_plain_16_bit_head_only():
     assert head_rows(plain) is plain.lm_head.weight
     assert head_rows(Tiny(False, torch.bfloat16, packed=True)) is None  # no rows kept
     assert head_rows(Tiny(True, torch.float32)) is None  # nothing to refine
+
+
+def test_finish_logits_equals_the_refinement_of_every_tied_row():
+    """The runner's one-pass path (C++ on the CPU) gives the refined float32 argmax and
+    recomputes exactly the tied rows; the rows with a clear maximum keep their bf16 values."""
+    from servelm.runner.logits import finish_logits
+
+    ties = 0
+    for seed in range(20):
+        w, h = _case(seed, rows=16)
+        raw = h @ w.t()
+        exact = h.float() @ w.float().t()
+        logits, argmax = finish_logits(raw, h, w)
+        assert argmax is not None  # the C++ pass ran
+        assert torch.equal(argmax, exact.argmax(-1)) and torch.equal(argmax, logits.argmax(-1))
+        rounded = raw.float()
+        top = rounded.max(-1, keepdim=True).values
+        step = torch.exp2(torch.floor(torch.log2(top.abs())) - 7)
+        tied = (rounded >= top - step).sum(-1) > 1
+        ties += int(tied.sum())
+        assert torch.equal(logits[~tied], rounded[~tied])
+        if tied.any():
+            expect = rounded[tied].clone()
+            refine_near_max(expect, h[tied], w)
+            assert torch.equal(logits[tied], expect)
+    assert ties > 0
+    # float32 logits: no refinement, no copy, the argmax all the same
+    f = torch.randn(3, 50)
+    logits, argmax = finish_logits(f, torch.zeros(3, 4), None)
+    assert logits is f and torch.equal(argmax, f.argmax(-1))
+
+
+def test_the_sampler_uses_a_given_argmax_only_on_unchanged_logits():
+    from servelm.sampling.sampler import SamplingTensors, sample
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
+    wrong = torch.tensor([2, 2])  # a stand-in that differs from the true argmax
+    greedy = torch.zeros(2)
+    assert sample(logits, SamplingTensors(greedy), wrong).token_ids.tolist() == [2, 2]
+    biased = SamplingTensors(greedy, biases=[(0, [0], [10.0]), (1, [0], [10.0])])
+    assert sample(logits, biased, wrong).token_ids.tolist() == [0, 0]  # recomputed
+    assert sample(logits, SamplingTensors(greedy)).token_ids.tolist() == [1, 0]
