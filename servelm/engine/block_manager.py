@@ -135,6 +135,28 @@ class BlockManager:
         self.register_computed(seq, min(seq.num_computed_tokens + num_new_tokens,
                                         seq.num_tokens))
 
+    def allocate_decode(self, seq: Sequence) -> None:
+        """allocate(seq, 1) with no prefix match (a decode's one new position), without its
+        general bookkeeping: the blocks position num_computed_tokens needs, then the same
+        register_computed (the simulator calls it where a decode takes or fills a block)."""
+        table = seq.block_table
+        c = seq.num_computed_tokens
+        needed = -(-(c + 1) // self.block_size) - len(table)
+        if needed > 0:
+            if needed > self.num_free_blocks:  # can_allocate's test
+                raise RuntimeError("allocate without can_allocate")
+            free = self._free
+            for _ in range(needed):
+                if free:
+                    block = free.popleft()
+                    self._ref_counts[block] = 1  # a free-list block: in no cache, held by none
+                else:
+                    block = self._pop_free()
+                    self._take(block)
+                table.append(block)
+        if self.prefix_cache is not None:
+            self.register_computed(seq, min(c + 1, len(seq.token_ids)))
+
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Put seq's full blocks below position `num_tokens` into the prefix cache.
 
@@ -178,19 +200,36 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of seq (newest first, so older blocks are reused last)."""
         refs, cache = self._ref_counts, self.prefix_cache
-        cached = cache._nodes if cache is not None else ()
-        for block in reversed(seq.block_table):  # _release, inlined (a block at a time)
-            if block == DROPPED:
-                continue
-            count = refs[block]
-            if count <= 0:
-                raise RuntimeError(f"double free of block {block}")
-            refs[block] = count - 1
-            if count == 1:
-                if block in cached:
-                    cache.set_evictable(block, True)
-                else:
-                    self._free.append(block)
+        free = self._free
+        if cache is None:
+            for block in reversed(seq.block_table):  # _release, inlined
+                if block == DROPPED:
+                    continue
+                count = refs[block]
+                if count <= 0:
+                    raise RuntimeError(f"double free of block {block}")
+                refs[block] = count - 1
+                if count == 1:
+                    free.append(block)
+        else:
+            # _release, inlined; the blocks that become evictable are told to the cache in
+            # one call, in the same order (between them the cache sees no other change)
+            contains = cache.contains
+            evictable = []
+            for block in reversed(seq.block_table):
+                if block == DROPPED:
+                    continue
+                count = refs[block]
+                if count <= 0:
+                    cache.release(evictable)
+                    raise RuntimeError(f"double free of block {block}")
+                refs[block] = count - 1
+                if count == 1:
+                    if contains(block):
+                        evictable.append(block)
+                    else:
+                        free.append(block)
+            cache.release(evictable)
         seq.block_table = []
         self._num_cached.pop(seq.seq_id, None)
         self._drop_cursor.pop(seq.seq_id, None)

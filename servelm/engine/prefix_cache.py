@@ -238,11 +238,11 @@ class PrefixCache:
         hashed = self.record_events or self.keep_hashes
         for i in range(start, len(blocks)):  # keys of the new blocks only (a decode step
             key = tuple(tokens[i * bs:(i + 1) * bs])  # inserts one block of a long prompt)
-            children = parent.children
-            node = children.get(key)
             block = blocks[i]
-            if node is None:
-                node = children[key] = nodes[block] = _Node(block, key, parent, now)
+            new = _Node(block, key, parent, now)
+            node = parent.children.setdefault(key, new)  # one hash of the key, not two
+            if node is new:
+                nodes[block] = node
                 if hashed:
                     node.hash = block_hash(parent.hash, key)
                     if self.record_events:
@@ -261,6 +261,19 @@ class PrefixCache:
         self.num_evictable_blocks += 1 if evictable else -1
         if evictable and not node.children:
             self._push(node)
+
+    def release(self, blocks) -> None:
+        """set_evictable(block, True) for each of `blocks` (cached ones, in that order): what
+        the BlockManager says of a finished sequence's cached blocks, in one call."""
+        nodes = self._nodes
+        for block in blocks:
+            node = nodes[block]
+            if node.is_evictable:
+                continue
+            node.is_evictable = True
+            self.num_evictable_blocks += 1
+            if not node.children:
+                self._push(node)
 
     def _push(self, node: _Node) -> None:
         # Entries are lazy (a block taken again, or touched, leaves its old entry behind):

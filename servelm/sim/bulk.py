@@ -54,6 +54,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
+from servelm.engine.scheduler import ScheduledBatch
 from servelm.sim.cost_model import StepShape
 
 
@@ -231,7 +232,7 @@ def _take_blocks(bm, runner, seq, c: int, bs: int) -> None:
     if (c + 1) % bs == 0 or c + 1 > len(seq.block_table) * bs:
         seq.num_computed_tokens = c  # as the scheduler sees it at this step
         _catch_up(runner, seq, c + 1)
-        bm.allocate(seq, 1)  # a new block and/or a full block into the cache
+        bm.allocate_decode(seq)  # allocate(seq, 1): a new block and/or one into the cache
 
 
 def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> int:
@@ -364,8 +365,6 @@ def mixed_step(rep, records: dict) -> list | None:
         for _, seq in touched:
             i = info[seq.seq_id]
             _take_blocks(bm, runner, seq, i[0] + s - i[1], bs)
-    from servelm.engine.scheduler import ScheduledBatch
-
     batch = ScheduledBatch()
     sched.encoder_budget.reset()
     sched.running = [seq for _, seq in shown] + running[m:]
