@@ -2,14 +2,16 @@
 
 Owns: reserving one placement group of a bundle per rank (its share of the CPUs, or one GPU)
 with the strategy --parallel-placement (PACK by default: as few nodes as fit), bundle 0
-pinned to this process's node (rank 0, the scheduler, runs here and its compute is bundle
-0's); ranks 1..N-1 as `WorkerActor`s, each scheduled into its own bundle
+pinned to this process's Ray node by its node id (rank 0, the scheduler, runs here and its
+compute is bundle 0's), or taking the group the router's Ray backend reserved for this
+replica (its id in $SERVELM_RAY_PLACEMENT_GROUP, bundle 0 held by the replica's actor, which
+started this process); ranks 1..N-1 as `WorkerActor`s, each scheduled into its own bundle
 (PlacementGroupSchedulingStrategy) and running the very worker main the process launcher's
 children run (servelm/parallel/worker.py `run`), told its place by a codec WorkerStart frame
 (rank, world, and rank 0's rendezvous: this node's Ray address and a free port); and
 `RayWorkerSet`, the WorkerSet of actors: a rank whose actor died or whose main returned is
 dead, so ParallelRunner fails the replica exactly as for a dead process, and teardown kills
-the actors and removes the placement group. Never: starts, stops or sizes the cluster
+the actors and removes the placement group (only one it reserved itself). Never: starts, stops or sizes the cluster
 (`ray start`; the router's Ray backend, servelm/router/ray_backend.py, places whole
 replicas), or sends pickled objects to the workers (Ray carries the frame's bytes).
 
@@ -38,11 +40,18 @@ from servelm.core import codec
 from servelm.core.codec import WorkerStart
 from servelm.parallel.group import ParallelGroup
 from servelm.parallel.launcher import JOIN_TIMEOUT_S, WorkerSet, split_cpus
+# Set by the router's Ray backend for the `servelm serve` it starts in a replica's actor: the
+# hex id of the placement group it reserved for the replica, one bundle per rank, bundle 0
+# the actor's own. Not a user option: a handoff down one process tree, like $RAY_ADDRESS.
+from servelm.router.ray_backend import PLACEMENT_GROUP_ENV
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0  # a group the cluster cannot hold fails the build, not hangs it
-# bundle 0 asks for a sliver of this node's own resource: Ray then places it here
+# Ray's own label on every node since labels came in: bundle 0 selects this process's node
+NODE_ID_LABEL = "ray.io/node-id"
+# Older Ray without bundle label selectors: bundle 0 asks for a sliver of this node's
+# address resource instead (ambiguous where several Ray nodes share one address)
 NODE_RESOURCE_SLIVER = 0.001
 
 
@@ -50,6 +59,7 @@ class WorkerPlace(msgspec.Struct):
     """Where a rank's actor runs, as it reports it (codec bytes over Ray, never pickle)."""
 
     node: str  # its node's address in the cluster
+    node_id: str  # its Ray node's id (hex): several nodes may share one address
     pid: int
     placement_group: str | None  # the group's id (hex) Ray scheduled it in
     gpus: list[int] = []  # the GPU ids Ray gave it (it sees them as cuda:0..)
@@ -71,8 +81,9 @@ class WorkerActor:
         """A WorkerPlace: its node's address, its pid, its group, the GPUs Ray gave it."""
         import ray
 
-        pg = ray.get_runtime_context().get_placement_group_id()
-        return codec.encode(WorkerPlace(ray.util.get_node_ip_address(), os.getpid(), pg,
+        ctx = ray.get_runtime_context()
+        return codec.encode(WorkerPlace(ray.util.get_node_ip_address(), ctx.get_node_id(),
+                                        os.getpid(), ctx.get_placement_group_id(),
                                         [int(g) for g in ray.get_gpu_ids()]))
 
     def run(self, frame: bytes) -> int:
@@ -85,8 +96,10 @@ class WorkerActor:
 class RayWorkerSet(WorkerSet):
     """Ranks 1..N-1 as Ray actors in one placement group."""
 
-    def __init__(self, ray, pg, actors: dict, runs: dict, places: dict):
+    def __init__(self, ray, pg, actors: dict, runs: dict, places: dict,
+                 owns_group: bool = True):
         self.ray, self.pg = ray, pg
+        self.owns_group = owns_group  # False: the router's Ray backend reserved it
         self.actors = actors  # rank -> actor handle
         self.runs = runs  # rank -> the ObjectRef of its `run` (ready: the rank has ended)
         self.places: dict[int, WorkerPlace] = places
@@ -124,7 +137,7 @@ class RayWorkerSet(WorkerSet):
 
     def terminate(self, grace_s: float = 3.0) -> None:
         """Let the ranks finish (after rank 0's STOP their main returns), then kill the
-        actors and remove the placement group; idempotent."""
+        actors and remove the placement group if it reserved it; idempotent."""
         if self._removed or not self.ray.is_initialized():
             return
         self._removed = True
@@ -133,7 +146,8 @@ class RayWorkerSet(WorkerSet):
             self.ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for actor in self.actors.values():
             self.ray.kill(actor, no_restart=True)
-        self.ray.util.remove_placement_group(self.pg)
+        if self.owns_group:
+            self.ray.util.remove_placement_group(self.pg)
 
 
 def _connect():
@@ -145,17 +159,29 @@ def _connect():
     return ray if ray.is_initialized() else connect(None)
 
 
-def _bundles(ray, world: int, cpus: int, gpu: bool) -> list[dict]:
-    here = f"node:{ray.util.get_node_ip_address()}"
+def _bundles(world: int, cpus: int, gpu: bool) -> list[dict]:
     one = {"GPU": 1.0} if gpu else {"CPU": float(cpus)}
-    return [{**one, here: NODE_RESOURCE_SLIVER}] + [dict(one) for _ in range(world - 1)]
+    return [dict(one) for _ in range(world)]
+
+
+def _pinned_group(ray, bundles: list[dict], strategy: str, name: str):
+    """A placement group of `bundles` whose bundle 0 is on this process's Ray node."""
+    import inspect
+
+    from ray.util.placement_group import placement_group
+
+    if "bundle_label_selector" in inspect.signature(placement_group).parameters:
+        here = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+        return placement_group(bundles, strategy=strategy, name=name,
+                               bundle_label_selector=[here] + [{}] * (len(bundles) - 1))
+    node = f"node:{ray.util.get_node_ip_address()}"
+    bundles = [{**bundles[0], node: NODE_RESOURCE_SLIVER}, *bundles[1:]]
+    return placement_group(bundles, strategy=strategy, name=name)
 
 
 def _reserve(ray, args: EngineArgs, bundles: list[dict]):
-    from ray.util.placement_group import placement_group
-
-    pg = placement_group(bundles, strategy=args.parallel_placement,
-                         name=f"servelm-{os.getpid()}-{time.monotonic_ns()}")
+    pg = _pinned_group(ray, bundles, args.parallel_placement,
+                       f"servelm-{os.getpid()}-{time.monotonic_ns()}")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)  # read here: tests lower it
     if not ready:
         ray.util.remove_placement_group(pg)
@@ -166,20 +192,49 @@ def _reserve(ray, args: EngineArgs, bundles: list[dict]):
     return pg
 
 
-def _start_actors(ray, pg, world: int, cpus: int, gpu: bool) -> dict:
+def _given_group(ray, group_id: str, world: int):
+    """(group, its bundles): the placement group the router's Ray backend reserved for this
+    replica ($SERVELM_RAY_PLACEMENT_GROUP), checked: one bundle per rank, bundle 0 on this
+    process's node (the replica's actor holds it and started this process)."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group_id)))
+    table = placement_group_table(pg)
+    if table.get("state") not in ("CREATED", "REMOVED", None):  # still being placed
+        ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        table = placement_group_table(pg)
+    if table.get("state") != "CREATED":
+        raise PlacementError(f"parallel_launcher ray: ${PLACEMENT_GROUP_ENV} names placement "
+                             f"group {group_id}, which is {table.get('state', 'unknown')}")
+    bundles = [table["bundles"][i] for i in sorted(table["bundles"])]
+    if len(bundles) != world:
+        raise PlacementError(f"parallel_launcher ray: placement group {group_id} has "
+                             f"{len(bundles)} bundles for {world} ranks")
+    here = ray.get_runtime_context().get_node_id()
+    if table["bundles_to_node_id"].get(0) != here:
+        raise PlacementError(f"parallel_launcher ray: bundle 0 of placement group {group_id} "
+                             f"is on node {table['bundles_to_node_id'].get(0)}, not on rank "
+                             f"0's node {here}")
+    return pg, bundles
+
+
+def _start_actors(ray, pg, bundles: list[dict]) -> dict:
+    """Ranks 1.. as WorkerActors, each holding all of its bundle (its CPUs or its GPU)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(WorkerActor)
     return {rank: cls.options(
-        num_cpus=0 if gpu else cpus, num_gpus=1 if gpu else 0, max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank)).remote() for rank in range(1, world)}
+        num_cpus=bundles[rank].get("CPU", 0.0), num_gpus=bundles[rank].get("GPU", 0.0),
+        max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=rank)).remote()
+        for rank in range(1, len(bundles))}
 
 
 def _rank0_gpu(places: dict, here: str) -> str:
     """The first GPU of this node no worker actor here was given (Ray hands the actors
     their GPUs; rank 0 is no actor, so it takes one Ray did not)."""
-    taken = {g for p in places.values() if p.node == here for g in p.gpus}
+    taken = {g for p in places.values() if p.node_id == here for g in p.gpus}
     free = [i for i in range(torch.cuda.device_count()) if i not in taken]
     if not free:
         raise RuntimeError(f"parallel_launcher ray: no GPU left on {here} for rank 0")
@@ -187,16 +242,22 @@ def _rank0_gpu(places: dict, here: str) -> str:
 
 
 def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
-    """Reserve the placement group, start ranks 1..N-1 in it, join as rank 0. Returns rank
-    0's EngineArgs (its share of the threads, its GPU) and its group, `.workers` set."""
+    """Reserve the placement group (or take the one the router's Ray backend reserved),
+    start ranks 1..N-1 in it, join as rank 0. Returns rank 0's EngineArgs (its share of the
+    threads, its GPU) and its group, `.workers` set."""
     ray = _connect()
     parallel = args.parallel_config()
     world, gpu = parallel.world_size, torch.device(args.device).type == "cuda"
     threads, _ = split_cpus(args, world)
     rank_args = dataclasses.replace(args, num_threads=threads)
-    pg = _reserve(ray, args, _bundles(ray, world, threads, gpu))
-    actors = _start_actors(ray, pg, world, threads, gpu)
-    workers = RayWorkerSet(ray, pg, actors, {}, {})
+    given = os.environ.get(PLACEMENT_GROUP_ENV)
+    if given:
+        pg, bundles = _given_group(ray, given, world)
+    else:
+        bundles = _bundles(world, threads, gpu)
+        pg = _reserve(ray, args, bundles)
+    actors = _start_actors(ray, pg, bundles)
+    workers = RayWorkerSet(ray, pg, actors, {}, {}, owns_group=not given)
     try:
         wheres = [_place_decoder.decode(b) for b in ray.get(
             [a.where.remote() for a in actors.values()], timeout=JOIN_TIMEOUT_S)]
@@ -211,9 +272,14 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
                                JOIN_TIMEOUT_S)
             workers.runs[rank] = actor.run.remote(codec.encode(spec))
         logger.info("model parallel over Ray: %d ranks in placement group %s (%s), %d "
-                    "threads each, workers %s", world, pg.id.hex(), args.parallel_placement,
-                    threads, [(p.node, p.pid) for p in wheres])
-        device = torch.device(_rank0_gpu(workers.places, host) if gpu else args.device)
+                    "threads each, workers %s", world, pg.id.hex(),
+                    "the replica's, from the router" if given else args.parallel_placement,
+                    threads, [(p.node, p.node_id[:12], p.pid) for p in wheres])
+        here = ray.get_runtime_context().get_node_id()
+        # in the router's group the replica's actor holds bundle 0's GPU, and this process
+        # (its child) sees only that one (Ray's CUDA_VISIBLE_DEVICES): cuda:0
+        device = torch.device(args.device if not gpu else "cuda:0" if given else
+                              _rank0_gpu(workers.places, here))
         if gpu:
             rank_args = dataclasses.replace(rank_args, device=str(device))
         group = ParallelGroup.join(0, parallel, device, host, port, JOIN_TIMEOUT_S)

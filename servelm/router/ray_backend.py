@@ -3,7 +3,13 @@
 Owns: connecting to a Ray cluster (or starting a local one), placing each replica as an actor
 that holds the replica's resources (`--replica-cpus`, `--replica-gpus`) on some node, the
 actor starting the very same `servelm serve` process a single machine runs (bound to its
-node's address, on a free port), and stopping them all when the router stops.
+node's address, on a free port, told the cluster's address), and stopping them all when the
+router stops. A model-parallel replica (--tensor-parallel-size x --pipeline-parallel-size
+> 1) gets a placement group of one bundle per rank (the replica's resources split evenly,
+strategy --parallel-placement): its actor holds bundle 0 (rank 0, the replica's engine core,
+runs in the actor's child), and the replica's `--parallel-launcher ray` puts ranks 1.. into
+bundles 1.. of that same group (servelm/parallel/ray_launcher.py), so nothing is reserved
+twice; stopping the replica removes its group.
 Never: manages machines, restarts a dead replica, or schedules anything itself: Ray places
 the actors (spread over the nodes) and the router ejects a replica that stops answering.
 With --autoscale POLICY_FILE, servelm/autoscale/controller.py adds and removes actors
@@ -15,6 +21,9 @@ through `RayReplicas` while the router runs (docs/autoscale.md).
     | ray.get(actor.start)|      |  `servelm serve`     |   |  `servelm serve`     |
     +---------------------+      |   front end + core   |   |   front end + core   |
                                  +----------------------+   +----------------------+
+
+    a TP=2 replica: placement group [bundle 0: ReplicaActor -> serve -> core (rank 0)]
+                                    [bundle 1: WorkerActor rank 1, started by the core ]
 
 The replica process is the actor's child with PR_SET_PDEATHSIG: when Ray kills the actor
 (or its node's raylet dies) the replica gets SIGTERM and drains, never outliving its actor.
@@ -29,6 +38,13 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
+
+# The environment the replica's `servelm serve` gets from its actor: the hex id of the
+# replica's placement group, read by servelm/parallel/ray_launcher.py (its ranks go there).
+PLACEMENT_GROUP_ENV = "SERVELM_RAY_PLACEMENT_GROUP"
+PLACEMENT_TIMEOUT_S = 120.0  # a replica group the cluster cannot hold fails the start
+
 
 class RayUnavailableError(RuntimeError):
     pass
@@ -66,10 +82,18 @@ class ReplicaActor:
                 return node["NodeManagerAddress"]
         return ray.util.get_node_ip_address()
 
-    def start(self, serve_argv: list[str], timeout: float) -> str:
-        """Start the replica and return its base URL once it answers /health."""
+    def start(self, serve_argv: list[str], timeout: float,
+              placement_group: str | None = None) -> str:
+        """Start the replica and return its base URL once it answers /health. The replica
+        joins this actor's cluster ($RAY_ADDRESS: its GCS address; the rest of the
+        environment, an auth token included, is this actor's) and, given the replica's
+        placement group id, places its other ranks there."""
         import httpx
+        import ray
 
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        if placement_group is not None:
+            env[PLACEMENT_GROUP_ENV] = placement_group
         host = self.node_address()
         with socket.socket() as s:
             s.bind((host, 0))
@@ -77,7 +101,7 @@ class ReplicaActor:
         cmd = [sys.executable, "-m", "servelm.cli", "serve", *serve_argv,
                "--host", host, "--port", str(port)]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        self.proc = subprocess.Popen(cmd, preexec_fn=preexec)
+        self.proc = subprocess.Popen(cmd, preexec_fn=preexec, env=env)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
         deadline = time.monotonic() + timeout
@@ -116,15 +140,67 @@ class ReplicaActor:
         return self.proc.returncode
 
 
-def replica_serve_argv(argv: list[str], cpus: float) -> list[str]:
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a.split("=", 1)[0] == flag for a in argv)
+
+
+def replica_serve_argv(argv: list[str], cpus: float, ranks_on_ray: bool = False) -> list[str]:
     """The driver's `serve` arguments for one actor's replica: the driver-only flags
-    removed, and `--threads` set to the actor's CPUs unless given."""
+    removed, `--threads` set to the replica's CPUs unless given (a model-parallel replica
+    splits them between its ranks), and with ranks_on_ray `--parallel-launcher ray`."""
     from servelm.router.data_parallel import PARENT_FLAGS, strip_flags
 
     out = strip_flags(argv, PARENT_FLAGS)
-    if not any(a.split("=", 1)[0] == "--threads" for a in out):
+    if not _has_flag(out, "--threads"):
         out += ["--threads", str(max(1, int(cpus)))]
+    if ranks_on_ray and not _has_flag(out, "--parallel-launcher"):
+        out += ["--parallel-launcher", "ray"]
     return out
+
+
+class ReplicaShape(NamedTuple):
+    """What one replica holds on the cluster: its resources, and with more than one rank a
+    placement group of a bundle per rank (each 1/world of them), placed by `strategy`."""
+
+    cpus: float  # the whole replica's (all ranks together)
+    gpus: float
+    world: int = 1  # tensor x pipeline parallel ranks
+    strategy: str = "PACK"
+    is_grouped: bool = False  # ranks 1.. placed by Ray in the replica's placement group
+
+    @classmethod
+    def from_args(cls, args, serve_argv: list[str]) -> ReplicaShape:
+        """From `serve`'s flags: a model-parallel replica is grouped unless its ranks are
+        asked to be local processes (an explicit --parallel-launcher process: then its
+        actor holds all of the replica's resources and the ranks are its node's processes)."""
+        world = (getattr(args, "tensor_parallel_size", 1) or 1) * \
+            (getattr(args, "pipeline_parallel_size", 1) or 1)
+        grouped = world > 1 and not (_has_flag(serve_argv, "--parallel-launcher")
+                                     and args.parallel_launcher != "ray")
+        return cls(args.replica_cpus, args.replica_gpus, world,
+                   getattr(args, "parallel_placement", "PACK"), grouped)
+
+    def bundles(self) -> list[dict]:
+        n = self.world if self.is_grouped else 1
+        one = {k: v / n for k, v in (("CPU", self.cpus), ("GPU", self.gpus)) if v > 0}
+        return [dict(one) for _ in range(n)]
+
+    def argv(self, serve_argv: list[str]) -> list[str]:
+        return replica_serve_argv(serve_argv, self.cpus, self.is_grouped)
+
+
+def _token_auth_as_ray_start_would() -> None:
+    """With RAY_AUTH_MODE unset and a Ray token on this machine ($RAY_AUTH_TOKEN,
+    $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which any local `ray.init` writes), `ray
+    start` turns token authentication on, but `ray.init(address=...)` does not: turn it on
+    here too (RAY_AUTH_MODE=token, so this process's children, the engine core among them,
+    connect the same way). A token client still joins a cluster without authentication."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def connect(address: str | None):
@@ -134,24 +210,99 @@ def connect(address: str | None):
     import logging
 
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        _token_auth_as_ray_start_would()
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=True)
     return ray
 
 
-def start_actors(ray, serve_argv: list[str], n: int, cpus: float, gpus: float,
-                 timeout: float = 900.0):
-    """(actors, urls): n replicas placed by Ray (spread over nodes), each answering /health."""
+def new_replica(ray, shape: ReplicaShape):
+    """(actor, its placement group or None): one replica's actor, not started yet. A grouped
+    replica's group is reserved first (bundle 0 the actor's); one the cluster cannot hold
+    in PLACEMENT_TIMEOUT_S is removed and raised as a RuntimeError naming its bundles."""
     cls = ray.remote(ReplicaActor)
-    actors = [cls.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy="SPREAD",
-                          max_restarts=0).remote() for _ in range(n)]
-    argv = replica_serve_argv(serve_argv, cpus)
-    try:
-        urls = ray.get([a.start.remote(argv, timeout) for a in actors], timeout=timeout + 60)
-    except BaseException:
-        stop_actors(ray, actors, 5.0)
-        raise
-    return actors, urls
+    if not shape.is_grouped:
+        return cls.options(num_cpus=shape.cpus, num_gpus=shape.gpus,
+                           scheduling_strategy="SPREAD", max_restarts=0).remote(), None
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles = shape.bundles()
+    pg = placement_group(bundles, strategy=shape.strategy,
+                         name=f"servelm-replica-{os.getpid()}-{time.monotonic_ns()}")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"the cluster did not place a replica's {len(bundles)} bundles "
+                           f"{bundles[0]} (parallel_placement {shape.strategy}) in "
+                           f"{PLACEMENT_TIMEOUT_S:g} s; it has {ray.cluster_resources()}")
+    actor = cls.options(num_cpus=bundles[0].get("CPU", 0.0),
+                        num_gpus=bundles[0].get("GPU", 0.0), max_restarts=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            pg, placement_group_bundle_index=0)).remote()
+    return actor, pg
+
+
+class RayReplicas:
+    """The replicas on Ray: their actors and placement groups, started and stopped; also
+    the autoscaler's backend (servelm/autoscale/controller.py: one more replica, or one
+    stopped). Keeps every actor it has, for the final stop."""
+
+    def __init__(self, ray, serve_argv: list[str], shape: ReplicaShape,
+                 drain_timeout: float, timeout: float = 900.0):
+        self.ray = ray
+        self.shape = shape
+        self.argv = shape.argv(serve_argv)
+        self.actors: list = []
+        self.groups: dict = {}  # actor -> its placement group (grouped replicas)
+        self.drain_timeout = drain_timeout
+        self.timeout = timeout
+
+    def _new(self):
+        actor, pg = new_replica(self.ray, self.shape)
+        self.actors.append(actor)
+        if pg is not None:
+            self.groups[actor] = pg
+        return actor, actor.start.remote(self.argv, self.timeout,
+                                         None if pg is None else pg.id.hex())
+
+    def start(self, n: int) -> list[str]:
+        """n replicas placed by Ray, each answering /health: their URLs (on failure every
+        replica started is stopped)."""
+        try:
+            refs = [self._new()[1] for _ in range(n)]
+            return self.ray.get(refs, timeout=self.timeout + 60)
+        except BaseException:
+            self.stop(list(self.actors))
+            raise
+
+    def stop(self, actors: list) -> None:
+        """Drain the replicas (their actors SIGTERM them), kill the actors, remove their
+        groups."""
+        stop_actors(self.ray, actors, self.drain_timeout)
+        for actor in actors:
+            pg = self.groups.pop(actor, None)
+            if pg is not None:
+                self.ray.util.remove_placement_group(pg)
+            if actor in self.actors:
+                self.actors.remove(actor)
+
+    async def start_replica(self):
+        import asyncio
+
+        actor, ref = await asyncio.to_thread(self._new)
+        try:
+            url = await asyncio.to_thread(self.ray.get, ref, timeout=self.timeout + 60)
+        except BaseException:
+            await self.stop_replica(actor)
+            raise
+        return actor, url
+
+    async def stop_replica(self, actor) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.stop, [actor])
 
 
 def stop_actors(ray, actors, timeout: float) -> None:
@@ -162,43 +313,6 @@ def stop_actors(ray, actors, timeout: float) -> None:
               flush=True)
     for a in actors:
         ray.kill(a)
-
-
-class RayReplicas:
-    """The autoscaler's backend (servelm/autoscale/controller.py): one more replica actor,
-    placed by Ray, or one stopped. Keeps every actor it has, for the final stop."""
-
-    def __init__(self, ray, serve_argv: list[str], cpus: float, gpus: float, actors,
-                 drain_timeout: float, timeout: float = 900.0):
-        self.ray = ray
-        self.argv = replica_serve_argv(serve_argv, cpus)
-        self.cpus, self.gpus = cpus, gpus
-        self.actors = list(actors)
-        self.drain_timeout = drain_timeout
-        self.timeout = timeout
-
-    async def start_replica(self):
-        import asyncio
-
-        cls = self.ray.remote(ReplicaActor)
-        actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus,
-                            scheduling_strategy="SPREAD", max_restarts=0).remote()
-        self.actors.append(actor)
-        try:
-            url = await asyncio.to_thread(self.ray.get, actor.start.remote(self.argv,
-                                                                           self.timeout),
-                                          timeout=self.timeout + 60)
-        except BaseException:
-            await self.stop_replica(actor)
-            raise
-        return actor, url
-
-    async def stop_replica(self, actor) -> None:
-        import asyncio
-
-        await asyncio.to_thread(stop_actors, self.ray, [actor], self.drain_timeout)
-        if actor in self.actors:
-            self.actors.remove(actor)
 
 
 def _autoscale_setup(args):
@@ -234,16 +348,19 @@ def serve_ray(args, serve_argv: list[str]) -> int:
         print(f"[servelm] ray: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
+        shape = ReplicaShape.from_args(args, serve_argv)
+        backend = RayReplicas(ray, serve_argv, shape, args.drain_timeout + 5)
         try:
-            actors, urls = start_actors(ray, serve_argv, num_replicas,
-                                        args.replica_cpus, args.replica_gpus)
+            urls = backend.start(num_replicas)
         except Exception as exc:
             print(f"[servelm] ray: replicas failed to start: {exc}", file=sys.stderr,
                   flush=True)
             return 1
-        backend = RayReplicas(ray, serve_argv, args.replica_cpus, args.replica_gpus, actors,
-                              args.drain_timeout + 5)
+        actors = list(backend.actors)
         controllers, what = [], f"{len(urls)} replicas on Ray"
+        if shape.is_grouped:
+            what += (f", {shape.world} ranks each in its own placement group "
+                     f"({shape.strategy})")
         if config is not None:
             from servelm.autoscale.controller import AutoscaleController
 
@@ -253,11 +370,11 @@ def serve_ray(args, serve_argv: list[str]) -> int:
         try:
             run_router(args, sock, urls, what, controllers)
         finally:
-            stop_actors(ray, backend.actors, args.drain_timeout + 5)
+            backend.stop(list(backend.actors))
     finally:
         ray.shutdown()
     return 0
 
 
-__all__ = ["RayReplicas", "ReplicaActor", "connect", "replica_serve_argv", "serve_ray",
-           "start_actors", "stop_actors"]
+__all__ = ["PLACEMENT_GROUP_ENV", "RayReplicas", "ReplicaActor", "ReplicaShape", "connect",
+           "new_replica", "replica_serve_argv", "serve_ray", "stop_actors"]
