@@ -135,8 +135,14 @@ void rotate_rows(T* const bases[2], const int64_t heads[2], const int64_t stride
       for (int which = 0; which < 2; ++which)
         for (int64_t h = 0; h < heads[which]; ++h) {
           T* x = bases[which] + t * strides[which][0] + h * strides[which][1];
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
+          int64_t i = 0;
+          for (; i + 16 <= half; i += 16) {  // 16 pairs a step (bf16: widened and rounded once)
+            const f32x16 x1 = load16(x + i), x2 = load16(x + i + half);
+            const f32x16 cc = load16(c + i), ss = load16(s + i);
+            store16(x + i, x1 * cc - x2 * ss);
+            store16(x + i + half, x2 * cc + x1 * ss);
+          }
+          for (; i < half; ++i) {
             const float x1 = float(x[i]), x2 = float(x[i + half]);
             x[i] = T(x1 * c[i] - x2 * s[i]);
             x[i + half] = T(x2 * c[i] + x1 * s[i]);
