@@ -71,18 +71,15 @@ struct Problem {
   const int64_t* seq_lens;
   int64_t num_heads, group, head_dim, block_size;
   float* out;  // [B, H, D]
-  float scale;  // the attention scale (applied to the scores in the bf16_dots form)
 };
 
 // Per-thread scratch, in 16-lane vectors: q (scaled), accumulators, one tile of partial dots;
 // per query head of the work item: running max and sum.
 struct Scratch {
   std::vector<f32x16> q, acc, dots;
-  std::vector<u32x16> qb;  // the query heads' bfloat16 bits, two to a lane (bf16_dots)
   std::vector<float> max, sum;
   Scratch(int64_t heads, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), qb(heads * chunks),
-        max(heads), sum(heads) {}
+      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), max(heads), sum(heads) {}
 };
 
 template <typename Q>
@@ -199,138 +196,10 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   }
 }
 
-#if defined(__AVX512BF16__)
-// A bfloat16 cache read by a bfloat16 query: q . k with avx512_bf16's vdpbf16ps, 32 bfloat16
-// products a step summed in pairs into 16 float32 lanes (the products are exact in float32;
-// only the order of the sums differs from float32 FMAs). The attention scale then multiplies
-// the scores, as q was left unscaled to stay exact in bfloat16.
-constexpr bool kBf16Dots = true;
-template <int kChunks>
-void bf16_dots(const Problem& p, const bf16* kbase, const int64_t* rows, int n, int64_t num_kv,
-               Scratch& s) {
-  const int64_t G = p.group, D = p.head_dim;
-  for (int t = 0; t < kTile; ++t) {
-    if (t >= n) {
-      for (int64_t h = 0; h < num_kv * G; ++h) s.dots[h * kTile + t] = splat(0.0f);
-      continue;
-    }
-    for (int64_t kh = 0; kh < num_kv; ++kh) {
-      __m512bh k[kChunks / 2];
-      for (int c = 0; c < kChunks / 2; ++c)
-        k[c] = (__m512bh)_mm512_loadu_si512(kbase + rows[t] + kh * D + 32 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        const u32x16* qh = &s.qb[(kh * G + g) * kChunks];
-        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qh[0], k[0]);
-        for (int c = 1; c < kChunks / 2; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)qh[c], k[c]);
-        s.dots[(kh * G + g) * kTile + t] = (f32x16)d;
-      }
-    }
-  }
-}
-#else
-constexpr bool kBf16Dots = false;
-#endif
-
-// The same attention with the group size kG known: a tile's V row is loaded (and widened)
-// once for the kG query heads that share it, their accumulators all in registers. kDots:
-// q . k by bf16_dots (s.qb holds q unscaled) rather than tile_dots (s.q holds q * scale).
-template <int kChunks, int kG, typename KV, bool kDots>
-void attend_group(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
-  constexpr int nc = kChunks;
-  const int64_t D = p.head_dim, bs = p.block_size, num_kv = kh1 - kh0;
-  const int64_t heads = num_kv * kG;
-  const KV* kbase = static_cast<const KV*>(p.k) + kh0 * D;
-  const KV* vbase = static_cast<const KV*>(p.v) + kh0 * D;
-  const int64_t* table = p.tables + b * p.table_stride;
-  const int64_t len = p.seq_lens[b];
-  const int64_t row_bytes = num_kv * D * int64_t(sizeof(KV));
-  const float score_scale = kDots ? p.scale : 1.0f;
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
-  std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
-  std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
-  int64_t rows[kTile], next[kTile];
-  locate(table, bs, p.slot_stride, 0, len, next);
-  for (int64_t start = 0; start < len; start += kTile) {
-    const int n = int(std::min<int64_t>(kTile, len - start));
-    std::copy(next, next + n, rows);
-    const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
-    for (int t = 0; t < n_next; ++t)
-      for (int64_t c = 0; c < row_bytes; c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
-      }
-#if defined(__AVX512BF16__)
-    if constexpr (kDots) bf16_dots<kChunks>(p, reinterpret_cast<const bf16*>(kbase), rows, n, num_kv, s);
-    else
-#endif
-      tile_dots<kChunks, KV>(p, kbase, rows, n, num_kv, s);
-    for (int64_t kh = 0; kh < num_kv; ++kh) {
-      const int64_t h = kh * kG;
-      f32x16 e[kG], acc[kG][nc];
-      for (int g = 0; g < kG; ++g) {
-        float &max = s.max[h + g], &sum = s.sum[h + g];
-        f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
-        if (kDots) scores *= score_scale;
-        scores = lane < float(n) ? scores : splat(-std::numeric_limits<float>::infinity());
-        const float mx = std::max(max, lane_max(scores));
-        for (int c = 0; c < nc; ++c) acc[g][c] = s.acc[(h + g) * nc + c];
-        if (mx > max) {
-          const float alpha = exp16(splat(max - mx))[0];
-          for (int c = 0; c < nc; ++c) acc[g][c] *= alpha;
-          sum *= alpha;
-          max = mx;
-        }
-        e[g] = exp16(scores - mx);
-        e[g] = lane < float(n) ? e[g] : splat(0.0f);
-        sum += lane_sum(e[g]);
-      }
-      const KV* vh = vbase + kh * D;
-      for (int t = 0; t < n; ++t) {
-        f32x16 v[nc];
-        for (int c = 0; c < nc; ++c) v[c] = load16(vh + rows[t] + 16 * c);
-        for (int g = 0; g < kG; ++g) {
-          const float w = e[g][t];
-          for (int c = 0; c < nc; ++c) acc[g][c] += w * v[c];
-        }
-      }
-      for (int g = 0; g < kG; ++g)
-        for (int c = 0; c < nc; ++c) s.acc[(h + g) * nc + c] = acc[g][c];
-    }
-  }
-  float* out = p.out + (b * p.num_heads + kh0 * kG) * D;
-  for (int64_t hh = 0; hh < heads; ++hh) {
-    const float inv = 1.0f / s.sum[hh];
-    for (int c = 0; c < nc; ++c)
-      *reinterpret_cast<f32x16*>(out + hh * D + 16 * c) = s.acc[hh * nc + c] * inv;
-  }
-}
-
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
 
-// The group sizes of the usual GQA models get attend_group; others the general loop.
-template <int kChunks, typename KV, bool kDots>
-AttendFn pick_group(int64_t group) {
-  switch (group) {
-    case 1: return attend_group<kChunks, 1, KV, kDots>;
-    case 2: return attend_group<kChunks, 2, KV, kDots>;
-    case 3: return attend_group<kChunks, 3, KV, kDots>;
-    case 4: return attend_group<kChunks, 4, KV, kDots>;
-    case 5: return attend_group<kChunks, 5, KV, kDots>;
-    case 6: return attend_group<kChunks, 6, KV, kDots>;
-    case 7: return attend_group<kChunks, 7, KV, kDots>;
-    case 8: return attend_group<kChunks, 8, KV, kDots>;
-    default: return nullptr;
-  }
-}
-
-// dots: the bf16_dots form (a bfloat16 query over a bfloat16 cache, where avx512_bf16 runs).
-template <typename KV, bool kDots = false>
-AttendFn pick(int64_t head_dim, int64_t group) {
-  AttendFn f = nullptr;
-  if (head_dim == 64) f = pick_group<4, KV, kDots>(group);
-  if (head_dim == 128) f = pick_group<8, KV, kDots>(group);
-  if (f) return f;
+template <typename KV>
+AttendFn pick(int64_t head_dim) {
   if (head_dim == 64) return attend<4, KV>;
   if (head_dim == 128) return attend<8, KV>;
   return attend<0, KV>;
@@ -378,17 +247,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
   const Problem p{k_cache.data_ptr(), v_cache.data_ptr(), K * D,
                   block_tables.data_ptr<int64_t>(), block_tables.stride(0),
-                  seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>(),
-                  float(scale)};
+                  seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>()};
+  const AttendFn attend_kv = fp8 ? pick<fp8_e4m3>(D)
+                             : k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D)
+                                                                       : pick<float>(D);
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
-  const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
-  // The bf16_dots form where it exists for this shape (a grouped kernel, D 64 or 128).
-  const bool dots = kBf16Dots && q_bf16 && kv_bf16 && (D == 64 || D == 128) &&
-                    H / K >= 1 && H / K <= 8;
-  const AttendFn attend_kv = fp8 ? pick<fp8_e4m3>(D, H / K)
-                             : dots ? pick<bf16, true>(D, H / K)
-                             : kv_bf16 ? pick<bf16>(D, H / K)
-                                       : pick<float>(D, H / K);
   // Whole sequences (all KV heads: contiguous slots) when there are enough to share out;
   // (sequence, KV head) items when few sequences must still keep every thread busy.
   const int64_t threads_wanted = at::get_num_threads();
@@ -402,17 +265,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
       const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
-      if (dots) {  // q's bfloat16 bits as they are: 32 to a vector
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) +
-                              b * q.stride(0) + h0 * q.stride(1);
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t c = 0; c < D / 32; ++c)
-            s.qb[h * (D / 16) + c] = *reinterpret_cast<const u32x16*>(src + h * q.stride(1) + 32 * c);
-      } else if (q_bf16) {
+      if (q_bf16)
         load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
-      } else {
+      else
         load_q<float>(q, b, h0, heads, float(scale), s);
-      }
       const int64_t nc = D / 16;
       if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
         for (int64_t h = 0; h < heads; ++h)
