@@ -229,10 +229,17 @@ def _needs_block(seq, c: int, bs: int) -> bool:
 def _take_blocks(bm, runner, seq, c: int, bs: int) -> None:
     """What the scheduler's allocate(seq, 1) does for a decode at position c, if its
     position takes or fills a block."""
-    if (c + 1) % bs == 0 or c + 1 > len(seq.block_table) * bs:
+    if (c + 1) % bs == 0:  # it fills its last block: the cache keys that block's tokens
         seq.num_computed_tokens = c  # as the scheduler sees it at this step
         _catch_up(runner, seq, c + 1)
-        bm.allocate_decode(seq)  # allocate(seq, 1): a new block and/or one into the cache
+        bm.allocate_decode(seq)  # allocate(seq, 1): a full block into the cache (+ a new one)
+    elif c + 1 > len(seq.block_table) * bs:  # it takes a new block, and fills none
+        # Its tokens need no catching up: it holds at least c of them (c is a block's
+        # first position: the fill of the block before, or its joining, put them there),
+        # and register_computed's bound, min(c + 1, tokens) // bs, is then c // bs either
+        # way (bs > 1 here): the blocks that fill registered already.
+        seq.num_computed_tokens = c
+        bm.allocate_decode(seq)
 
 
 def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> int:
