@@ -109,10 +109,10 @@ def _gguf_matrix_type(file: Path) -> str:
     in a quantized file; the matrices say how the model was stored)."""
     import numpy as np
 
-    from servelm.loader.gguf_loader import _reader  # the indexed reader config loading shares
+    from servelm.loader.gguf_loader import gguf_reader  # the indexed reader config loading shares
 
     counts: dict[str, int] = {}
-    for t in _reader(file).tensors:
+    for t in gguf_reader(file).tensors:
         if len(t.shape) >= 2:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(np.prod(t.shape))
     return max(counts, key=counts.get) if counts else "F32"

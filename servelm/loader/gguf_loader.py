@@ -46,10 +46,13 @@ _TOKEN_USER_DEFINED = 4
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: Path) -> GGUFReader:
-    # Parsing the metadata (50k-entry vocab arrays) takes seconds: it is done once per file
-    # and kept under $SERVELM_HOME/index (servelm/loader/gguf_index.py), and config, weights
-    # and tokenizer share one memory-mapped view of it per process.
+def gguf_reader(path: Path) -> GGUFReader:
+    """The file's reader, shared by everything that reads it in this process (config,
+    weights, tokenizer, the dtype choice).
+
+    Parsing the metadata (50k-entry vocab arrays) takes seconds: it is done once per file
+    and kept under $SERVELM_HOME/index (servelm/loader/gguf_index.py), and every reader shares
+    one memory-mapped view of it per process."""
     from servelm.loader.gguf_index import open_indexed
 
     return open_indexed(path)
@@ -67,7 +70,7 @@ def load_gguf_config(path: Path, name: str) -> ModelConfig:
     """ModelConfig from `{arch}.*` metadata and the tensors present (ModelConfig's own GGUF
     reader), plus what only the loader reads: rope scaling, BOS and end-of-generation ids.
     An architecture no model family runs is refused when the model is built."""
-    reader = _reader(path)
+    reader = gguf_reader(path)
     arch = _get(reader, "general.architecture")
 
     def meta(key: str, default: Any = None) -> Any:
@@ -225,7 +228,7 @@ def _model_tensors(path: Path, config: ModelConfig):
     """(HF name, GGUF tensor, heads of its rotary permutation or None, a constant to subtract
     from its values) for every tensor the model takes; raises at the end if the config needs
     one the file lacks."""
-    reader = _reader(path)
+    reader = gguf_reader(path)
     arch = _get(reader, "general.architecture")
     permuted = arch == "llama"  # qwen2/qwen3/phi3 use neox rotary
     seen: set[str] = set()
@@ -534,7 +537,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
     """The original model's tokenizer, rebuilt from `tokenizer.ggml.*` metadata."""
-    reader = _reader(path)
+    reader = gguf_reader(path)
     kind = _get(reader, "tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
         raise ValueError(

@@ -104,15 +104,15 @@ def test_loader_config_and_tokenizer_through_the_cached_index(default_model_path
     monkeypatch.setenv("SERVELM_HOME", str(tmp_path))
     fresh = open_indexed(default_model_path, use_cache=True)
     assert not fresh.from_cache
-    gguf_loader._reader.cache_clear()
+    gguf_loader.gguf_reader.cache_clear()
     try:
         config = gguf_loader.load_gguf_config(default_model_path, "m")
         tok = gguf_loader.load_gguf_tokenizer(default_model_path)
-        assert gguf_loader._reader(default_model_path).from_cache
+        assert gguf_loader.gguf_reader(default_model_path).from_cache
     finally:
-        gguf_loader._reader.cache_clear()
+        gguf_loader.gguf_reader.cache_clear()
     reader = gguf.GGUFReader(default_model_path, "r")  # gguf-py's own parse, once
-    monkeypatch.setattr(gguf_loader, "_reader", lambda p: reader)
+    monkeypatch.setattr(gguf_loader, "gguf_reader", lambda p: reader)
     assert gguf_loader.load_gguf_config(default_model_path, "m") == config
     ref = gguf_loader.load_gguf_tokenizer(default_model_path)
     text = "Hello, world! Servelm's index: 12345 tokens."

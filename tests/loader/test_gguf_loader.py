@@ -73,9 +73,9 @@ def test_q_weight_is_actually_permuted_in_the_file(
     """Guard against a vacuous pass: the raw (still permuted) q rows differ from HF's order."""
     from gguf.quants import dequantize
 
-    from servelm.loader.gguf_loader import _reader
+    from servelm.loader.gguf_loader import gguf_reader
 
-    reader = _reader(gguf_source.path)
+    reader = gguf_reader(gguf_source.path)
     raw = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     raw_rows = torch.from_numpy(dequantize(raw.data, raw.tensor_type).copy())
     hf = reference_gguf_tensors["model.layers.0.self_attn.q_proj.weight"]
