@@ -284,7 +284,11 @@ class RayReplicas:
         for actor in actors:
             pg = self.groups.pop(actor, None)
             if pg is not None:
-                self.ray.util.remove_placement_group(pg)
+                try:
+                    self.ray.util.remove_placement_group(pg)
+                except Exception as exc:  # the cluster went first: keep stopping the rest
+                    print(f"[servelm] removing a replica's placement group: "
+                          f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             if actor in self.actors:
                 self.actors.remove(actor)
 
