@@ -214,7 +214,7 @@ class BlockManager:
         else:
             # _release, inlined; the blocks that become evictable are told to the cache in
             # one call, in the same order (between them the cache sees no other change)
-            contains = cache.contains
+            cached = cache.blocks
             evictable = []
             for block in reversed(seq.block_table):
                 if block == DROPPED:
@@ -225,7 +225,7 @@ class BlockManager:
                     raise RuntimeError(f"double free of block {block}")
                 refs[block] = count - 1
                 if count == 1:
-                    if contains(block):
+                    if block in cached:
                         evictable.append(block)
                     else:
                         free.append(block)

@@ -174,6 +174,11 @@ class PrefixCache:
         return block in self._nodes
 
     @property
+    def blocks(self):
+        """The cached blocks, a live read-only view (`block in cache.blocks` is contains)."""
+        return self._nodes.keys()
+
+    @property
     def num_namespaces(self) -> int:
         return len(self._roots)
 
