@@ -250,6 +250,12 @@ class SlidingGoodput:
         self._expire(slo_class, now)
         return len(self._events[slo_class])
 
+    def num_met(self, slo_class: str, now: float) -> int:
+        """Of those counted, how many met both targets: fleets add these and the counts
+        (goodput is a ratio: replicas' ratios do not average)."""
+        self._expire(slo_class, now)
+        return self._met[slo_class]
+
     def goodput(self, slo_class: str, now: float) -> float | None:
         self._expire(slo_class, now)
         n = len(self._events[slo_class])

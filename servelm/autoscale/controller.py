@@ -3,10 +3,15 @@ router's ReplicaSet through a backend that starts and stops replicas (Ray actors
 servelm/router/ray_backend.py).
 
 Owns: the loop (every `config.tick_s`: the signal from the router's own count of tokens in
-flight, `Autoscaler.decide`, then the change), starting replicas in the background (they
-count as booting until they answer /health, then the router routes to them), and removing
-them drained: the router stops sending them requests, their in-flight requests finish (up to
-`config.drain_timeout_s`), then the backend stops them.
+flight, with an SLO spec each class's goodput over the spec's window read from the
+replicas' own gauges, `Autoscaler.decide`, then the change), starting replicas in the
+background (they count as booting until they answer /health, then the router routes to
+them), and removing them drained: the router stops sending them requests, their in-flight
+requests finish (up to `config.drain_timeout_s`), then the backend stops them.
+
+A fleet's goodput per class is the replicas' requests met over their requests finished in
+the window, summed (`servelm_slo_window_met_requests` / `servelm_slo_window_requests`): one
+replica with 9 of 10 met and one with 10 of 100 is 19 / 110 (17%), not a mean of ratios (50%).
 Never: places a replica (the backend does: Ray), decides a size (policy.py does), or drops a
 request: a replica leaves the router only once nothing is in flight there, or its drain
 timed out (then the replica's own SIGTERM drain still finishes what it holds).
@@ -16,11 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Protocol
 
-from servelm.autoscale.policy import AutoscaleConfig, AutoscaleConfigError, Autoscaler
+import httpx
+
+from servelm.autoscale.policy import AutoscaleConfig, AutoscaleConfigError, Autoscaler, Decision
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,48 @@ class ReplicaBackend(Protocol):
 
     async def stop_replica(self, handle: Any) -> None:
         """Stop a replica that has nothing in flight."""
+
+
+class ClassWindow(NamedTuple):
+    """One replica's count of one SLO class over the spec's window (its gauges)."""
+
+    num_met: int
+    num_requests: int
+
+
+# A labelled sample of the two window gauges; the class name as Prometheus escapes it.
+_WINDOW_SAMPLE = re.compile(r'^servelm_slo_window_(met_requests|requests)'
+                            r'\{slo_class="((?:[^"\\]|\\.)*)"\} (\S+)$', re.M)
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_slo_window(text: str) -> dict[str, ClassWindow]:
+    """{class: ClassWindow} from a replica's /metrics page; a class with only one of the two
+    gauges is left out (a page cut short, or a server too old to report the met count)."""
+    seen: dict[str, dict[str, float]] = {}
+    for m in _WINDOW_SAMPLE.finditer(text):
+        name = re.sub(r"\\.", lambda e: _UNESCAPE.get(e.group(0), e.group(0)), m.group(2))
+        value = float(m.group(3))
+        if not math.isfinite(value) or value < 0:
+            continue
+        seen.setdefault(name, {})[m.group(1)] = value
+    # The two gauges are read one after the other: a finish in between can make met one more
+    return {name: ClassWindow(min(round(v["met_requests"]), round(v["requests"])),
+                              round(v["requests"]))
+            for name, v in seen.items() if len(v) == 2}
+
+
+def combine_goodput(names: Iterable[str],
+                    windows: Iterable[dict[str, ClassWindow]]) -> dict[str, tuple]:
+    """Each class's goodput over the fleet, as the policy reads it: {class: (met / requests,
+    or None with none finished, requests)}, the counts summed over the replicas."""
+    windows = list(windows)
+    out = {}
+    for name in names:
+        met = sum(w[name].num_met for w in windows if name in w)
+        n = sum(w[name].num_requests for w in windows if name in w)
+        out[name] = (met / n if n else None, n)
+    return out
 
 
 def check_controller_config(config: AutoscaleConfig) -> None:
@@ -50,28 +102,67 @@ class AutoscaleController:
         self.scaler = Autoscaler(config, clock)
         self._jobs: set[asyncio.Task] = set()
         self.num_booting = 0
+        self.goodput: dict | None = None  # what the last tick passed to the policy
+        self.events: deque[Decision] = deque(maxlen=1000)  # the decisions carried out
+        self._warned: set[str] = set()
 
     async def __call__(self, replicas) -> None:
         """Run until cancelled (ReplicaSet.controllers: started with the probe loop)."""
         if self.config.min_replicas == 0:  # scale to zero: the router holds, not refuses
             replicas.hold_timeout_s = self.config.hold_timeout_s
         try:
-            while True:
-                await asyncio.sleep(self.config.tick_s)
-                self.tick(replicas)
+            async with httpx.AsyncClient() as client:
+                while True:
+                    await asyncio.sleep(self.config.tick_s)
+                    goodput = None
+                    if self.scaler.slo is not None:
+                        goodput = await self.read_goodput(replicas, client)
+                    self.tick(replicas, goodput)
         finally:
             for job in list(self._jobs):
                 job.cancel()
 
-    def tick(self, replicas) -> None:
+    async def read_goodput(self, replicas, client: httpx.AsyncClient) -> dict:
+        """Each SLO class's goodput over the window, from the /metrics of every replica
+        that answers probes (draining ones too: what they finished in the window counts)."""
+        reps = [r for r in replicas.replicas if r.is_healthy]
+        pages = await asyncio.gather(*(self._read_window(replicas, client, r.url)
+                                       for r in reps))
+        return combine_goodput(self.scaler.slo.names, [p for p in pages if p is not None])
+
+    async def _read_window(self, replicas, client: httpx.AsyncClient,
+                           url: str) -> dict[str, ClassWindow] | None:
+        try:
+            page = await client.get(url + "/metrics", timeout=replicas.probe_timeout,
+                                    headers=replicas.headers)
+        except httpx.HTTPError as exc:  # the probes eject it if it keeps failing
+            logger.debug("autoscale: goodput of %s not read: %r", url, exc)
+            return None
+        if page.status_code != 200:
+            return None
+        window = parse_slo_window(page.text)
+        missing = sorted(set(self.scaler.slo.names) - set(window))
+        if missing and url not in self._warned:  # said once per replica
+            self._warned.add(url)
+            logger.warning("autoscale: %s reports no goodput window for SLO class(es) %s of "
+                           "the policy's slo_spec (started without the same --slo-spec?); "
+                           "they count nothing there", url, missing)
+        return window
+
+    def tick(self, replicas, goodput: dict | None = None) -> None:
+        """goodput: {class: (goodput over the window or None, requests)} (read_goodput),
+        with an SLO spec."""
         serving = replicas.healthy
+        self.goodput = goodput
         decision = self.scaler.decide(replicas.tokens_in_flight(), len(serving),
-                                      self.num_booting)
+                                      self.num_booting, goodput)
+        if decision.delta != 0:
+            self.events.append(decision)
         if decision.delta > 0:
             replicas.num_scale_ups += 1
-            logger.warning("autoscale: %d -> %d replicas (load %.2f of the target)",
+            logger.warning("autoscale: %d -> %d replicas (%s; load %.2f of the target)",
                            len(serving) + self.num_booting, decision.num_replicas,
-                           decision.load)
+                           decision.reason, decision.load)
             for _ in range(decision.delta):
                 self._spawn(self._add(replicas))
         elif decision.delta < 0:
@@ -82,9 +173,10 @@ class AutoscaleController:
             victims = victims[:min(-decision.delta, len(serving) - keep)]
             if victims:
                 replicas.num_scale_downs += 1
-                logger.warning("autoscale: %d -> %d replicas (load %.2f of the target)",
+                logger.warning("autoscale: %d -> %d replicas (%s; load %.2f of the target)",
                                len(serving) + self.num_booting,
-                               len(serving) + self.num_booting - len(victims), decision.load)
+                               len(serving) + self.num_booting - len(victims),
+                               decision.reason, decision.load)
             for rep in victims:
                 replicas.drain(rep)
                 self._spawn(self._remove(replicas, rep))
@@ -121,4 +213,5 @@ class AutoscaleController:
             await self.backend.stop_replica(handle)
 
 
-__all__ = ["AutoscaleController", "ReplicaBackend", "check_controller_config"]
+__all__ = ["AutoscaleController", "ClassWindow", "ReplicaBackend", "check_controller_config",
+           "combine_goodput", "parse_slo_window"]

@@ -396,9 +396,13 @@ class ServerMetrics:
                       ["slo_class"], registry=self.registry)
         count = Gauge("servelm_slo_window_requests", "Requests finished in the last window_s "
                       "seconds", ["slo_class"], registry=self.registry)
+        # A fleet's goodput is sum(met) / sum(requests) over its replicas, not a mean of ratios
+        met = Gauge("servelm_slo_window_met_requests", "Requests finished in the last window_s "
+                    "seconds that met both targets", ["slo_class"], registry=self.registry)
         for c in self.slo_spec.classes:
             ratio.labels(c.name).set_function(lambda n=c.name: self._window_goodput(n))
             count.labels(c.name).set_function(lambda n=c.name: self._window_count(n))
+            met.labels(c.name).set_function(lambda n=c.name: self._window_met(n))
 
     def _window_goodput(self, name: str) -> float:
         with self._lock:
@@ -408,6 +412,10 @@ class ServerMetrics:
     def _window_count(self, name: str) -> int:
         with self._lock:
             return self.slo_window.count(name, time.monotonic())
+
+    def _window_met(self, name: str) -> int:
+        with self._lock:
+            return self.slo_window.num_met(name, time.monotonic())
 
     def _observe_slo_class(self, request_id: str, ttft_s, tpot_s) -> None:
         """Under self._lock, for a finished (not aborted) request."""
