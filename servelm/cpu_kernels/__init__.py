@@ -134,9 +134,22 @@ def _build() -> None:
     name = build_dir.name
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
-    cpp_extension.load(name, [str(_DIR / s) for s in _SOURCES], extra_cflags=_CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                       is_python_module=False, verbose=False)
+
+    def load() -> None:
+        cpp_extension.load(name, [str(_DIR / s) for s in _SOURCES], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
+
+    try:
+        load()
+    except OSError:
+        # A process that waited on another's build takes the lock's going as the library's
+        # coming; when the builder was killed and its lock cleared, there is no library.
+        if (build_dir / f"{name}.so").is_file():
+            raise
+        logger.warning("servelm's C++ CPU kernels: the build this process waited for left "
+                       "no library (its builder stopped); building here")
+        load()
 
 
 _STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old lost its builder
