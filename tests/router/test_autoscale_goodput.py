@@ -170,8 +170,8 @@ def test_missed_slo_orders_one_replica_with_the_class_as_reason(tmp_path):
         assert sum(counts) == 12 and max(counts) < 10
         assert len(backend.started) == 1
         assert backend.started[0].url in {r.url for r in replicas.healthy}
-        assert controller.goodput["interactive"] == (0.0, 12)
-        assert controller.goodput["batch"] == (1.0, 4)
+        # the last requests may have finished after the tick that scaled
+        _wait(lambda: controller.goodput == {"interactive": (0.0, 12), "batch": (1.0, 4)})
         m = {}
         for line in httpx.get(router_url + "/metrics").text.splitlines():
             if line and not line.startswith("#"):
@@ -221,3 +221,32 @@ def test_a_replica_that_does_not_answer_counts_nothing(tmp_path):
     finally:
         srv.stop()
     assert goodput == {"interactive": (1.0, 1), "batch": (None, 0)}
+
+
+def test_a_replica_with_another_spec_is_named_once_and_counts_nothing(tmp_path, caplog):
+    """A replica started without the policy's --slo-spec has only the flags' one class
+    (`default`): the policy's classes count nothing there, and the log says so once."""
+    from servelm.router.replicas import ReplicaSet
+
+    spec = _spec(tmp_path, 60000)
+    srv = fake_server()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
+            "model": "fake", "prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        replicas = ReplicaSet([srv.url])
+        controller = AutoscaleController(AutoscaleConfig(target=100, slo_spec=spec),
+                                         SLOBackend(spec), {})
+
+        async def read_twice():
+            async with httpx.AsyncClient() as client:
+                await controller.read_goodput(replicas, client)
+                return await controller.read_goodput(replicas, client)
+
+        with caplog.at_level("WARNING", logger="servelm.autoscale.controller"):
+            goodput = asyncio.run(read_twice())
+    finally:
+        srv.stop()
+    assert goodput == {"interactive": (None, 0), "batch": (None, 0)}
+    said = [r.getMessage() for r in caplog.records if "no goodput window" in r.getMessage()]
+    assert len(said) == 1 and srv.url in said[0] and "'batch', 'interactive'" in said[0]
