@@ -69,7 +69,7 @@ class Replica:
     runner: SimRunner
     is_stepping: bool = False
     last_finish: float | None = None  # when the last step finished a request, if it did
-    num_mixed_steps: int = 0  # engine steps run with hidden decodes (bulk.mixed_step)
+    num_mixed_steps: int = 0  # engine steps run with the decode head lazy (bulk.mixed_step)
     # The lazily advanced head of the running list (bulk.DecodeHead): its sequences and
     # records are caught up as they leave it, or all at once by bulk.finish_run.
     decode_head: DecodeHead | None = None
@@ -153,8 +153,8 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
     Python's cyclic garbage collector is off while it runs (and restored after): the
     simulation builds millions of long-lived objects (prefix-cache nodes, records) and
     frees what it drops by reference counting alone, so the collector's passes over the
-    live objects found nothing and took about half the time (tests/sim/test_sim.py checks
-    that a run leaves no cyclic garbage behind while its result is alive)."""
+    live objects found nothing and were a large share of the time (tests/sim/test_bulk.py
+    checks that a run leaves no cyclic garbage behind while its result is alive)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

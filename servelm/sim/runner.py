@@ -57,7 +57,7 @@ class SimRunner:
         self.num_steps = 0
         self.busy_s = 0.0
         # (decodes, context tokens) the step also runs that its description leaves out:
-        # the simulator's hidden decodes (servelm/sim/bulk.py mixed_step); None: none.
+        # the decode head's decodes (servelm/sim/bulk.py mixed_step); None: none.
         self.hidden: tuple[int, int] | None = None
 
     def execute(self, step: StepDescription) -> StepResult:
