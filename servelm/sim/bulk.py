@@ -58,6 +58,11 @@ from servelm.engine.scheduler import ScheduledBatch
 from servelm.sim.cost_model import StepShape
 
 
+# The head's step times are kept while a member may still need them: dropped when the head
+# empties, and trimmed to what the oldest member needs once there are _TIMES_TRIM of them.
+_TIMES_TRIM = 65536
+
+
 def _is_plain(engine) -> bool:
     """The engine features this module knows how to skip over."""
     return engine.speculator is None and engine.tokenizer is None and not engine._pending
@@ -139,11 +144,9 @@ class DecodeHead:
     def step_done(self, now: float) -> None:
         self.steps += 1
         self.times.append(now)
-        if len(self.times) > 4096 and not self.seqs:
-            self.t0, self.times = self.steps, []
-        elif len(self.times) > 65536:  # drop times no member can still need
+        if len(self.times) > _TIMES_TRIM:  # drop times no member can still need
             first = min(info[1] for info in self.info.values())
-            if first - self.t0 > 32768:
+            if first - self.t0 > _TIMES_TRIM // 2:
                 del self.times[:first - self.t0]
                 self.t0 = first
 
@@ -173,6 +176,8 @@ def _sync(rep, records) -> DecodeHead:
         head.catch_up(seq, rep.runner, records)
         head.shown.append(head.info[seq.seq_id][2])  # (order, seq)
         head.remove(seq)
+    if not head.seqs and head.times:  # no member needs the times kept so far
+        head.t0, head.times = head.steps, []
     running = engine.scheduler.running
     m = len(head.seqs) + len(head.shown)
     budget = engine.scheduler.config.max_num_batched_tokens

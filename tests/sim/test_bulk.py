@@ -256,3 +256,36 @@ def test_routing_with_the_incremental_index_is_routing_over_every_load():
     for x, y in zip(a.replicas, b.replicas):
         assert _replica_state(x) == _replica_state(y)
     assert len({rep.engine.stats.num_steps for rep in a.replicas}) > 1
+
+
+def test_the_heads_step_times_reset_and_trimmed_give_the_same_run(monkeypatch):
+    """A head keeps its steps' end times for its members' records; it drops them when it
+    empties and trims those no member needs on a long run: with the trim threshold tiny,
+    so that both happen often, bulk advance still equals stepping."""
+    from servelm.sim import bulk
+
+    monkeypatch.setattr(bulk, "_TIMES_TRIM", 16)
+    resets, trims = [], []
+    step_done, sync = bulk.DecodeHead.step_done, bulk._sync
+
+    def spy_step_done(self, now):
+        t0 = self.t0
+        step_done(self, now)
+        if self.t0 != t0:
+            trims.append(self.t0 - t0)
+
+    def spy_sync(rep, records):
+        head = rep.decode_head
+        had = len(head.times) if head is not None else 0
+        head = sync(rep, records)
+        if had and not head.times:
+            resets.append(had)
+        return head
+
+    monkeypatch.setattr(bulk.DecodeHead, "step_done", spy_step_done)
+    monkeypatch.setattr(bulk, "_sync", spy_sync)
+    spec = ReplicaSpec(num_blocks=2048, block_size=4, max_num_seqs=8,
+                       max_num_batched_tokens=128, max_model_len=1024, vocab_size=1000)
+    reqs = _random_requests(40, 13, prompt=(5, 60), output=(20, 300), span=4.0)
+    run_both(reqs, 2, spec, "round_robin")
+    assert resets and trims
