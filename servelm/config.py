@@ -963,7 +963,9 @@ def add_engine_cli_args(parser) -> None:
                         "models; docs/determinism.md)")
     g.add_argument("--quantization", default=d("quantization"), choices=quant_method_names(),
                    help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
-                        "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'fp8' is W8A8 "
+                        "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'gguf-mixed' "
+                        "uses them for steps of a few rows and their bf16 values for larger "
+                        "ones (docs/quantization.md); 'fp8' is W8A8 "
                         "on CUDA sm89+ GPUs (default: float)")
     g.add_argument("--quant-activations", default=d("quant_activations"),
                    choices=list(QUANT_ACTIVATIONS),

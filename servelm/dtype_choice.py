@@ -9,7 +9,8 @@ The rule, decided once at start-up and logged with its reason:
           would round away, so the faster path is not taken silently. Quantized weights
           (--quantization int8|int4|gguf) with float activations run float32: servelm's
           quantized CPU kernels take float32 rows (with --quant-activations int8 the rule
-          above applies). --deterministic runs float32 (its CPU kernels are float32).
+          above applies; so does it for gguf-mixed, whose codes serve only steps of a few
+          rows). --deterministic runs float32 (its CPU kernels are float32).
     GPU   bfloat16 where the device supports it, else float16.
 
 On the AMX Xeon of docs/benchmarks.md the bfloat16 path is 2-3x float32 in batch (oneDNN on
@@ -53,7 +54,8 @@ def resolve(requested: str, device: str, source=None, quantization: str | None =
 
     if deterministic:
         return "float32", "--deterministic runs float32 on the CPU (batch-invariant kernels)"
-    if quantization not in (None, "fp8") and activations == "float":
+    # gguf-mixed's codes take float32 rows (widened per step); its other form is the dtype's
+    if quantization not in (None, "fp8", "gguf-mixed") and activations == "float":
         return "float32", (f"--quantization {quantization} with float activations: its CPU "
                            "kernels take float32 rows")
     stored = stored_dtype(source)

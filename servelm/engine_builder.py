@@ -78,7 +78,9 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
         timer.add("weights_cache", prepared.save(prepared_key, model))
     if quant is not None:
         model.process_weights_after_loading()
-    elif can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
+    # float layers are packed for oneDNN; of quantized builds only gguf-mixed keeps some
+    if (quant is None or getattr(quant, "packs_float_layers", False)) and \
+            can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"), _one_thread():
             pack_linears(model)
     if parallel is not None:
@@ -161,9 +163,10 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
     if checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
         args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
         weights = checkpoint.iter_weights(config)
-    elif args.quantization == "gguf":  # the file's quantized blocks, not their float values
+    elif args.quantization in ("gguf", "gguf-mixed"):  # the file's blocks, not their values
         if source.kind != "gguf":
-            raise InvalidParameterError(f"quantization 'gguf' needs a GGUF model file; "
+            raise InvalidParameterError(f"quantization {args.quantization!r} needs a GGUF "
+                                        "model file; "
                                         f"{args.model!r} is a {source.kind} model (use int8 "
                                         "or int4)", param="quantization")
         from servelm.loader.gguf_loader import iter_gguf_quantized_weights

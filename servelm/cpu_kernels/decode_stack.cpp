@@ -209,6 +209,11 @@ class DecodeStack : public torch::CustomClassHolder {
       mkldnn_linear_->callBoxed(&stack);
       return stack[0].toTensor();
     }
+    if (x.scalar_type() != at::kFloat && (l.kind == kInt4 || l.kind == kInt8)) {
+      // float32 rows only: a bfloat16 row widens exactly, the result rounds back once (as
+      // Int4Linear / Int8Linear.forward do for a bfloat16 model's MixedLinear)
+      return linear(l, x.to(at::kFloat)).to(x.scalar_type());
+    }
     at::Tensor y;
     if (l.kind == kInt4A8) {
       y = ops_.int4_gemm_a8.call(x.contiguous(), l.a, l.b, l.n, l.group);

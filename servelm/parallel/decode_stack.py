@@ -44,8 +44,8 @@ class TensorParallelDecodeStack(CpuDecodeStack):
             return None
         return cls(model.model, plain.kv_cache, backend, group)
 
-    def _new_stack(self):
-        stack = super()._new_stack()
+    def _new_stack(self, form="full"):
+        stack = super()._new_stack(form)
         stack.set_all_reduce(self.group_name)
         return stack
 
@@ -57,5 +57,5 @@ class TensorParallelDecodeStack(CpuDecodeStack):
             s = self.group.stats
             s.all_reduce_calls += 2 * layers
             s.all_reduce_bytes += 2 * layers * hidden.numel() * hidden.element_size()
-            s.all_reduce_s += self._stack.take_reduce_seconds()
+            s.all_reduce_s += sum(st.take_reduce_seconds() for st in self._stacks.values())
         return hidden

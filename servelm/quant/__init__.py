@@ -12,6 +12,8 @@ layout: the model decides which layers are linear and which one is the lm_head.
     int4[-gN]    int4 asymmetric, groups of N=32 (default)/64/128/256   ~0.5 + 4/N bytes
     gguf         a GGUF file's Q4_0/Q4_1 blocks as int4-g32 as they are, Q8_0 as int8
                  (see servelm/quant/methods.py); other types stay float
+    gguf-mixed   both: gguf's codes for steps of at most 4 rows (memory-bound), the
+                 dequantized weights in the model's dtype above (servelm/quant/mixed_linear.py)
     fp8          W8A8: e4m3 weights (scale per channel) and activations (scale per token)
                  via torch._scaled_mm, GPU only (CUDA >= 8.9; refused elsewhere)  ~1 byte
 
@@ -37,6 +39,8 @@ _METHODS: dict[str, tuple[str, dict]] = {
     **{f"int4-g{g}": ("servelm.quant.methods:Int4Method", {"group_size": g})
        for g in (32, 64, 128, 256)},
     "gguf": ("servelm.quant.methods:GGUFMethod", {}),
+    # the file's codes for steps of a few rows, their dequantized values above (bf16 GEMMs)
+    "gguf-mixed": ("servelm.quant.methods:GGUFMixedMethod", {}),
     # W8A8: e4m3 weights and per-token activations through torch._scaled_mm; CUDA sm89+ only.
     "fp8": ("servelm.quant.fp8_linear:Fp8Method", {}),
 }

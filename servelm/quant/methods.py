@@ -200,3 +200,33 @@ class GGUFMethod(QuantMethod):
 
     def accepted_formats(self):
         return ("int8", "int8-g32", "int4-g32")
+
+
+class GGUFMixedMethod(GGUFMethod):
+    """`gguf-mixed`: each Q4_0/Q4_1/Q8_0 matrix as a MixedLinear (servelm/quant/
+    mixed_linear.py): the file's codes, as `gguf` builds them, for steps of at most a few
+    rows, and their values in the model's dtype for larger steps. Other types stay float, and
+    so does the lm_head (a tied one is the embedding, as without quantization)."""
+
+    packs_float_layers = True  # the engine build packs the float forms for oneDNN
+
+    def lm_head_method(self):
+        return None
+
+    def from_blocks(self, blocks, bias, dtype=torch.float32):
+        from servelm.quant.mixed_linear import MixedLinear
+
+        small = super().from_blocks(blocks, bias, dtype)
+        if type(small) is nn.Linear or not isinstance(blocks, GGUFBlocks):
+            return small  # stays float, or a pre-quantized checkpoint's codes alone
+        full = nn.Linear(blocks.shape[1], blocks.shape[0], bias=bias is not None,
+                         device=small_device(small), dtype=dtype)
+        full.requires_grad_(False)
+        full.weight.copy_(blocks.dequantize())
+        if bias is not None:
+            full.bias.copy_(bias)
+        return MixedLinear(full, small)
+
+
+def small_device(layer: nn.Module) -> torch.device:
+    return next(iter(layer.buffers())).device

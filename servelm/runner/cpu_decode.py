@@ -48,8 +48,12 @@ _KIND_INT4_A8, _KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (qu
 class CpuDecodeStack:
     def __init__(self, model, kv_cache, backend):
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
-        self._stack = None
-        self._built_for = None  # (K cache pointer, number of layers) the stack was built on
+        self._stacks = {}  # form -> the C++ stack ("small": MixedLinears' few-row form)
+        self._built_for = None  # (K cache pointer, number of layers) the stacks were built on
+        mixed = [m for layer in model.layers for m in (layer.self_attn.qkv_proj,
+                 layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                 if _is_mixed(m)]
+        self._small_rows = min((m.max_rows for m in mixed), default=0)
         self.steps = 0  # steps run through the stack
         self.verify_steps = 0  # of which with speculative verifications
 
@@ -97,17 +101,30 @@ class CpuDecodeStack:
             self.verify_steps += 1
         key = (self.kv_cache.k.data_ptr(), len(self.model.layers))
         if self._built_for != key:
-            self._stack = self._new_stack()
+            self._stacks = {}
             self._built_for = key
+        # MixedLinear layers: their few-row form for a step of at most that many rows
+        form = "small" if fb.input_ids.numel() <= self._small_rows else "full"
+        stack = self._stacks.get(form)
+        if stack is None:
+            stack = self._stacks[form] = self._new_stack(form)
         x = self.model.embed_tokens(fb.input_ids)
         self.steps += 1
-        return self._stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens,
-                               -1 if num_layers is None else num_layers, True)
+        return stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens,
+                         -1 if num_layers is None else num_layers, True)
 
-    def _new_stack(self):
-        """The C++ stack over the model's current tensors (servelm/parallel/decode_stack.py
-        adds its tensor-parallel all-reduces here)."""
-        return _build(self.model, self.kv_cache, self.backend)
+    @property
+    def _stack(self):
+        """The many-row stack, built on first use (servelm/parallel/decode_stack.py reads
+        it)."""
+        if "full" not in self._stacks:
+            self._stacks["full"] = self._new_stack("full")
+        return self._stacks["full"]
+
+    def _new_stack(self, form: str = "full"):
+        """The C++ stack over the model's current tensors, each MixedLinear in `form`
+        (servelm/parallel/decode_stack.py adds its tensor-parallel all-reduces here)."""
+        return _build(self.model, self.kv_cache, self.backend, form)
 
 
 def _applies(model, kv_cache, backend) -> bool:
@@ -132,14 +149,16 @@ def _applies(model, kv_cache, backend) -> bool:
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
         if any(n is not None and n.eps != eps for n in norms):
             return False
-        kinds = [_linear_kind(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                           mlp.down_proj)]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kinds = [_linear_kind(_form(m, f)) for m in linears for f in _FORMS]
         if None in kinds:
             return False
-        # bfloat16 rows: oneDNN's linears and the int8-activation kernels only (the other
-        # quantized kernels take float32 rows)
-        if embed.dtype != torch.float32 and set(kinds) - {_KIND_FLOAT, _KIND_PACKED,
-                                                          _KIND_INT4_A8, _KIND_INT8_A8}:
+        # bfloat16 rows: oneDNN's linears and the int8-activation kernels; the other
+        # quantized kernels take float32 rows, which the stack widens to only for a
+        # MixedLinear's few-row form (its eager forward does the same)
+        small_kinds = {_linear_kind(m.small) for m in linears if _is_mixed(m)}
+        if embed.dtype != torch.float32 and set(kinds) - {
+                _KIND_FLOAT, _KIND_PACKED, _KIND_INT4_A8, _KIND_INT8_A8, *small_kinds}:
             return False
     return True
 
@@ -148,6 +167,21 @@ def _rotary_forward():
     from servelm.layers.rotary import RotaryEmbedding
 
     return RotaryEmbedding.forward
+
+
+_FORMS = ("full", "small")
+
+
+def _is_mixed(m: nn.Module) -> bool:
+    from servelm.quant.mixed_linear import MixedLinear
+
+    return type(m) is MixedLinear
+
+
+def _form(m: nn.Module, form: str) -> nn.Module:
+    """A MixedLinear's form for steps of many rows ("full") or few ("small"); other layers
+    are their own."""
+    return getattr(m, form) if _is_mixed(m) else m
 
 
 def _linear_kind(m: nn.Module) -> int | None:
@@ -193,7 +227,7 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]
 
 
-def _build(model, kv_cache, backend):
+def _build(model, kv_cache, backend, form: str = "full"):
     cpu_kernels.load()
     first = model.layers[0].self_attn
     rotary = first.rotary
@@ -211,7 +245,7 @@ def _build(model, kv_cache, backend):
                     none if attn.k_norm is None else attn.k_norm.weight.detach(),
                     k_cache, v_cache]
         for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            t, meta = _linear_entries(m)
+            t, meta = _linear_entries(_form(m, form))
             tensors += t
             ints += meta
         tensors += [none if k_scale is None else k_scale, none if v_scale is None else v_scale]

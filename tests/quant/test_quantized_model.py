@@ -71,11 +71,12 @@ def test_default_model_gguf_answers_paris(gguf_llm):
     assert out.outputs[0].finish_reason.value == "stop"
 
 
-def test_gguf_quantization_needs_a_gguf_file():
+@pytest.mark.parametrize("method", ["gguf", "gguf-mixed"])
+def test_gguf_quantization_needs_a_gguf_file(method):
     from servelm.config import EngineArgs
     from servelm.engine_builder import build_engine
     from servelm.protocol import InvalidParameterError
 
-    with pytest.raises(InvalidParameterError, match="needs a GGUF model file") as e:
-        build_engine(EngineArgs(model="dummy:qwen3-0.6b", quantization="gguf"))
+    with pytest.raises(InvalidParameterError, match=f"'{method}' needs a GGUF model file") as e:
+        build_engine(EngineArgs(model="dummy:qwen3-0.6b", quantization=method))
     assert e.value.param == "quantization"
