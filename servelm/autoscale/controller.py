@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -50,25 +49,28 @@ class ClassWindow(NamedTuple):
     num_requests: int
 
 
-# A labelled sample of the two window gauges; the class name as Prometheus escapes it.
-_WINDOW_SAMPLE = re.compile(r'^servelm_slo_window_(met_requests|requests)'
-                            r'\{slo_class="((?:[^"\\]|\\.)*)"\} (\S+)$', re.M)
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_WINDOW_GAUGES = {"servelm_slo_window_met_requests": "met", "servelm_slo_window_requests": "all"}
 
 
 def parse_slo_window(text: str) -> dict[str, ClassWindow]:
-    """{class: ClassWindow} from a replica's /metrics page; a class with only one of the two
-    gauges is left out (a page cut short, or a server too old to report the met count)."""
+    """{class: ClassWindow} from a replica's /metrics page (prometheus_client's parser); a
+    class with only one of the two gauges is left out (a page cut short, or a server too old
+    to report the met count), and so is a page that does not parse."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     seen: dict[str, dict[str, float]] = {}
-    for m in _WINDOW_SAMPLE.finditer(text):
-        name = re.sub(r"\\.", lambda e: _UNESCAPE.get(e.group(0), e.group(0)), m.group(2))
-        value = float(m.group(3))
-        if not math.isfinite(value) or value < 0:
-            continue
-        seen.setdefault(name, {})[m.group(1)] = value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                which, name = _WINDOW_GAUGES.get(sample.name), sample.labels.get("slo_class")
+                if which and name is not None and math.isfinite(sample.value) \
+                        and sample.value >= 0:
+                    seen.setdefault(name, {})[which] = sample.value
+    except ValueError as exc:
+        logger.debug("autoscale: a /metrics page did not parse: %s", exc)
+        return {}
     # The two gauges are read one after the other: a finish in between can make met one more
-    return {name: ClassWindow(min(round(v["met_requests"]), round(v["requests"])),
-                              round(v["requests"]))
+    return {name: ClassWindow(min(round(v["met"]), round(v["all"])), round(v["all"]))
             for name, v in seen.items() if len(v) == 2}
 
 
