@@ -220,13 +220,10 @@ class GGUFMixedMethod(GGUFMethod):
         if type(small) is nn.Linear or not isinstance(blocks, GGUFBlocks):
             return small  # stays float, or a pre-quantized checkpoint's codes alone
         full = nn.Linear(blocks.shape[1], blocks.shape[0], bias=bias is not None,
-                         device=small_device(small), dtype=dtype)
+                         device=blocks.data.device, dtype=dtype)
         full.requires_grad_(False)
         full.weight.copy_(blocks.dequantize())
         if bias is not None:
             full.bias.copy_(bias)
         return MixedLinear(full, small)
 
-
-def small_device(layer: nn.Module) -> torch.device:
-    return next(iter(layer.buffers())).device

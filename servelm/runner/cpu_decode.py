@@ -50,10 +50,8 @@ class CpuDecodeStack:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self._stacks = {}  # form -> the C++ stack ("small": MixedLinears' few-row form)
         self._built_for = None  # (K cache pointer, number of layers) the stacks were built on
-        mixed = [m for layer in model.layers for m in (layer.self_attn.qkv_proj,
-                 layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                 if _is_mixed(m)]
-        self._small_rows = min((m.max_rows for m in mixed), default=0)
+        self._small_rows = min((m.max_rows for layer in model.layers
+                                for m in _linears(layer) if _is_mixed(m)), default=0)
         self.steps = 0  # steps run through the stack
         self.verify_steps = 0  # of which with speculative verifications
 
@@ -113,14 +111,6 @@ class CpuDecodeStack:
         return stack.run(x, fb.positions, fb.slot_mapping, tables, seq_lens,
                          -1 if num_layers is None else num_layers, True)
 
-    @property
-    def _stack(self):
-        """The many-row stack, built on first use (servelm/parallel/decode_stack.py reads
-        it)."""
-        if "full" not in self._stacks:
-            self._stacks["full"] = self._new_stack("full")
-        return self._stacks["full"]
-
     def _new_stack(self, form: str = "full"):
         """The C++ stack over the model's current tensors, each MixedLinear in `form`
         (servelm/parallel/decode_stack.py adds its tensor-parallel all-reduces here)."""
@@ -143,13 +133,13 @@ def _applies(model, kv_cache, backend) -> bool:
         return False
     eps = model.norm.eps
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         if attn.backend is not backend or type(attn.rotary).forward is not _rotary_forward():
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
         if any(n is not None and n.eps != eps for n in norms):
             return False
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = _linears(layer)
         kinds = [_linear_kind(_form(m, f)) for m in linears for f in _FORMS]
         if None in kinds:
             return False
@@ -170,6 +160,12 @@ def _rotary_forward():
 
 
 _FORMS = ("full", "small")
+
+
+def _linears(layer) -> tuple[nn.Module, ...]:
+    """A decoder layer's four linears, in the stack's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _is_mixed(m: nn.Module) -> bool:
@@ -236,7 +232,7 @@ def _build(model, kv_cache, backend, form: str = "full"):
             kv_cache.block_size]
     none = torch.empty(0)
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         k_cache, v_cache = kv_cache.layer(attn.layer)
         k_scale, v_scale = kv_cache.layer_scales(attn.layer)  # fp8; else (None, None)
         tensors += [layer.input_layernorm.weight.detach(),
@@ -244,7 +240,7 @@ def _build(model, kv_cache, backend, form: str = "full"):
                     none if attn.q_norm is None else attn.q_norm.weight.detach(),
                     none if attn.k_norm is None else attn.k_norm.weight.detach(),
                     k_cache, v_cache]
-        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for m in _linears(layer):
             t, meta = _linear_entries(_form(m, form))
             tensors += t
             ints += meta
