@@ -118,19 +118,7 @@ class BlockManager:
             seq.num_computed_tokens += match.num_tokens
             self._num_cached[seq.seq_id] = len(match.blocks)
         if needed:
-            # A block on the free list is in no cache and held by none: taking it sets its
-            # count to 1. Past the free list, blocks come from eviction (_pop_free).
-            free, refs = self._free, self._ref_counts
-            popleft = free.popleft
-            fresh = min(needed, len(free))
-            for _ in range(fresh):
-                block = popleft()
-                refs[block] = 1
-                table.append(block)
-            for _ in range(needed - fresh):
-                block = self._pop_free()
-                self._take(block)
-                table.append(block)
+            self._append_fresh(table, needed)
         # Only real tokens are registered: draft slots (speculation) hold no known token yet.
         self.register_computed(seq, min(seq.num_computed_tokens + num_new_tokens,
                                         seq.num_tokens))
@@ -145,17 +133,24 @@ class BlockManager:
         if needed > 0:
             if needed > self.num_free_blocks:  # can_allocate's test
                 raise RuntimeError("allocate without can_allocate")
-            free = self._free
-            for _ in range(needed):
-                if free:
-                    block = free.popleft()
-                    self._ref_counts[block] = 1  # a free-list block: in no cache, held by none
-                else:
-                    block = self._pop_free()
-                    self._take(block)
-                table.append(block)
+            self._append_fresh(table, needed)
         if self.prefix_cache is not None:
             self.register_computed(seq, min(c + 1, len(seq.token_ids)))
+
+    def _append_fresh(self, table: list[int], needed: int) -> None:
+        """`needed` blocks no sequence holds onto `table`. A block on the free list is in no
+        cache and held by none: taking it sets its count to 1, without a call per block;
+        past the free list, blocks come from eviction (_pop_free)."""
+        free, refs = self._free, self._ref_counts
+        fresh = min(needed, len(free))
+        for _ in range(fresh):
+            block = free.popleft()
+            refs[block] = 1
+            table.append(block)
+        for _ in range(needed - fresh):
+            block = self._pop_free()
+            self._take(block)
+            table.append(block)
 
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Put seq's full blocks below position `num_tokens` into the prefix cache.
@@ -199,37 +194,24 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of seq (newest first, so older blocks are reused last)."""
-        refs, cache = self._ref_counts, self.prefix_cache
-        free = self._free
-        if cache is None:
-            for block in reversed(seq.block_table):  # _release, inlined
-                if block == DROPPED:
-                    continue
-                count = refs[block]
-                if count <= 0:
-                    raise RuntimeError(f"double free of block {block}")
-                refs[block] = count - 1
-                if count == 1:
-                    free.append(block)
-        else:
-            # _release, inlined; the blocks that become evictable are told to the cache in
-            # one call, in the same order (between them the cache sees no other change)
-            cached = cache.blocks
-            evictable = []
+        # _release, inlined; the blocks that become evictable are told to the cache in one
+        # call, in the same order (between them the cache sees no other change)
+        refs, cache, free = self._ref_counts, self.prefix_cache, self._free
+        cached = cache.blocks if cache is not None else ()
+        evictable: list[int] = []
+        try:
             for block in reversed(seq.block_table):
                 if block == DROPPED:
                     continue
                 count = refs[block]
                 if count <= 0:
-                    cache.release(evictable)
                     raise RuntimeError(f"double free of block {block}")
                 refs[block] = count - 1
                 if count == 1:
-                    if block in cached:
-                        evictable.append(block)
-                    else:
-                        free.append(block)
-            cache.release(evictable)
+                    (evictable if block in cached else free).append(block)
+        finally:
+            if evictable:
+                cache.release(evictable)
         seq.block_table = []
         self._num_cached.pop(seq.seq_id, None)
         self._drop_cursor.pop(seq.seq_id, None)

@@ -194,5 +194,5 @@ def make_policy(name: str) -> RoutingPolicy:
                          f"{policy_names()}") from None
 
 
-__all__ = ["LeastLoaded", "LeastLoadedIndex", "PrefixAffinity", "ReplicaLoad", "RoundRobin", "RouteRequest",
-           "RoutingPolicy", "Session", "make_policy", "policy_names"]
+__all__ = ["LeastLoaded", "LeastLoadedIndex", "PrefixAffinity", "ReplicaLoad", "RoundRobin",
+           "RouteRequest", "RoutingPolicy", "Session", "make_policy", "policy_names"]
