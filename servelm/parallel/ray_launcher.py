@@ -11,9 +11,9 @@ children run (servelm/parallel/worker.py `run`), told its place by a codec Worke
 (rank, world, and rank 0's rendezvous: this node's Ray address and a free port); and
 `RayWorkerSet`, the WorkerSet of actors: a rank whose actor died or whose main returned is
 dead, so ParallelRunner fails the replica exactly as for a dead process, and teardown kills
-the actors and removes the placement group (only one it reserved itself). Never: starts, stops or sizes the cluster
-(`ray start`; the router's Ray backend, servelm/router/ray_backend.py, places whole
-replicas), or sends pickled objects to the workers (Ray carries the frame's bytes).
+the actors and removes the placement group (only one it reserved itself). Never: starts,
+stops or sizes the cluster (`ray start`; the router's Ray backend,
+servelm/router/ray_backend.py, places whole replicas), or sends pickled objects to the workers (Ray carries the frame's bytes).
 
     this process (node A): rank 0            placement group, one bundle per rank
     +--------------------------------+       +-----------------------------------+

@@ -189,4 +189,5 @@ def _infer_idle(rows: list[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["Admission", "StepTrace", "StepTraceData", "engine_block", "open_step_trace", "read_step_trace"]
+__all__ = ["Admission", "StepTrace", "StepTraceData", "engine_block", "open_step_trace",
+           "read_step_trace"]
