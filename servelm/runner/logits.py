@@ -74,12 +74,10 @@ def finish_logits(raw: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor 
     for `hidden` [N, H]. weight: the head's 16-bit rows (`head_rows`), whose near-maximum
     logits are recomputed; None: no refinement. The argmax comes with the CPU kernel (it is
     the refined logits' argmax); elsewhere it is None and the sampler computes it."""
-    from servelm.layers.fused_cpu import PART
-    from servelm import cpu_kernels
+    from servelm.layers.fused_cpu import fused_ops
 
     refine = weight is not None and raw.dtype in _REFINED
-    ops = cpu_kernels.ops_for_mode(PART) if raw.device.type == "cpu" and raw.dim() == 2 and \
-        raw.dtype in (torch.float32, *_REFINED) else None
+    ops = fused_ops(raw) if raw.dim() == 2 else None  # CPU float32 / bfloat16 rows
     if ops is None:
         logits = raw.float()
         if refine:
