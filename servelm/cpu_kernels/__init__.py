@@ -8,7 +8,8 @@
                           how many lie within one bfloat16 step of its maximum, one pass a row
     quant_gemm.cpp        int4_gemm, int8_gemm: weight-only quantized matmuls, float32 activations
     quant_gemm_a8.cpp     int4_gemm_a8, int8_gemm_a8: the same weights times int8 activations
-                          (avx512_vnni dot products), int8_dot_probe
+                          (avx512_vnni dot products, or AVX2's vpmaddubsw on CPUs
+                          without AVX-512), int8_dot_probe, int8_dot_path
     decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
     det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
                           deterministic mode (one fixed-order sum per output element)

@@ -31,8 +31,10 @@
 // Padded rows have scale 0 (and offset 0).
 //
 // Without avx512_vnni in the build the same math runs through an AVX-512BW emulation of
-// vpdpbusd (exact: 16-bit products, pairwise 32-bit sums), and without AVX-512BW the ops
-// refuse; servelm's layers pick these ops only after int8_dot_probe said yes.
+// vpdpbusd (exact: 16-bit products, pairwise 32-bit sums); on a machine without AVX-512 it
+// runs on AVX2 (vpmaddubsw + vpmaddwd, exact, see the AVX2 section), and with neither the ops
+// refuse. servelm's layers pick these ops only after int8_dot_probe said yes, which it says
+// for the VNNI and the AVX2 builds (int8_dot_path names which).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +46,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -88,6 +91,9 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, floa
 }
 
 #if defined(__AVX512BW__)
+#define SERVELM_A8_KERNELS 1
+using Out16 = __m512;  // one panel's 16 outputs for one row
+
 // acc + per 32-bit lane sum of its 4 u8 x s8 byte products.
 inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
@@ -127,7 +133,7 @@ struct RowsA8 {
 // out[r] = the 16 outputs of one int4 panel for rows 0..R of `x`.
 template <int R, typename S>
 inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* so,
-                          __m512* out) {
+                          Out16* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -162,7 +168,7 @@ inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, 
 // The same for an int8 panel (codes + 128); sc: the panel's scales (group 0: one per row).
 template <int R, typename S>
 inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* sc,
-                          __m512* out) {
+                          Out16* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t a = 0; a < x.A; ++a) {
@@ -190,12 +196,140 @@ inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, 
 }
 
 template <int R>
-inline void store_panel(const __m512* out, float* y, int64_t m, int64_t N, int64_t p) {
+inline void store_panel(const Out16* out, float* y, int64_t m, int64_t N, int64_t p) {
   const int64_t n0 = p * kLanes, valid = std::min(kLanes, N - n0);
   const __mmask16 mask = __mmask16((1u << valid) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * N + n0, mask, out[r]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SERVELM_A8_KERNELS 1
+// AVX2 has no vpdpbusd and no 512-bit registers: a panel's 64-byte block is two 256-bit
+// halves (weight rows 0-7 and 8-15), each run through the whole K loop in turn, and the byte
+// products go through vpmaddubsw (u8 x s8 pairs summed into 16 bits, saturating) and
+// vpmaddwd (16-bit pairs into 32 bits), llama.cpp's AVX2 way. Exact, and so equal to the
+// AVX-512 path bit for bit:
+//   int4: a pair is at most 2 x 15 x 127 = 3810, and a group's 8 of them (4 blocks, two
+//         nibbles) at most 30480 < 32767: they are summed in 16 bits, widened once a group.
+//   int8: codes + 128 times a code could saturate (2 x 255 x 127), so the signed code comes
+//         back (xor 0x80) and the sign moves onto the activation (vpsignb): |w| x (sign(w) x),
+//         at most 2 x 128 x 127 = 32512, widened every block. That is the signed dot itself,
+//         with no 128 s_a to take off.
+struct Out16 {
+  __m256 h[2];
+};
+
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load_scales8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The activations of R rows, rounded: codes (row stride Kp), d and s (row stride A).
+struct RowsA8 {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  int64_t Kp, A;
+};
+
+template <int R, typename S>
+inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* so,
+                          Out16* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t a = 0; a < x.A; ++a) {
+      __m256i dot16[R];
+      for (int r = 0; r < R; ++r) dot16[r] = _mm256_setzero_si256();
+      const uint8_t* c = codes + a * 4 * 64 + h * 32;
+      for (int b = 0; b < 4; ++b) {  // 8 columns a block
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b * 64));
+        const __m256i wl = _mm256_and_si256(w, low4);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x.q + r * x.Kp + a * kAGroup + b * 8;
+          dot16[r] = _mm256_add_epi16(dot16[r], _mm256_maddubs_epi16(wl, bcast4(xr)));
+          dot16[r] = _mm256_add_epi16(dot16[r], _mm256_maddubs_epi16(wh, bcast4(xr + 4)));
+        }
+      }
+      const int64_t g = a * kAGroup / group;
+      const __m256 scale = load_scales8(so + (2 * g) * kLanes + h * 8);
+      const __m256 offset = load_scales8(so + (2 * g + 1) * kLanes + h * 8);
+      for (int r = 0; r < R; ++r) {
+        const float d = x.d[r * x.A + a];
+        const __m256i dot = _mm256_madd_epi16(dot16[r], ones);
+        const __m256 xd = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d));
+        acc[r] = _mm256_fmadd_ps(scale, xd, acc[r]);
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(d * float(x.s[r * x.A + a])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r].h[h] = acc[r];
+  }
+}
+
+template <int R, typename S>
+inline void int8_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* sc,
+                          Out16* out) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t a = 0; a < x.A; ++a) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      const uint8_t* c = codes + a * 8 * 64 + h * 32;
+      for (int b = 0; b < 8; ++b) {  // 4 columns a block
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b * 64)), flip);
+        const __m256i wabs = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(x.q + r * x.Kp + a * kAGroup + b * 4), w);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs),
+                                                              ones));
+        }
+      }
+      const __m256 scale =
+          load_scales8(sc + (group > 0 ? a * kAGroup / group : 0) * kLanes + h * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xd = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]),
+                                        _mm256_set1_ps(x.d[r * x.A + a]));
+        acc[r] = _mm256_fmadd_ps(scale, xd, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r].h[h] = acc[r];
+  }
+}
+
+template <int R>
+inline void store_panel(const Out16* out, float* y, int64_t m, int64_t N, int64_t p) {
+  const int64_t n0 = p * kLanes, valid = std::min(kLanes, N - n0);
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + (m + r) * N + n0;
+    if (valid == kLanes) {
+      _mm256_storeu_ps(yr, out[r].h[0]);
+      _mm256_storeu_ps(yr + 8, out[r].h[1]);
+    } else {
+      float tmp[kLanes];
+      _mm256_storeu_ps(tmp, out[r].h[0]);
+      _mm256_storeu_ps(tmp + 8, out[r].h[1]);
+      std::memcpy(yr, tmp, valid * sizeof(float));
+    }
+  }
+}
+#endif
+
+#if defined(SERVELM_A8_KERNELS)
 // Rows in tiles of 4, 2, 1 against each panel (one loaded code vector serves R rows); the
 // threads share out panels.
 template <typename PanelFn>
@@ -203,7 +337,7 @@ void run_panels(const RowsA8& x, int64_t M, int64_t N, int64_t P, int64_t panel_
                 float* y, PanelFn panel) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, panel_bytes));
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-    __m512 out[4];
+    Out16 out[4];
     for (int64_t p = begin; p < end; ++p) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
@@ -226,7 +360,7 @@ void run_panels(const RowsA8& x, int64_t M, int64_t N, int64_t P, int64_t panel_
 inline RowsA8 rows_from(const RowsA8& x, int64_t m) {
   return {x.q + m * x.Kp, x.d + m * x.A, x.s + m * x.A, x.Kp, x.A};
 }
-#endif  // __AVX512BW__
+#endif  // SERVELM_A8_KERNELS
 
 // The activations quantized into tensors (kept alive by the caller for the GEMM). x: float32
 // or bfloat16 rows (the GEMMs return their result in x's dtype: the integer math does not
@@ -298,7 +432,7 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
                   is_scale_dtype(so),
               "int4_gemm_a8: so must be a contiguous [P, ceil(Kp / group), 2, 16] float32, "
               "bfloat16 or float16 CPU tensor");
-#if defined(__AVX512BW__)
+#if defined(SERVELM_A8_KERNELS)
   auto [q, d, s] = quantize_x(x, Kp, "int4_gemm_a8: x");
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
@@ -307,14 +441,14 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t panel_bytes = Kp / 2 * kLanes;
   with_scales(so, [&](auto* pso) {
     run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
-               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
+               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, Out16* out) {
                  int4_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
                                                    pso + p * G * 2 * kLanes, out);
                });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
-  TORCH_CHECK(false, "int4_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
+  TORCH_CHECK(false, "int4_gemm_a8: needs AVX-512BW or AVX2 (this build has neither)");
 #endif
 }
 
@@ -330,7 +464,7 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t G = group > 0 ? (Kp + group - 1) / group : 1;
   TORCH_CHECK(scale.numel() == P * G * kLanes, "int8_gemm_a8: scale must have 16 values per "
               "panel", group > 0 ? " and group" : "");
-#if defined(__AVX512BW__)
+#if defined(SERVELM_A8_KERNELS)
   auto [q, d, s] = quantize_x(x, Kp, "int8_gemm_a8: x");
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
@@ -339,37 +473,64 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t panel_bytes = Kp * kLanes;
   with_scales(scale, [&](auto* ps) {
     run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
-               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, __m512* out) {
+               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, Out16* out) {
                  int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
                                                    ps + p * G * kLanes, out);
                });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
-  TORCH_CHECK(false, "int8_gemm_a8: needs AVX-512BW (this build has neither it nor VNNI)");
+  TORCH_CHECK(false, "int8_gemm_a8: needs AVX-512BW or AVX2 (this build has neither)");
 #endif
 }
 
+// The instruction set the int8-activation GEMMs run on in this build, where servelm's layers
+// should use them: avx512_vnni's vpdpbusd, or AVX2's vpmaddubsw on a machine without AVX-512
+// (there they beat the float kernels, which spend four instructions a weight). A build with
+// AVX-512BW but no VNNI has the ops (an exact emulation) but they are not the fast path.
 #if defined(__AVX512VNNI__)
+constexpr const char* kDotPath = "avx512_vnni";
 // vpdpbusd on known bytes: 16 lanes of 4 x (3 * -2) = -24.
-__attribute__((noinline)) bool vnni_gives_known_answer() {
+__attribute__((noinline)) bool dot_gives_known_answer() {
   volatile int8_t a = 3, b = -2;
   const __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(a),
                                         _mm512_set1_epi8(b));
   return _mm512_reduce_add_epi32(r) == -24 * 16;
 }
+bool cpu_says_so() { return __builtin_cpu_supports("avx512vnni"); }
+#elif defined(SERVELM_A8_KERNELS) && !defined(__AVX512BW__)
+constexpr const char* kDotPath = "avx2";
+// One int4 group through the kernel's own instructions (8 vpmaddubsw of codes 3 and
+// activations -2 summed in 16 bits, widened by vpmaddwd): 8 lanes of 8 x 4 x (3 * -2) = -192.
+__attribute__((noinline)) bool dot_gives_known_answer() {
+  volatile int8_t a = 3, b = -2;
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i)
+    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(_mm256_set1_epi8(a), _mm256_set1_epi8(b)));
+  const __m256i dot = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+  int32_t out[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), dot);
+  for (int i = 0; i < 8; ++i)
+    if (out[i] != -192) return false;
+  return true;
+}
+bool cpu_says_so() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+#else
+constexpr const char* kDotPath = "";
 #endif
 
-// Whether vpdpbusd runs here: compiled in (-march=native saw it), the CPU says so (cpuid),
-// and a forked child that executes it exits cleanly (a VM may advertise a flag it traps on:
-// the child dies of SIGILL, this process does not). The child runs no torch code and no
-// threads, only the instruction and _exit.
+// Whether servelm's layers should run int8 activations here: the build has the fast path
+// (kDotPath), the CPU says so (cpuid), and a forked child that executes it exits cleanly with
+// the right answer (a VM may advertise a flag it traps on: the child dies of SIGILL, this
+// process does not). The child runs no torch code and no threads, only the instructions and
+// _exit.
 bool int8_dot_probe() {
-#if defined(__AVX512VNNI__)
-  if (!__builtin_cpu_supports("avx512vnni")) return false;
+  if (kDotPath[0] == '\0') return false;
+#if defined(__AVX512VNNI__) || (defined(SERVELM_A8_KERNELS) && !defined(__AVX512BW__))
+  if (!cpu_says_so()) return false;
   const pid_t pid = fork();
   if (pid < 0) return false;
-  if (pid == 0) _exit(vnni_gives_known_answer() ? 0 : 1);
+  if (pid == 0) _exit(dot_gives_known_answer() ? 0 : 1);
   int status = 0;
   if (waitpid(pid, &status, 0) != pid) return false;
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
@@ -377,6 +538,8 @@ bool int8_dot_probe() {
   return false;
 #endif
 }
+
+std::string int8_dot_path() { return kDotPath; }
 
 }  // namespace
 
@@ -387,4 +550,5 @@ TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
         &int8_gemm_a8);
   m.def("quantize_act_int8(Tensor x, int kp) -> (Tensor, Tensor, Tensor)", &quantize_act_int8);
   m.def("int8_dot_probe() -> bool", &int8_dot_probe);
+  m.def("int8_dot_path() -> str", &int8_dot_path);
 }
