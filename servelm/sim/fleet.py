@@ -17,11 +17,12 @@ which gives exactly what stepping gives (tests/sim/test_bulk.py); `bulk=False` s
 
 from __future__ import annotations
 
+import copy
 import gc
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from servelm.bench.metrics import RequestRecord
@@ -146,27 +147,70 @@ def step_time_of(cost) -> Callable[[int, int, int, int, int], float]:
 
 
 def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
-             cost: StepCostModel, policy: RoutingPolicy, bulk: bool = True) -> SimResult:
+             cost: StepCostModel, policy: RoutingPolicy, bulk: bool = True,
+             skip_idle_cache: bool = True) -> SimResult:
     """Run every request to completion; returns what a client would have measured.
     bulk: run plain decode steps in bulk (the same result, faster).
+    skip_idle_cache: leave the replicas' prefix caches out while no admission could hit
+    them (the same result, faster; see _cache_never_hit).
 
     Python's cyclic garbage collector is off while it runs (and restored after): the
     simulation builds millions of long-lived objects (prefix-cache nodes, records) and
     frees what it drops by reference counting alone, so the collector's passes over the
     live objects found nothing and were a large share of the time (tests/sim/test_bulk.py
     checks that a run leaves no cyclic garbage behind while its result is alive)."""
+    started = time.perf_counter()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(requests, num_replicas, spec, cost, policy, bulk)
+        if skip_idle_cache and spec.enable_prefix_caching \
+                and _cache_never_hit(requests, spec.block_size):
+            try:  # a copy of the policy: a restart must find it as it was (RoundRobin's turn)
+                return _simulate(requests, num_replicas,
+                                 replace(spec, enable_prefix_caching=False), cost,
+                                 copy.deepcopy(policy), bulk, started, stop_on_preempt=True)
+            except _CacheNeeded:
+                pass  # a preempted sequence would hit its own cached blocks: run with them
+        return _simulate(requests, num_replicas, spec, cost, policy, bulk, started)
     finally:
         if was_enabled:
             gc.enable()
 
 
+class _CacheNeeded(Exception):
+    """A run without prefix caches reached its first preemption (simulate restarts it)."""
+
+
+def _cache_never_hit(requests: Sequence[SimRequest], block_size: int) -> bool:
+    """Whether, short of preemption, no admission can hit a replica's prefix cache: every
+    prompt fills its first block, and no two prompts' first blocks are equal.
+
+    A match starts at a prompt's first block, so it can then only find the sequence's own
+    blocks, which are cached only after its admission: the one way back to them is a
+    preempted sequence's re-admission. Until a preemption, then, every match finds
+    nothing, and a cache changes no count the scheduler reads (its cached-only blocks count
+    as free, the free list is taken before them), nor the routing (its cached tokens are
+    0), the KV usage or the hit rate (0): a run without it takes the same steps (the
+    sequences are n = 1 and unsalted, one namespace). It only saves filing ~144 cache
+    nodes per 2,000-token request. tests/sim/test_speed.py checks the equality, and that
+    a run with a preemption is restarted with the caches."""
+    firsts = set()
+    for r in requests:
+        ids = r.prompt_token_ids
+        if len(ids) < block_size:  # its first block would hold generated tokens too
+            return False
+        first = hash(tuple(ids[:block_size]))  # equal hashes of unequal blocks: no harm,
+        if first in firsts:  # the cache is kept
+            return False
+        firsts.add(first)
+    return True
+
+
 def _simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
-              cost: StepCostModel, policy: RoutingPolicy, bulk: bool) -> SimResult:
-    started = time.perf_counter()
+              cost: StepCostModel, policy: RoutingPolicy, bulk: bool, started: float,
+              stop_on_preempt: bool = False) -> SimResult:
+    """stop_on_preempt: raise _CacheNeeded at the first preemption (simulate's first try
+    without prefix caches)."""
     replicas = [_make_replica(i, spec, cost) for i in range(num_replicas)]
     lag = getattr(cost, "arrival_s", 0.0)  # the front end's part before the engine's queue
     records: dict[str, RequestRecord] = {}
@@ -193,8 +237,10 @@ def _simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSp
         if n:
             num_steps += n
             num_bulk += n
-        else:
+        else:  # (a bulk advance never preempts: it stops short of it)
             _step(rep, records, bulk)
+            if stop_on_preempt and rep.engine.scheduler.num_preemptions:
+                raise _CacheNeeded
             num_steps += 1
             if rep.last_finish is not None:
                 last_end = max(last_end, rep.last_finish)

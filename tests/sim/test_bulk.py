@@ -40,9 +40,15 @@ def _replica_state(rep) -> dict:
                 sorted((b, node.last_access) for b, node in cache._nodes.items()))}
 
 
-def run_both(requests, num_replicas, spec, policy, cost=COST) -> tuple[SimResult, SimResult]:
-    stepped = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=False)
-    bulk = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=True)
+def run_both(requests, num_replicas, spec, policy, cost=COST,
+             skip_idle_cache: bool = False) -> tuple[SimResult, SimResult]:
+    """Stepped and bulk runs, compared. The prefix caches are kept by default (the bulk
+    path's block filing is what is compared); tests/sim/test_speed.py covers the runs
+    that leave them out."""
+    stepped = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=False,
+                       skip_idle_cache=skip_idle_cache)
+    bulk = simulate(requests, num_replicas, spec, cost, make_policy(policy), bulk=True,
+                    skip_idle_cache=skip_idle_cache)
     assert stepped.num_bulk_steps == stepped.num_mixed_steps == 0
     assert sorted(map(_record_key, bulk.records)) == sorted(map(_record_key, stepped.records))
     assert bulk.num_steps == stepped.num_steps

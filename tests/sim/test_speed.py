@@ -1,0 +1,83 @@
+"""The simulator's shortcuts that are not bulk advance give exactly what the plain run
+gives: a fleet whose prompts can never hit a prefix cache runs without caches
+(fleet._cache_never_hit), and is restarted with them at its first preemption."""
+
+from __future__ import annotations
+
+import random
+
+from servelm.router.policies import make_policy
+from servelm.sim.fleet import ReplicaSpec, SimRequest, simulate
+from test_bulk import COST, _record_key, _replica_state, run_both
+
+
+def _distinct_prompts(n, seed, prompt=(16, 600), output=(1, 64), span=5.0):
+    """Random prompts of at least one block: first blocks distinct (with ids 100..999 and
+    16 of them, equal ones do not happen)."""
+    rng = random.Random(seed)
+    return [SimRequest(rng.uniform(0, span), [rng.randrange(100, 1000)
+                                              for _ in range(rng.randint(*prompt))],
+                       rng.randint(*output)) for _ in range(n)]
+
+
+def _state_but_cache(rep) -> dict:
+    state = _replica_state(rep)
+    state.pop("cache")
+    return state
+
+
+def _same_run(a, b) -> None:
+    assert list(map(_record_key, a.records)) == list(map(_record_key, b.records))
+    assert (a.num_steps, a.num_bulk_steps, a.num_mixed_steps, a.elapsed_s) == \
+        (b.num_steps, b.num_bulk_steps, b.num_mixed_steps, b.elapsed_s)
+    for x, y in zip(a.replicas, b.replicas):
+        assert _state_but_cache(x) == _state_but_cache(y)
+
+
+def test_a_fleet_that_cannot_hit_its_caches_runs_without_them_and_the_same():
+    spec = ReplicaSpec(num_blocks=4000, block_size=16, max_num_seqs=24,
+                       max_num_batched_tokens=512, max_model_len=2048, vocab_size=1000)
+    reqs = _distinct_prompts(300, 3)
+    for policy in ("least_loaded", "round_robin", "prefix_affinity"):
+        kept = simulate(reqs, 4, spec, COST, make_policy(policy), skip_idle_cache=False)
+        fast = simulate(reqs, 4, spec, COST, make_policy(policy))
+        assert all(r.engine.block_manager.prefix_cache is None for r in fast.replicas)
+        assert all(r.engine.block_manager.prefix_cache is not None for r in kept.replicas)
+        assert sum(r.engine.block_manager.prefix_cache.stats.num_hit_tokens
+                   for r in kept.replicas) == 0
+        _same_run(fast, kept)
+    # without caches, bulk advance is still stepping (and the bulk steps are many)
+    stepped, bulk = run_both(reqs, 4, spec, "least_loaded", skip_idle_cache=True)
+    assert bulk.replicas[0].engine.block_manager.prefix_cache is None
+    assert bulk.num_bulk_steps > 0.2 * bulk.num_steps
+
+
+def test_a_preemption_restarts_the_run_with_its_caches():
+    """A preempted sequence, admitted again, hits its own cached blocks: the run without
+    caches would differ from there, so it is run again with them."""
+    spec = ReplicaSpec(num_blocks=96, block_size=16, max_num_seqs=16,
+                       max_num_batched_tokens=256, max_model_len=2048, vocab_size=1000)
+    reqs = _distinct_prompts(200, 0, prompt=(16, 600))
+    kept = simulate(reqs, 3, spec, COST, make_policy("round_robin"), skip_idle_cache=False)
+    fast = simulate(reqs, 3, spec, COST, make_policy("round_robin"))
+    assert sum(r.engine.scheduler.num_preemptions for r in kept.replicas) > 0
+    assert sum(r.engine.block_manager.prefix_cache.stats.num_hit_tokens
+               for r in kept.replicas) > 0  # the re-admissions' own blocks
+    assert all(r.engine.block_manager.prefix_cache is not None for r in fast.replicas)
+    _same_run(fast, kept)
+    assert [_replica_state(x) for x in fast.replicas] == \
+        [_replica_state(y) for y in kept.replicas]
+
+
+def test_prompts_that_could_share_keep_their_caches():
+    spec = ReplicaSpec(num_blocks=2000, block_size=16, max_num_seqs=16,
+                       max_num_batched_tokens=256, max_model_len=2048, vocab_size=1000)
+    shared = list(range(100, 116))  # one first block, then distinct tails
+    reqs = [SimRequest(0.01 * i, shared + [200 + i] * 30, 8) for i in range(20)]
+    short = [SimRequest(0.01 * i, [300 + i] * 15, 8) for i in range(20)]  # under a block
+    for workload in (reqs, short):
+        sim = simulate(workload, 2, spec, COST, make_policy("least_loaded"))
+        assert all(r.engine.block_manager.prefix_cache is not None for r in sim.replicas)
+    hits = sum(r.engine.block_manager.prefix_cache.stats.num_hit_tokens
+               for r in simulate(reqs, 1, spec, COST, make_policy("least_loaded")).replicas)
+    assert hits > 0
