@@ -31,6 +31,13 @@
 #   STAGE=measure RUNS="knee overload" bash benchmarks/cpu/run_sim_validation.sh
 #   STAGE=replay bash benchmarks/cpu/run_sim_validation.sh       # seconds: the tables
 #
+# A new cost model for an earlier record's measured runs (no server, seconds): refit from
+# that record's calibration traces (FORM, default roofline: servelm/sim/cost_model.py) into
+# a new OUT and replay its traces there; the measured runs are read from SRC, not copied:
+#   SRC=benchmarks/results/sim-validation-20261202T015802Z STAGE=refit \
+#     OUT=benchmarks/results/sim-validation-$(date -u +%Y%m%dT%H%M%SZ)-refit \
+#     bash benchmarks/cpu/run_sim_validation.sh
+#
 # Every calibration pass writes its own trace (calibrate-steps-HHMMSS.jsonl) and the model is
 # fitted to all of them in OUT, so a second `STAGE=calibrate` after the measure stage (or
 # BRACKET=1 with all stages) brackets the measured runs in time: the machine's speed drifts
@@ -48,6 +55,7 @@ PY=${PY:-.venv/bin/python}
 MODEL=smollm2-135m-instruct
 THREADS=${THREADS:-2}
 CALIBRATE=${CALIBRATE:-served}
+FORM=${FORM:-roofline}                            # the cost model's form (bench calibrate)
 # One engine for the calibration and the server: the same KV pool and limits, which the
 # cost model's fit.engine block records and the simulator takes as its replica.
 ENGINE=(--threads "$THREADS" --max-num-seqs "${MAX_NUM_SEQS:-64}")
@@ -76,10 +84,18 @@ LOGS=${LOGS:-/tmp/servelm-sim-validation-$TS}
 READY_TIMEOUT=${READY_TIMEOUT:-900}
 STAGE=${STAGE:-all}
 RUNS=${RUNS:-light knee overload}
+# Where the measured runs are (trace-*, serve-*, measure-steps-*): OUT, or SRC when refitting.
+RUNS_DIR=$OUT
+if [ "$STAGE" = refit ]; then
+  [ -d "${SRC:-}" ] || { echo "[validate] STAGE=refit: SRC=<a record> is needed" >&2; exit 2; }
+  RUNS_DIR=$SRC
+fi
 mkdir -p "$OUT" "$LOGS" "$TEST_DATA"
-stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
+stage() {  # a refit replays
+  [ "$STAGE" = all ] || [ "$STAGE" = "$1" ] || { [ "$STAGE" = refit ] && [ "$1" = replay ]; }
+}
 
-if awk '{exit !($1 > 1.0)}' /proc/loadavg; then
+if [ "$STAGE" != refit ] && awk '{exit !($1 > 1.0)}' /proc/loadavg; then
   echo "[validate] WARNING: load average $(cut -d' ' -f1-3 /proc/loadavg): the machine is" \
        "not quiet; calibration and measurement will not be a record" >&2
 fi
@@ -136,25 +152,37 @@ if [ "$CALIBRATE" = served ]; then
   stop_server  # the trace is complete once the server has stopped
   # Every pass's trace in OUT (calibrate-steps.jsonl: an older record's single pass).
   "$PY" -m servelm.cli bench calibrate "$MODEL" --served-steps "$OUT"/calibrate-steps*.jsonl \
-    --name "$MODEL-served" --out "$OUT/cost-model.json" > "$LOGS/calibrate-$ts.log"
+    --name "$MODEL-served" --form "$FORM" --out "$OUT/cost-model.json" \
+    > "$LOGS/calibrate-$ts.log"
 else
   "$PY" -m servelm.cli bench calibrate "$MODEL" "${ENGINE[@]}" --no-progress \
-    --out "$OUT/cost-model.json" > "$LOGS/calibrate.log"
+    --form "$FORM" --out "$OUT/cost-model.json" > "$LOGS/calibrate.log"
 fi
+report_model
+}
+report_model() {
 "$PY" - "$OUT/cost-model.json" >&2 <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
 fit = m["fit"]
 adm = fit.get("admit_s") or {}
-print("[validate] calibrated ({}, {} trace(s)): mean error {:.1%}, p90 {:.1%} over {} steps; "
+print("[validate] calibrated ({}, {} form, {} trace(s)): mean error {:.1%}, p90 {:.1%} "
+      "over {} steps; "
       "arrival_s {:.1f} ms ({} of {} admissions found the loop idle)".format(
-          fit.get("source", "engine"), len(fit.get("step_traces", [])),
+          fit.get("source", "engine"), m.get("form", "linear"),
+          len(fit.get("step_traces", [])),
           fit["mean_abs_rel_error"], fit["p90_abs_rel_error"], fit["num_samples"],
           1e3 * m["arrival_s"], adm.get("n_idle", 0), adm.get("n", 0)))
 EOF
 }
 if stage calibrate; then
   calibrate_pass
+fi
+if [ "$STAGE" = refit ]; then
+  "$PY" -m servelm.cli bench calibrate "$MODEL" --served-steps "$SRC"/calibrate-steps*.jsonl \
+    --name "$MODEL-served" --form "$FORM" --out "$OUT/cost-model.json" \
+    > "$LOGS/calibrate-refit.log"
+  report_model
 fi
 
 if stage measure; then
@@ -200,27 +228,30 @@ stage replay || exit 0
 # 2. The same requests, simulated on one replica with the calibrated model, as it is and
 #    scaled by one factor fitted to the light run's TPOT p50.
 for name in light knee overload; do
-  "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" --trace "$OUT/trace-$name.jsonl" \
+  "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" \
+    --trace "$RUNS_DIR/trace-$name.jsonl" \
     "${SLO[@]}" --out "$OUT/sim-$name.json" > /dev/null
 done
-SCALE=$("$PY" -c "import json; m = json.load(open('$OUT/serve-light.json')); s = json.load(open('$OUT/sim-light.json')); print(round(m['tpot_ms']['p50'] / s['tpot_ms']['p50'], 4))")
+SCALE=$("$PY" -c "import json; m = json.load(open('$RUNS_DIR/serve-light.json'));
+s = json.load(open('$OUT/sim-light.json')); print(round(m['tpot_ms']['p50'] / s['tpot_ms']['p50'], 4))")
 for name in light knee overload; do
-  "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" --trace "$OUT/trace-$name.jsonl" \
+  "$PY" -m servelm.cli sim --cost-model "$OUT/cost-model.json" \
+    --trace "$RUNS_DIR/trace-$name.jsonl" \
     "${SLO[@]}" --cost-scale "$SCALE" --out "$OUT/sim-scaled-$name.json" > /dev/null
 done
 # The model on the measured runs' own served steps (steps it was not fitted to), by the kind
 # of step: TTFT is made of the steps with a prefill chunk (alone at light load, beside decodes
 # nearer the knee), TPOT mostly of the decode-only ones. The admission lag to compare with
 # arrival_s is the idle loop's: a busy loop's also holds the wait for the step in progress.
-"$PY" - "$OUT" <<'EOF' | tee "$OUT/step-error.md"
+"$PY" - "$OUT" "$RUNS_DIR" <<'EOF' | tee "$OUT/step-error.md"
 import sys
 from pathlib import Path
 import numpy as np
-from servelm.sim.cost_model import StepCostModel
+from servelm.sim.cost_model import StepCostModel, step_class_errors
 from servelm.sim.step_trace import read_step_trace
-out = Path(sys.argv[1])
+out, runs = Path(sys.argv[1]), Path(sys.argv[2])
 model = StepCostModel.load(out / "cost-model.json")
-for path in sorted(out.glob("measure-steps-*.jsonl")):
+for path in sorted(runs.glob("measure-steps-*.jsonl")):
     _, shapes, seconds, admissions = read_step_trace(path)
     if not shapes:
         continue
@@ -228,35 +259,37 @@ for path in sorted(out.glob("measure-steps-*.jsonl")):
     y = np.array(seconds)
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
     idle = [a.lag_s for a in admissions if a.is_idle]
-    print(f"Cost model on the measured runs' {len(y)} served steps ({path.name}): mean |error| "
-          f"{rel.mean():.1%}, p90 {np.percentile(rel, 90):.1%}; total predicted / measured "
-          f"{pred.sum() / y.sum():.3f}; admission lag p50 of the {len(idle)} that found the "
-          f"loop idle {1e3 * np.median(idle) if idle else float('nan'):.1f} ms (model "
+    print(f"Cost model ({model.form} form) on the measured runs' {len(y)} served steps "
+          f"({path.name}): mean |error| {rel.mean():.1%}, p90 {np.percentile(rel, 90):.1%}; "
+          f"total predicted / measured {pred.sum() / y.sum():.3f}; admission lag p50 of the "
+          f"{len(idle)} that found the loop idle "
+          f"{1e3 * np.median(idle) if idle else float('nan'):.1f} ms (model "
           f"{1e3 * model.arrival_s:.1f}), of all {len(admissions)} "
           f"{1e3 * np.median([a.lag_s for a in admissions]) if admissions else 0:.1f} ms\n")
-    print("| steps | n | measured mean (ms) | error p50 (signed) | total predicted / measured |")
-    print("|---|---|---|---|---|")
-    dec = np.array([s.num_decode_tokens for s in shapes])
-    pre = np.array([s.num_prefill_tokens for s in shapes])
-    for name, sel in (("decode only", pre == 0), ("prefill only", (pre > 0) & (dec == 0)),
-                      ("prefill beside decodes", (pre > 0) & (dec > 0))):
-        if sel.any():
-            err = (pred[sel] - y[sel]) / y[sel]
-            print(f"| {name} | {sel.sum()} | {1e3 * y[sel].mean():.1f} | {np.median(err):+.1%} "
-                  f"| {pred[sel].sum() / y[sel].sum():.3f} |")
+    print("| steps | n | measured mean (ms) | error p50 (signed) | mean abs error "
+          "| total predicted / measured | in the fit: error p50, total |")
+    print("|---|---|---|---|---|---|---|")
+    fitted = model.fit.get("by_class", {})
+    for name, row in step_class_errors(model, shapes, seconds).items():
+        own = fitted.get(name)
+        own = f"{own['error_p50']:+.1%}, {own['total_ratio']:.3f}" if own else "-"
+        print(f"| {name} | {row['n']} | {1e3 * row['measured_mean_s']:.1f} "
+              f"| {row['error_p50']:+.1%} | {row['mean_abs_error']:.1%} "
+              f"| {row['total_ratio']:.3f} | {own} |")
     print()
 EOF
 for variant in "" "scaled-"; do
-"$PY" - "$OUT" "$variant" "$SCALE" <<'EOF' | tee "$OUT/error-table${variant:+-scaled}.md"
+"$PY" - "$OUT" "$variant" "$SCALE" "$RUNS_DIR" \
+  <<'EOF' | tee "$OUT/error-table${variant:+-scaled}.md"
 import json, sys
 from pathlib import Path
-out, variant, scale = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+out, variant, scale, runs = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
 if variant:
     print(f"The calibrated model x{scale} (the light run's measured / simulated TPOT p50):\n")
 print("| rate | metric | measured p50 / p90 / p99 (ms) | simulated p50 / p90 / p99 (ms) | error p50 / p90 / p99 |")
 print("|---|---|---|---|---|")
 for name in ("light", "knee", "overload"):
-    m = json.loads((out / f"serve-{name}.json").read_text())
+    m = json.loads((runs / f"serve-{name}.json").read_text())
     s = json.loads((out / f"sim-{variant}{name}.json").read_text())
     for key in ("ttft_ms", "tpot_ms"):
         ps = ("p50", "p90", "p99")
@@ -273,13 +306,13 @@ done
 #    and the overload predicted as overload (goodput below target in both). Only a record
 #    that meets it becomes the CI record (tests/sim/test_validation.py skips until then):
 #    the light and knee traces and the model they are replayed with. SHIP=1 ships anyway.
-"$PY" - "$OUT" <<'EOF' > "$OUT/bar.json"
+"$PY" - "$OUT" "$RUNS_DIR" <<'EOF' > "$OUT/bar.json"
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, runs = Path(sys.argv[1]), Path(sys.argv[2])
 rows, met = {}, True
 for name in ("light", "knee", "overload"):
-    m = json.loads((out / f"serve-{name}.json").read_text())
+    m = json.loads((runs / f"serve-{name}.json").read_text())
     s = json.loads((out / f"sim-{name}.json").read_text())
     if name == "overload":
         target = m.get("goodput_target") or 0.9
@@ -297,8 +330,8 @@ EOF
 MET=$("$PY" -c "import json; print(int(json.load(open('$OUT/bar.json'))['met']))")
 if [ "$MET" = 1 ] || [ "${SHIP:-0}" = 1 ]; then
   cp "$OUT/cost-model.json" "$TEST_DATA/validation-cost-model.json"
-  cp "$OUT/trace-light.jsonl" "$TEST_DATA/validation-light.jsonl"
-  cp "$OUT/trace-knee.jsonl" "$TEST_DATA/validation-knee.jsonl"
+  cp "$RUNS_DIR/trace-light.jsonl" "$TEST_DATA/validation-light.jsonl"
+  cp "$RUNS_DIR/trace-knee.jsonl" "$TEST_DATA/validation-knee.jsonl"
   echo "[validate] bar met=$MET: CI record shipped into $TEST_DATA (commit it)" >&2
 else
   echo "[validate] bar NOT met ($OUT/bar.json): no CI record shipped" >&2

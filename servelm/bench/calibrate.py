@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from servelm.sim.cost_model import StepCostModel, StepShape, fit_cost_model, step_shape
+from servelm.sim.cost_model import (FORMS, ROOFLINE_FEATURES, StepCostModel, StepShape,
+                                    fit_cost_model, step_shape)
 
 # (number of requests, prompt tokens, new tokens): decode batches and prefill chunks.
 DEFAULT_PLAN = [(1, 16, 48), (1, 1024, 8), (4, 128, 48), (8, 512, 32), (16, 64, 48),
@@ -81,11 +82,12 @@ def measure_steps(engine, plan=DEFAULT_PLAN, seed: int = 0,
     return shapes, seconds
 
 
-def calibrate(engine, name: str, plan=DEFAULT_PLAN, progress: bool = True) -> StepCostModel:
+def calibrate(engine, name: str, plan=DEFAULT_PLAN, progress: bool = True,
+              form: str = "linear") -> StepCostModel:
     from servelm.bench.results import git_commit, machine_info
 
     shapes, seconds = measure_steps(engine, plan, progress=progress)
-    model = fit_cost_model(name, shapes, seconds)
+    model = fit_cost_model(name, shapes, seconds, form)
     bm, sched = engine.block_manager, engine.scheduler.config
     model.fit.update({
         "machine": machine_info(), "commit": git_commit(), "plan": [list(p) for p in plan],
@@ -100,7 +102,8 @@ def calibrate(engine, name: str, plan=DEFAULT_PLAN, progress: bool = True) -> St
     return model
 
 
-def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCostModel:
+def calibrate_served(paths: list[str], name: str, skip_steps: int = 8,
+                     form: str = "linear") -> StepCostModel:
     """Fit to the steps `servelm serve --step-trace` recorded (servelm/sim/step_trace.py):
     each step's wall time start to next start, so the model holds what serving spends per
     step, not only the forward. The first `skip_steps` of each file (warm-up) are dropped.
@@ -123,7 +126,7 @@ def calibrate_served(paths: list[str], name: str, skip_steps: int = 8) -> StepCo
         engine = eng
         shapes += sh[skip_steps:]
         seconds += sec[skip_steps:]
-    model = fit_cost_model(name, shapes, seconds)
+    model = fit_cost_model(name, shapes, seconds, form)
     if admissions:
         model.arrival_s, model.fit["admit_s"] = front_end_lag(admissions)
     model.fit.update({"machine": machine_info(), "commit": git_commit(), "source": "served",
@@ -158,24 +161,27 @@ def front_end_lag(admissions) -> tuple[float, dict]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.served_steps:
         name = args.name or f"{args.model}-served"
-        model = calibrate_served(args.served_steps, name, args.skip_steps)
+        model = calibrate_served(args.served_steps, name, args.skip_steps, args.form)
     else:
         from servelm.config import engine_args_from_cli
         from servelm.engine_builder import build_engine
 
         engine = build_engine(engine_args_from_cli(args))
         name = args.name or f"{engine.model_name}-{engine.engine_args.dtype}"
-        model = calibrate(engine, name, progress=not args.no_progress)
+        model = calibrate(engine, name, progress=not args.no_progress, form=args.form)
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"cost-model-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)
     fit = model.fit
-    print(json.dumps({k: getattr(model, k) for k in
-                      ("base_s", "per_seq_s", "per_decode_token_s", "per_decode_context_s",
-                       "per_prefill_token_s", "per_prefill_pair_s", "arrival_s")}, indent=2))
-    print(f"[calibrate] {fit['num_samples']} steps; mean |error| "
+    print(json.dumps({"form": model.form, **{k: getattr(model, k) for k in
+                                             (*ROOFLINE_FEATURES, "arrival_s")}}, indent=2))
+    print(f"[calibrate] {model.form} form, {fit['num_samples']} steps; mean |error| "
           f"{fit['mean_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; wrote {out}",
           file=sys.stderr)
+    for kind, row in fit["by_class"].items():
+        print(f"[calibrate]   {kind}: {row['n']} steps, error p50 {row['error_p50']:+.1%}, "
+              f"mean |error| {row['mean_abs_error']:.1%}, total predicted / measured "
+              f"{row['total_ratio']:.3f}", file=sys.stderr)
     return 0
 
 
@@ -367,6 +373,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "pay for scheduling, detokenizing, streaming and the front end; the "
                         "model's arrival_s is the admission lag of the requests that found "
                         "the engine loop idle")
+    p.add_argument("--form", choices=FORMS, default="roofline",
+                   help="the model's form (servelm/sim/cost_model.py): roofline, the default, "
+                        "is base + max(memory, compute), a step with a prefill chunk costing "
+                        "its compute with its decode rows riding in it; linear sums every "
+                        "part (the form of files written before there was a choice)")
     p.add_argument("--skip-steps", type=int, default=8,
                    help="with --served-steps: warm-up steps dropped from each trace (default 8)")
     g = p.add_argument_group("host bandwidths for `servelm plan --calibration` (--host)")
