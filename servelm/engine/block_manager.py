@@ -34,12 +34,22 @@ blocks a sequence generates are its own and are dropped as the window passes the
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from servelm.engine.prefix_cache import PrefixCache, PrefixMatch
 from servelm.engine.sequence import Sequence
 
 _NO_MATCH = PrefixMatch([], 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _block_ids(num_blocks: int) -> tuple[int, ...]:
+    """0 .. num_blocks - 1, made once per pool size: a simulated fleet builds hundreds of
+    equal pools, and a deque copies a tuple's ints faster than it makes them."""
+    return tuple(range(num_blocks))
+
+
 DROPPED = -1  # a block table entry whose block left the sliding window (module doc)
 
 
@@ -54,7 +64,7 @@ class BlockManager:
         self._drop_cursor: dict[int, int] = {}  # seq_id -> table index dropping has reached
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(_block_ids(num_blocks))
         self._ref_counts = [0] * num_blocks
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         # seq_id -> blocks of that sequence already in the prefix cache

@@ -72,9 +72,9 @@ class DecodeHead:
     """The lazily advanced head of one replica's running list (the module doc)."""
 
     __slots__ = ("seqs", "info", "groups", "leave", "steps", "t0", "times", "ctx0", "rem0",
-                 "sum_join", "shown", "bs", "order")
+                 "sum_join", "shown", "bs", "order", "files")
 
-    def __init__(self, bs: int):
+    def __init__(self, bs: int, files: bool = True):
         self.seqs: list = []  # the members, in running order
         # seq_id -> [base computed, join step, (order, seq), phase key, remaining at join]
         self.info: dict[int, list] = {}
@@ -89,6 +89,9 @@ class DecodeHead:
         self.shown: list = []  # (order, seq): members leaving in the step about to run
         self.bs = bs
         self.order = itertools.count()
+        # Whether a member filling a block has anything to do there: file it in the prefix
+        # cache. Without one (and blocks over one position) only taking a block does.
+        self.files = files or bs == 1
 
     @property
     def context(self) -> int:
@@ -169,7 +172,8 @@ def _sync(rep, records) -> DecodeHead:
     head = rep.decode_head
     engine = rep.engine
     if head is None:
-        head = rep.decode_head = DecodeHead(engine.block_manager.block_size)
+        bm = engine.block_manager
+        head = rep.decode_head = DecodeHead(bm.block_size, bm.prefix_cache is not None)
     leave, s = head.leave, head.steps
     while leave and leave[0][0] <= s:
         _, _, seq = heapq.heappop(leave)
@@ -215,7 +219,7 @@ def _touched(head: DecodeHead) -> list:
     """The members whose position this step takes or fills a block, in running order."""
     bs, s = head.bs, head.steps
     groups = head.groups
-    fill = groups.get(-s % bs, ())
+    fill = groups.get(-s % bs, ()) if head.files else ()
     grow = groups.get((1 - s) % bs, ()) if bs > 1 else ()
     if fill and grow:
         return sorted(fill + grow)
@@ -235,6 +239,8 @@ def _take_blocks(bm, runner, seq, c: int, bs: int) -> None:
     """What the scheduler's allocate(seq, 1) does for a decode at position c, if its
     position takes or fills a block."""
     if (c + 1) % bs == 0:  # it fills its last block: the cache keys that block's tokens
+        # (without a cache, and bs > 1, allocate(seq, 1) does nothing here: _touched leaves
+        # such members out, DecodeHead.files)
         seq.num_computed_tokens = c  # as the scheduler sees it at this step
         _catch_up(runner, seq, c + 1)
         bm.allocate_decode(seq)  # allocate(seq, 1): a full block into the cache (+ a new one)
