@@ -153,10 +153,16 @@ class BlockManager:
         past the free list, blocks come from eviction (_pop_free)."""
         free, refs = self._free, self._ref_counts
         fresh = min(needed, len(free))
-        for _ in range(fresh):
+        if fresh == 1:  # a decode's next block
             block = free.popleft()
             refs[block] = 1
             table.append(block)
+        elif fresh:  # a prompt chunk's blocks: taken in one comprehension
+            popleft = free.popleft
+            taken = [popleft() for _ in range(fresh)]
+            for block in taken:
+                refs[block] = 1
+            table += taken
         for _ in range(needed - fresh):
             block = self._pop_free()
             self._take(block)

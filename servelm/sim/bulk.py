@@ -280,7 +280,7 @@ def _run(rep, head: DecodeHead, until_s: float) -> int:
     and before a member's last token: blocks, clock, counters and timeline, step by step."""
     engine, clock, runner = rep.engine, rep.clock, rep.runner
     bm = engine.block_manager
-    cost, bs = runner.cost, bm.block_size
+    step_time, bs = _step_time(runner.cost), bm.block_size
     info = head.info
     k = len(head.seqs)
     timeline, stats = rep.timeline, engine.stats
@@ -288,7 +288,11 @@ def _run(rep, head: DecodeHead, until_s: float) -> int:
     last = head.leave[0][0]  # the first step a member takes its last token in
     steps = 0
     step_s = 0.0
-    while head.steps < last and clock.now < until_s:
+    # The clock and busy time are summed step by step in locals (the same floats); the
+    # pool's usage changes only where a member takes a block.
+    now, busy = clock.now, runner.busy_s
+    used = bm.num_used_blocks / bm.num_blocks
+    while head.steps < last and now < until_s:
         touched = _touched(head)
         s = head.steps
         if touched:
@@ -302,21 +306,29 @@ def _run(rep, head: DecodeHead, until_s: float) -> int:
             for _, seq in touched:
                 i = info[seq.seq_id]
                 _take_blocks(bm, runner, seq, i[0] + s - i[1], bs)
-        context = head.ctx0 + k * s
-        step_s = cost.predict(StepShape(k, k, context, 0, 0))
-        clock.now += step_s
-        runner.num_steps += 1
-        runner.busy_s += step_s
-        engine._step_id += 1
-        stats.num_steps += 1
-        head.step_done(clock.now)
+            used = bm.num_used_blocks / bm.num_blocks
+        step_s = step_time(k, k, head.ctx0 + k * s, 0, 0)
+        now += step_s
+        busy += step_s
+        head.step_done(now)
         steps += 1
-        timeline.append((clock.now, bm.num_used_blocks / bm.num_blocks, waiting, k))
+        timeline.append((now, used, waiting, k))
+    clock.now, runner.busy_s = now, busy
     if steps:
+        runner.num_steps += steps
+        engine._step_id += steps
+        stats.num_steps += steps
         stats.num_generated_tokens += k * steps
         stats.num_computed_tokens += k * steps
         _note_last_step(stats, step_s, k, head.ctx0 + k * (head.steps - 1))
     return steps
+
+
+def _step_time(cost):
+    """The cost model's prediction over a shape's five numbers, without a StepShape built
+    per step (every cost model's step_time is its predict; fleet.step_time_of)."""
+    own = getattr(cost, "step_time", None)
+    return own if own is not None else (lambda *shape: cost.predict(StepShape(*shape)))
 
 
 def _note_last_step(stats, step_s: float, num_seqs: int, context: int) -> None:
@@ -395,7 +407,7 @@ def mixed_step(rep, records: dict) -> list | None:
     ctx = head.context
     stats = engine.stats
     if batch.is_empty:  # only the head runs: its step alone
-        step_s = runner.cost.predict(StepShape(k, k, ctx, 0, 0))
+        step_s = _step_time(runner.cost)(k, k, ctx, 0, 0)
         rep.clock.now += step_s
         runner.num_steps += 1
         runner.busy_s += step_s

@@ -1,8 +1,9 @@
 """SimRunner: the Runner protocol without a model.
 
-Owns: a RunnerState built from each StepDescription's deltas (the same one every runner
-keeps), synthetic sampled tokens, and the step's time from a StepCostModel, spent by
-advancing the replica's virtual clock.
+Owns: what it needs of each sequence from the StepDescriptions' deltas (how many tokens
+it has been sent, and its token offset below; a model's runner keeps a RunnerState with
+the tokens and blocks themselves, which nothing here reads), synthetic sampled tokens, and
+the step's time from a StepCostModel, spent by advancing the replica's virtual clock.
 Never: imports torch, or decides anything the scheduler decides.
 
 KV block moves (StepDescription.kv_saves / kv_loads): there are no contents to move, so a
@@ -21,7 +22,6 @@ import functools
 import random
 
 from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
-from servelm.core.runner_state import RunnerState
 from servelm.sim.cost_model import StepCostModel, StepShape, step_shape
 
 _PERIOD = 8192  # synthetic tokens repeat after this many positions
@@ -35,6 +35,12 @@ def _token_table(vocab_size: int, eos: frozenset) -> list[int]:
     ids = [t for t in range(min(100, vocab_size // 2), vocab_size) if t not in eos]
     table = [rng.choice(ids) for _ in range(_PERIOD)]
     return table + table
+
+
+def _offset(token_ids: list[int], num_prompt_tokens: int) -> int:
+    """Where a sequence's tokens start in the table: from its prompt's length and last id."""
+    p = num_prompt_tokens
+    return (token_ids[p - 1] * 7919 + p * 104729) % _PERIOD
 
 
 class VirtualClock:
@@ -53,7 +59,9 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self._table = _token_table(vocab_size, self.eos)
-        self.state = RunnerState()
+        # seq_id -> [tokens sent so far, offset]: a sequence as RunnerState would hold it,
+        # less the copies of its tokens and block table
+        self._seqs: dict[int, list[int]] = {}
         self.num_steps = 0
         self.busy_s = 0.0
         # (decodes, context tokens) the step also runs that its description leaves out:
@@ -61,7 +69,7 @@ class SimRunner:
         self.hidden: tuple[int, int] | None = None
 
     def execute(self, step: StepDescription) -> StepResult:
-        scheduled = self.state.apply(step)
+        sampled = self._apply(step)
         shape = step_shape(step)
         if self.hidden is not None:
             k, ctx = self.hidden
@@ -72,26 +80,41 @@ class SimRunner:
         self.clock.now += step_s
         self.num_steps += 1
         self.busy_s += step_s
-        out = []
-        for s in scheduled:
-            if s.is_sampling:
-                out.append(SampledToken(s.seq.seq_id, self._token(s.seq)))
+        table = self._table
+        out = [SampledToken(seq_id, table[pos % _PERIOD]) for seq_id, pos in sampled]
         kv_saved = [KVBlock(b, b"") for b in step.kv_saves]
         return StepResult(out, forward_s=step_s, kv_saved=kv_saved)
 
-    def _offset(self, seq) -> int:
-        p = seq.num_prompt_tokens
-        return (seq.token_ids[p - 1] * 7919 + p * 104729) % _PERIOD
+    def _apply(self, step: StepDescription) -> list[tuple[int, int]]:
+        """The step's deltas applied as RunnerState.apply would (a preempted sequence
+        keeps its tokens); returns (seq_id, its tokens + offset) of each sequence the step
+        samples for (RunnerScheduled.is_sampling: it reaches the last token)."""
+        seqs = self._seqs
+        for seq_id in step.finished_seq_ids:
+            seqs.pop(seq_id, None)
+        sampled = []
+        for s in step.seqs:
+            st = seqs.get(s.seq_id)
+            if st is None:
+                if s.new is None:
+                    raise ValueError(f"step {step.step_id} schedules sequence {s.seq_id}, "
+                                     "which this runner has never seen")
+                p = s.new.num_prompt_tokens  # on first sight it is sent every token
+                st = seqs[s.seq_id] = [0, _offset(s.new_token_ids, p)]
+            n = st[0] = st[0] + len(s.new_token_ids)
+            if s.start + s.num_new_tokens - s.num_spec == n:
+                sampled.append((s.seq_id, n + st[1]))
+        return sampled
 
     def _token(self, seq) -> int:
-        """The next token of `seq` (the engine's Sequence or the runner's: both hold
-        token_ids and num_prompt_tokens)."""
-        return self._table[(len(seq.token_ids) + self._offset(seq)) % _PERIOD]
+        """The next token of `seq` (anything holding token_ids and num_prompt_tokens)."""
+        return self._table[(len(seq.token_ids) + _offset(seq.token_ids,
+                                                         seq.num_prompt_tokens)) % _PERIOD]
 
     def tokens(self, seq, n: int) -> list[int]:
         """The next n tokens of `seq`, as n steps of _token would append them."""
         out: list[int] = []
-        pos = len(seq.token_ids) + self._offset(seq)
+        pos = len(seq.token_ids) + _offset(seq.token_ids, seq.num_prompt_tokens)
         while len(out) < n:
             start = (pos + len(out)) % _PERIOD
             out += self._table[start:start + min(n - len(out), _PERIOD)]

@@ -81,3 +81,44 @@ def test_prompts_that_could_share_keep_their_caches():
     hits = sum(r.engine.block_manager.prefix_cache.stats.num_hit_tokens
                for r in simulate(reqs, 1, spec, COST, make_policy("least_loaded")).replicas)
     assert hits > 0
+
+
+def test_the_sim_runner_samples_what_a_runner_state_would():
+    """SimRunner keeps per sequence only its token count and offset; a RunnerState fed the
+    same steps (prefill chunks, decodes, preemptions, finishes) samples the same sequences,
+    and _token over its sequences gives the same ids."""
+    from servelm.config import SchedulerConfig
+    from servelm.core.runner_state import RunnerState
+    from servelm.engine.block_manager import BlockManager
+    from servelm.engine.engine import Engine
+    from servelm.protocol import EngineRequest, SamplingParams
+    from servelm.sim.runner import SimRunner, VirtualClock
+
+    class Checked(SimRunner):
+        def __init__(self):
+            super().__init__(COST, VirtualClock(), 1000, (0,))
+            self.reference = RunnerState()
+            self.num_sampled = self.num_chunks = 0
+
+        def execute(self, step):
+            scheduled = self.reference.apply(step)
+            expected = [(s.seq.seq_id, self._token(s.seq)) for s in scheduled if s.is_sampling]
+            self.num_chunks += len(scheduled) - len(expected)  # prompt chunks short of the end
+            result = super().execute(step)
+            assert [(t.seq_id, t.token_id) for t in result.sampled] == expected
+            self.num_sampled += len(expected)
+            return result
+
+    runner = Checked()
+    engine = Engine(runner, None, BlockManager(24, 16, False), SchedulerConfig(64, 8, True),
+                    512, 1000, (0,), clock=runner.clock)
+    rng = random.Random(5)
+    for i in range(12):
+        engine.add_request(EngineRequest(
+            f"r{i}", [rng.randrange(100, 1000) for _ in range(rng.choice([20, 65, 90]))],
+            SamplingParams(max_tokens=rng.randint(2, 60), temperature=0, ignore_eos=True)))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert runner.num_sampled > 12 and runner.num_chunks > 0
+    assert runner._seqs.keys() == runner.reference.seqs.keys()  # the last finish is unsent
