@@ -23,7 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from servelm.bench.results import _percentile
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -91,10 +90,20 @@ def summarize(values: Iterable[float], scale: float = 1.0) -> dict[str, float | 
         out.update({"mean": None, **{f"p{q}": None for q in PERCENTILES}, "max": None})
         return out
     out["mean"] = statistics.fmean(vals)
+    top = max(vals)
+    vals.sort()  # once for every percentile (an ITL summary has one value per token)
     for q in PERCENTILES:
-        out[f"p{q}"] = _percentile(vals, q)
-    out["max"] = max(vals)
+        out[f"p{q}"] = _sorted_percentile(vals, q)
+    out["max"] = top
     return out
+
+
+def _sorted_percentile(s: list[float], q: float) -> float:
+    """servelm.bench.results._percentile of an already sorted list (its arithmetic)."""
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def meets_slo(r: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:

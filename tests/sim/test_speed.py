@@ -122,3 +122,20 @@ def test_the_sim_runner_samples_what_a_runner_state_would():
     assert engine.scheduler.num_preemptions > 0
     assert runner.num_sampled > 12 and runner.num_chunks > 0
     assert runner._seqs.keys() == runner.reference.seqs.keys()  # the last finish is unsent
+
+
+def test_summarize_sorts_once_and_gives_the_percentiles_of_results():
+    """bench.metrics.summarize (an ITL summary of a large run has a value per token) sorts
+    once; its percentiles are results._percentile's, float for float."""
+    from servelm.bench.metrics import PERCENTILES, summarize
+    from servelm.bench.results import _percentile
+
+    rng = random.Random(2)
+    for n in (1, 2, 3, 10, 1001):
+        values = [rng.choice([0.5, 1 / 3, rng.random()]) for _ in range(n)] + [None]
+        got = summarize(values, 1e3)
+        scaled = [v * 1e3 for v in values if v is not None]
+        assert got["n"] == n and got["max"] == max(scaled)
+        assert [got[f"p{q}"] for q in PERCENTILES] == [_percentile(scaled, q)
+                                                       for q in PERCENTILES]
+        assert list(got) == ["n", "mean", *(f"p{q}" for q in PERCENTILES), "max"]
