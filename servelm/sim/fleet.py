@@ -13,6 +13,8 @@ finish). A request that arrives during a step waits for the next one, as on a se
 Arrivals at the same instant as a step's start are admitted before it. Steps in which
 nothing changes but one token per running sequence are run in bulk (servelm/sim/bulk.py),
 which gives exactly what stepping gives (tests/sim/test_bulk.py); `bulk=False` steps each.
+A fleet whose prompts can never hit a prefix cache runs without them until a preemption,
+when it is run again with them (simulate, _cache_never_hit: the same result, faster).
 """
 
 from __future__ import annotations
