@@ -12,13 +12,11 @@ freed memory as in the engine (servelm/runner/host_memory.py).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
-from servelm.attention import paged_attention_cpu
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
 from servelm.runner.forward_batch import ForwardBatch
@@ -63,9 +61,11 @@ def main() -> None:
     config = ModelConfig("llama", 32, H * D, 4 * H * D, 1, H, K, D, 4096)
     backends, caches = {}, {}
     for path in ("torch", "kernel"):
-        os.environ[paged_attention_cpu.ENV_VAR] = path
         caches[path] = KVCache(config, num_blocks, BLOCK, dtype, torch.device("cpu"))
-        backends[path] = TorchAttentionBackend(caches[path], H, D ** -0.5)
+        backends[path] = TorchAttentionBackend(caches[path], H, D ** -0.5,
+                                               decode_kernel_mode=path)
+    assert backends["kernel"].decode_kernel is not None, "the C++ decode kernel did not load"
+    assert backends["torch"].decode_kernel is None
     for name in ("k", "v"):  # the same contents in both (each path reads its own copy)
         getattr(caches["torch"], name).normal_()
         getattr(caches["kernel"], name).copy_(getattr(caches["torch"], name))

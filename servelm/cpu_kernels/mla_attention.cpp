@@ -85,11 +85,10 @@ void mla_item(const MlaProblem& p, const at::Tensor& q, int64_t b, int64_t h0, i
         sum[h] *= alpha;
         mx[h] = tile_max;
       }
-      const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       f32x16 s = splat(mx[h]);
       for (int t = 0; t < n; ++t) s[t] = scores[t];
       f32x16 e = exp16(s - mx[h]);
-      e = lane < float(n) ? e : splat(0.0f);  // lanes past the context weigh nothing
+      e = keep_first(e, n, 0.0f);  // lanes past the context weigh nothing
       sum[h] += lane_sum(e);
       // chunk by chunk, so one accumulator vector stays in a register over the tile's rows
       for (int64_t c = 0; c < lc; ++c) {

@@ -42,8 +42,25 @@ constexpr int kTile = 16;
 constexpr int kMaxChunks = 16;  // D <= 256
 
 // out[t] = the sum of x[t]'s 16 lanes, t = 0..15: four levels that each halve the vectors
-// and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order.
+// and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order. On AVX2 each vector's
+// two halves are added first, then hadd rounds sum 8 vectors at a time.
 inline f32x16 sum_lanes_16(const f32x16* x) {
+#if defined(SERVELM_VEC16_HALVES)
+  __m256 out[2];
+  for (int part = 0; part < 2; ++part) {
+    __m256 v[8];
+    for (int i = 0; i < 8; ++i) {
+      const f32x16& xi = x[8 * part + i];
+      v[i] = _mm256_add_ps(half8(xi, 0), half8(xi, 1));
+    }
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    // a: lanes (0 1 2 3 | 0 1 2 3) of vectors 0-3, each half a partial sum; b the same of 4-7
+    out[part] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                              _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  return join8(out[0], out[1]);
+#else
   const i32x16 a8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const i32x16 b8 = a8 + 8;
   const i32x16 a4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -60,6 +77,7 @@ inline f32x16 sum_lanes_16(const f32x16* x) {
   for (int i = 0; i < 2; ++i)
     w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], a2) + __builtin_shuffle(z[2 * i], z[2 * i + 1], b2);
   return __builtin_shuffle(w[0], w[1], a1) + __builtin_shuffle(w[0], w[1], b1);
+#endif
 }
 
 struct Problem {
@@ -132,11 +150,10 @@ template <int kChunks, typename KV>
 void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, int64_t h,
                  Scratch& s) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < G; ++g) {
     float &max = s.max[h + g], &sum = s.sum[h + g];
     f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
-    scores = lane < float(n) ? scores : splat(-std::numeric_limits<float>::infinity());
+    scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
     const float mx = std::max(max, lane_max(scores));
     f32x16 acc[kMaxChunks];
     for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
@@ -147,7 +164,7 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
       max = mx;
     }
     f32x16 e = exp16(scores - mx);
-    e = lane < float(n) ? e : splat(0.0f);
+    e = keep_first(e, n, 0.0f);
     sum += lane_sum(e);
     for (int t = 0; t < n; ++t) {
       const KV* vr = vbase + rows[t];
