@@ -41,6 +41,9 @@ inline f32x16 load_row16(const BFloat16* p) { return load16(p); }
 inline f32x16 load_row16(const Half* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(SERVELM_VEC16_HALVES) && defined(__F16C__)
+  return join8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1)));
 #else
   f32x16 v;
   for (int i = 0; i < 16; ++i) v[i] = float(p[i]);
@@ -60,8 +63,8 @@ std::pair<int64_t, int32_t> one_row(const T* x, float* out, int64_t V) {
   for (; i + 16 <= V; i += 16) {
     const f32x16 v = load_row16(x + i);
     if (kCopy) store16(out + i, v);
-    vmax = v > vmax ? v : vmax;
-    vnan |= (v != v);
+    vmax = max16(v, vmax);
+    vnan |= nan_mask16(v);
   }
   float m = lowest;
   bool nan = false;
@@ -90,7 +93,7 @@ std::pair<int64_t, int32_t> one_row(const T* x, float* out, int64_t V) {
   const f32x16 vt = splat(threshold);
   i32x16 vcount = i32x16{};
   int64_t j = 0;
-  for (; j + 16 <= V; j += 16) vcount -= (load16(row + j) >= vt);  // true is -1
+  for (; j + 16 <= V; j += 16) vcount -= ge_mask16(load16(row + j), vt);  // true is -1
   int32_t near = 0;
   for (int l = 0; l < 16; ++l) near += vcount[l];
   for (; j < V; ++j) near += row[j] >= threshold;

@@ -4,9 +4,9 @@
 // Without AVX-512 GCC splits plain arithmetic into two 256-bit halves well, but turns a
 // 16-lane select (`a < b ? x : y`), a two-input shuffle, a float -> int conversion or a loop
 // over lanes into 16 scalar operations through the stack. The kernels therefore say those
-// through the functions here (keep_first, clamp16, to_int16, lane_sum, lane_max), which
-// have AVX2 bodies of two 256-bit halves: the same lanes, except that lane_sum adds in a
-// tree instead of lane by lane (a different float rounding of the same sum).
+// through the functions here (keep_first, max16, nan_mask16, ge_mask16, clamp16, to_int16,
+// lane_sum, lane_max), which have AVX2 bodies of two 256-bit halves: the same lanes, except
+// that lane_sum adds in a tree instead of lane by lane (another rounding of the same sum).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -81,6 +81,35 @@ inline f32x16 keep_first(f32x16 v, int n, float fill) {
 #else
   const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   return lane < n ? v : splat(fill);
+#endif
+}
+
+// a > b ? a : b, lane by lane (b where either is NaN, as the select).
+inline f32x16 max16(f32x16 a, f32x16 b) {
+#if defined(SERVELM_VEC16_HALVES)
+  return join8(_mm256_max_ps(half8(a, 0), half8(b, 0)), _mm256_max_ps(half8(a, 1), half8(b, 1)));
+#else
+  return a > b ? a : b;
+#endif
+}
+
+// -1 in the lanes where v is NaN, else 0.
+inline i32x16 nan_mask16(f32x16 v) {
+#if defined(SERVELM_VEC16_HALVES)
+  return join8(_mm256_castps_si256(_mm256_cmp_ps(half8(v, 0), half8(v, 0), _CMP_UNORD_Q)),
+               _mm256_castps_si256(_mm256_cmp_ps(half8(v, 1), half8(v, 1), _CMP_UNORD_Q)));
+#else
+  return v != v;
+#endif
+}
+
+// -1 in the lanes where v >= t (false for NaN), else 0.
+inline i32x16 ge_mask16(f32x16 v, f32x16 t) {
+#if defined(SERVELM_VEC16_HALVES)
+  return join8(_mm256_castps_si256(_mm256_cmp_ps(half8(v, 0), half8(t, 0), _CMP_GE_OQ)),
+               _mm256_castps_si256(_mm256_cmp_ps(half8(v, 1), half8(t, 1), _CMP_GE_OQ)));
+#else
+  return v >= t;
 #endif
 }
 
