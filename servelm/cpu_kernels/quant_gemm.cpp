@@ -19,7 +19,8 @@
 // (the x sums once a call). Float32 math on the exact dequantized weight, in a different
 // order than BLAS (~1e-6 relative). Threads share out panels; each panel meets x in tiles of
 // R rows (8, 4, 2, 1), so one decoded column serves R rows; at R = 1 the columns go round four
-// accumulators to hide the multiply-add latency.
+// accumulators to hide the multiply-add latency. Without AVX-512 (AVX2 only) the same panels
+// run on 256-bit registers, half a panel at a time (see scales8 below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -70,10 +71,56 @@ void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 // Panels per task: at least ~16K weights, so a small layer's few panels stay on one thread.
 int64_t grain_panels(int64_t k) { return std::max<int64_t>(1, (int64_t(1) << 14) / (kLanes * std::max<int64_t>(1, k))); }
 
+#if defined(SERVELM_VEC16_HALVES)
+// AVX2: 16-lane vectors of this file's kind cost stack round trips there (vec16.h), so the
+// panels run on 256-bit registers, one half (weight rows 0-7, then 8-15) through the whole K
+// loop at a time, with the same sums per lane.
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 scales8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
+
 // out[r][0:16] for the R rows x[0..R) (row stride K) against one panel.
 template <int R, typename S>
 inline void int4_panel(const float* x, const float* xsum, int64_t K, int64_t G, int64_t group,
                        const uint8_t* codes, const S* sz, f32x16* out) {
+#if defined(SERVELM_VEC16_HALVES)
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256 res[R][2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 dl[R], dh[R];  // the even and the odd columns' sums
+      for (int r = 0; r < R; ++r) dl[r] = dh[r] = _mm256_setzero_ps();
+      const int64_t k_end = std::min(K, (g + 1) * group);
+      for (int64_t k = g * group; k < k_end; k += 2) {
+        const __m128i b = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(codes + (k / 2) * kLanes + 8 * h));
+        const __m256 lo = _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)), eight));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+            _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), eight));
+        for (int r = 0; r < R; ++r) {
+          dl[r] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(x + r * K + k), dl[r]);
+          dh[r] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(x + r * K + k + 1), dh[r]);
+        }
+      }
+      const __m256 scale = scales8(sz + (2 * g) * kLanes + 8 * h);
+      const __m256 zero = scales8(sz + (2 * g + 1) * kLanes + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_add_ps(dl[r], dh[r]);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(scale, sum, _mm256_mul_ps(
+                                                           zero, _mm256_set1_ps(xsum[r * G + g]))));
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r][h] = acc[r];
+  }
+  for (int r = 0; r < R; ++r) out[r] = join8(res[r][0], res[r][1]);
+#else
   constexpr int C = R == 1 ? 2 : 1;  // column pairs a step: accumulators per row = 2 C
   f32x16 acc[R] = {};
   for (int64_t g = 0; g < G; ++g) {
@@ -97,6 +144,7 @@ inline void int4_panel(const float* x, const float* xsum, int64_t K, int64_t G, 
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
+#endif
 }
 
 // The R x 16 results of a panel into y[M, N] (the last panel may be cut short by N).
@@ -187,6 +235,40 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 template <int R>
 inline void int8_panel(const float* x, int64_t K, int64_t group, int64_t G, const int8_t* codes,
                        const float* scale, f32x16* out) {
+#if defined(SERVELM_VEC16_HALVES)
+  __m256 res[R][2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 d0[R], d1[R];  // even and odd columns
+      for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm256_setzero_ps();
+      const int64_t k_end = std::min(K, (g + 1) * group);
+      int64_t k = g * group;
+      for (; k + 2 <= k_end; k += 2) {
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * kLanes + 8 * h))));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (k + 1) * kLanes + 8 * h))));
+        for (int r = 0; r < R; ++r) {
+          d0[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * K + k), d0[r]);
+          d1[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * K + k + 1), d1[r]);
+        }
+      }
+      for (; k < k_end; ++k) {
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * kLanes + 8 * h))));
+        for (int r = 0; r < R; ++r)
+          d0[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * K + k), d0[r]);
+      }
+      const __m256 sc = _mm256_loadu_ps(scale + g * kLanes + 8 * h);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(sc, _mm256_add_ps(d0[r], d1[r]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) res[r][h] = acc[r];
+  }
+  for (int r = 0; r < R; ++r) out[r] = join8(res[r][0], res[r][1]);
+#else
   constexpr int C = R == 1 ? 4 : 2;  // columns a step = accumulators per row
   f32x16 acc[R] = {};
   for (int64_t g = 0; g < G; ++g) {
@@ -211,6 +293,7 @@ inline void int8_panel(const float* x, int64_t K, int64_t group, int64_t G, cons
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
+#endif
 }
 
 // group 0: one scale per row (scale [16P]); else one per `group` columns (scale [P, G, 16]).
