@@ -96,6 +96,24 @@ def test_triton_path_is_bitwise_under_perturbation(family, name):
                                                                     "logprobs": []}
 
 
+def test_triton_linear_row_is_the_same_at_any_place_in_the_batch():
+    """A row's output is the same bits alone and at every place of a batch. Interpreted,
+    tl.dot is a BLAS GEMM of the tile, and OpenBLAS's AVX2 sgemm sums rows 6-11 of a tile in
+    another order than row 0; the linear gives each row a tile of its own there."""
+    from servelm.kernels.batch_invariant import bi_matmul_ref
+    from servelm.layers.det_linear import TritonDetLinear
+
+    torch.manual_seed(0)
+    lin = TritonDetLinear(torch.randn(128, 64, device=DEVICE) * 0.08,
+                          torch.randn(128, device=DEVICE))
+    x = torch.randn(13, 64, device=DEVICE)
+    alone = torch.cat([lin(x[r:r + 1]) for r in range(len(x))])
+    for m in (2, 7, 13):
+        batch = lin(x[:m])
+        torch.testing.assert_close(batch, bi_matmul_ref(x[:m], lin.weight, lin.bias))
+        assert [r for r in range(m) if not torch.equal(batch[r], alone[r])] == []
+
+
 def test_triton_path_computes_the_model(family):
     """The batch-invariant path is the same model: its greedy tokens for a prompt match the
     default Triton path's, and its prefill logits agree within float32 tolerance."""
