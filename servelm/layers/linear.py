@@ -14,9 +14,14 @@ from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Whether oneDNN takes this weight: float32 on any CPU; bfloat16 only where oneDNN has a
+    bfloat16 GEMM for this CPU (it refuses the reorder on one without AVX-512 or AVX-NE-CONVERT,
+    and there aten's own bfloat16 matmul runs instead)."""
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
