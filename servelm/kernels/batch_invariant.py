@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from servelm.kernels.dot_dtype import dot_dtype
+from servelm.kernels.dot_dtype import dot_dtype, is_interpreting
 
 BLOCK_M = 32
 BLOCK_N = 128
@@ -73,6 +73,22 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if m > 1 and is_interpreting():
+        # The interpreter's tl.dot is numpy's matmul of the whole tile, and a BLAS GEMM may
+        # sum a row's products in an order that depends on the row's place in the tile
+        # (OpenBLAS's AVX2 sgemm does: rows 6-11 and 18-31 of a [32, 64] @ [64, 128] tile get
+        # other bits than row 0 for the same data). So each row goes alone at the top of a
+        # tile of its own, zeros below: the same numpy call on the same operands at any batch
+        # size, on any CPU (M tiles instead of M / BLOCK_M; a GPU never takes this path).
+        spread = x.new_zeros(m * BLOCK_M, k)
+        spread[::BLOCK_M] = x
+        return _launch(spread, w, bias)[::BLOCK_M].contiguous()
+    return _launch(x, w, bias)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -46,8 +46,8 @@ class TritonDetLinear(nn.Module):
     of the tile, and a BLAS's GEMM sums a row's K products in an order that can depend on
     the row's place in the tile: OpenBLAS's AVX2 (Haswell) sgemm kernel gives rows 6-11 and
     18-31 of a [32, 64] @ [64, 128] product other bits than row 0 for the same data. There
-    every row goes alone at the top of a tile of its own (`_one_row_per_tile`), so its dot is
-    the same numpy call on the same operands at any batch size, on any CPU."""
+    bi_matmul puts every row alone at the top of a tile of its own, so its dot is the same
+    numpy call on the same operands at any batch size, on any CPU."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -58,31 +58,10 @@ class TritonDetLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from servelm.kernels.batch_invariant import bi_matmul
-        from servelm.kernels.dot_dtype import is_interpreting
 
         self.calls += 1
-        rows = x.reshape(-1, self.in_features)
-        if is_interpreting():
-            y = _one_row_per_tile(rows, self.weight, self.bias)
-        else:
-            y = bi_matmul(rows, self.weight, self.bias)
+        y = bi_matmul(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
-
-
-def _one_row_per_tile(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
-                      ) -> torch.Tensor:
-    """bi_matmul(x, w, bias) with row i of x at row 0 of tile i and zeros below it:
-
-        x [M, K]  ->  spread [M * BLOCK_M, K]   row i at i * BLOCK_M, the rest zeros
-        y [M, N]  <-  bi_matmul(spread)[::BLOCK_M]
-
-    A tile then holds the same operands for a row whatever else is in the batch (the
-    interpreter's cost: M tiles instead of M / BLOCK_M)."""
-    from servelm.kernels.batch_invariant import BLOCK_M, bi_matmul
-
-    spread = x.new_zeros(x.shape[0] * BLOCK_M, x.shape[1])
-    spread[::BLOCK_M] = x
-    return bi_matmul(spread, w, bias)[::BLOCK_M].contiguous()
 
 
 def _weight_of(m: nn.Module) -> torch.Tensor | None:
