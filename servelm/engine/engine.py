@@ -213,9 +213,15 @@ class Engine:
         ids = request.prompt_token_ids
         if not ids:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)),
-                   None)
-        if bad is not None:
+        # Plain ints (every prompt from the front end) are checked by C loops: the types'
+        # set, then min and max; only anything else, or an id out of range, takes the loop
+        # that names the offender (a simulated fleet admits millions of long prompts).
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next((t for t in ids
+                        if not (isinstance(t, int) and 0 <= t < self.vocab_size)), ids)
+        else:
+            bad = ids  # the sentinel: no offender (None may be one)
+        if bad is not ids:
             raise InvalidParameterError(
                 f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
                 param="prompt")

@@ -43,6 +43,9 @@ class RooflineCostModel:
         self._per_logit_flops = lm_head_flops_per_token(m)
         self._per_pair_flops = attention_flops_per_pair(m)
         self._weights: dict[int, float] = {}  # tokens in the step -> weight bytes read
+        self._kv = d.kv_bytes_per_token  # (a property that derives it on every read)
+        self._kv_copies = d.kv_copies
+        self._overhead_s = cal.step_overhead_s
         self.fit: dict[str, Any] = {
             "source": "roofline (servelm plan)", "deployment": d.inputs(),
             "bandwidth_fraction": cal.bandwidth_fraction, "decode_mfu": cal.decode_mfu,
@@ -58,11 +61,11 @@ class RooflineCostModel:
         """servelm.cost.step_cost for the decode rows and for the prefill rows, combined as
         the module doc says. A decode row of a sequence at position p reads p + 1 keys: its
         context tokens are also its attention pairs (as plan decode counts them)."""
-        d = self.deployment
-        kv = d.kv_bytes_per_token
+        kv = self._kv
         num_tokens = num_decode_tokens + num_prefill_tokens
         weights = self._weights.get(num_tokens)
         if weights is None:  # MoE: the experts touched depend on the tokens
+            d = self.deployment
             weights = self._weights[num_tokens] = weight_bytes_read_per_step(
                 d.model, num_tokens, d.bytes_per_param) + self._extra_weight_bytes
         a, b, c = self._per_token_flops, self._per_logit_flops, self._per_pair_flops
@@ -72,9 +75,9 @@ class RooflineCostModel:
                           + num_prefill_pairs * c)
         dec_kv = kv * (num_decode_context_tokens + num_decode_tokens)
         pre_kv = kv * (0 + num_prefill_tokens)
-        memory_s = (weights + (dec_kv + pre_kv) * d.kv_copies) / self._bw
+        memory_s = (weights + (dec_kv + pre_kv) * self._kv_copies) / self._bw
         compute_s = dec_flops / self._decode_flops + pre_flops / self._prefill_flops
-        return max(memory_s, compute_s) + d.calibration.step_overhead_s
+        return max(memory_s, compute_s) + self._overhead_s
 
 
 def roofline_from_args(args) -> RooflineCostModel:

@@ -57,6 +57,15 @@ def test_requests_that_can_never_fit_are_rejected_at_once(llm, prompt, params, p
     assert llm.generate([5, 6], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("bad", [2.5, "7", None, 384, -3])
+def test_a_prompt_id_that_is_not_a_vocabulary_int_is_named(llm, bad):
+    ids = [5, 6, bad, 7]
+    with pytest.raises(InvalidParameterError, match=f"prompt token id {bad!r} is outside") as e:
+        llm.engine.add_request(EngineRequest("bad-id", ids, SamplingParams(max_tokens=2)))
+    assert e.value.param == "prompt"
+    assert not llm.engine.has_unfinished
+
+
 def test_request_bigger_than_kv_pool_is_rejected(llm):
     # 64 blocks * 4 tokens = 256 > context 200, so shrink through a new engine's pool.
     from tiny_models import make_tiny_engine, make_tiny_hf_model
