@@ -217,14 +217,11 @@ class Engine:
         # set, then min and max; only anything else, or an id out of range, takes the loop
         # that names the offender (a simulated fleet admits millions of long prompts).
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
-            bad = next((t for t in ids
-                        if not (isinstance(t, int) and 0 <= t < self.vocab_size)), ids)
-        else:
-            bad = ids  # the sentinel: no offender (None may be one)
-        if bad is not ids:
-            raise InvalidParameterError(
-                f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
-                param="prompt")
+            for t in ids:
+                if not (isinstance(t, int) and 0 <= t < self.vocab_size):
+                    raise InvalidParameterError(
+                        f"prompt token id {t!r} is outside the vocabulary "
+                        f"[0, {self.vocab_size})", param="prompt")
         n_prompt = len(ids)
         params = request.sampling_params
         params.check_vocab(self.vocab_size)
