@@ -1,6 +1,6 @@
 """Seeded offline workloads: prompts as token-id lists, so every system does the same work.
 
-Owns: Request, parse_range, random_lengths.
+Owns: Request, parse_range, random_lengths (and RandomPrompts, the same drawn lazily).
 Never: imports torch or the servelm engine. Peer benchmark scripts run in other virtual
 environments and load this file by path, so it may use only the standard library and numpy.
 """
@@ -65,22 +65,53 @@ def random_lengths(num_prompts: int, input_len: tuple[int, int] | str = (128, 12
 
     The same arguments give the same requests on every machine (numpy's PCG64).
     """
-    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
-        raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
-                         "num_prompts")
-    in_lo, in_hi = parse_range(input_len, "input_len")
-    out_lo, out_hi = parse_range(output_len, "output_len")
-    if vocab_size <= 2 * SPECIAL_MARGIN:
-        raise RangeError(f"vocab_size must exceed {2 * SPECIAL_MARGIN}, got {vocab_size}",
-                         "vocab_size")
-    rng = np.random.default_rng(seed)
-    input_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
-    output_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
-    requests = []
-    for n_in, n_out in zip(input_lens, output_lens):
-        ids = rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN, size=int(n_in))
-        requests.append(Request(ids.tolist(), int(n_out)))  # Python ints, as int(t) each
-    return requests
+    return list(RandomPrompts(num_prompts, input_len, output_len, vocab_size, seed))
+
+
+class RandomPrompts:
+    """random_lengths' requests drawn one at a time as they are iterated (each iteration
+    draws them afresh, the same ones), for a run that should not hold them all: a simulated
+    fleet's millions.
+
+    windows: the same lengths, but prompt i is the window [i, i + length) of one random
+    pool of ids drawn after them, instead of ids of its own: no two prompts share a first
+    block, as no two of random_lengths' do, so a prefix cache (which compares nothing else)
+    finds as little; a prompt is then its list of pointers into the pool (8 bytes an id,
+    not 36) and costs a slice to make, not a draw (servelm sim's random workload: the same
+    timings as random_lengths' prompts give, tests/sim/test_speed.py)."""
+
+    def __init__(self, num_prompts: int, input_len: tuple[int, int] | str = (128, 128),
+                 output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+                 seed: int = 0, windows: bool = False):
+        if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) \
+                or num_prompts < 1:
+            raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
+                             "num_prompts")
+        self.input_len = parse_range(input_len, "input_len")
+        self.output_len = parse_range(output_len, "output_len")
+        if vocab_size <= 2 * SPECIAL_MARGIN:
+            raise RangeError(f"vocab_size must exceed {2 * SPECIAL_MARGIN}, got {vocab_size}",
+                             "vocab_size")
+        self.num_prompts, self.vocab_size, self.seed = num_prompts, vocab_size, seed
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+    def __iter__(self):
+        (in_lo, in_hi), (out_lo, out_hi) = self.input_len, self.output_len
+        rng = np.random.default_rng(self.seed)
+        input_lens = rng.integers(in_lo, in_hi + 1, size=self.num_prompts).tolist()
+        output_lens = rng.integers(out_lo, out_hi + 1, size=self.num_prompts).tolist()
+        lo, hi = SPECIAL_MARGIN, self.vocab_size - SPECIAL_MARGIN
+        if self.windows:
+            pool = rng.integers(lo, hi, size=self.num_prompts + in_hi).tolist()
+            for i, (n_in, n_out) in enumerate(zip(input_lens, output_lens)):
+                yield Request(pool[i:i + n_in], n_out)
+            return
+        for n_in, n_out in zip(input_lens, output_lens):
+            ids = rng.integers(lo, hi, size=n_in)
+            yield Request(ids.tolist(), n_out)  # Python ints, as int(t) each
 
 
 # --- online workloads (`servelm bench serve`); appended, shared with `bench offline` -------

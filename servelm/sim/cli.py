@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from servelm.bench.metrics import build_serve_result, goodput, render_serve_table
-from servelm.bench.workloads import RangeError, parse_range, random_lengths
+from servelm.bench.workloads import RandomPrompts, RangeError, parse_range
 from servelm.config import SCHEDULING_POLICIES
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import make_policy, policy_names
@@ -33,9 +33,32 @@ from servelm.slo import (SLOSpec, class_workload, goodput_by_class, parse_class_
 SCHEMA_VERSION = 1
 
 
-def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequest]:
+class RequestStream:
+    """The random workload's SimRequests at their send times, each prompt made as the run
+    reaches it (servelm.bench.workloads.RandomPrompts with windows: bench serve's lengths,
+    prompts that share no first block as its do; re-iterable, the same requests each
+    time): a run of millions holds only the prompts in flight. ids_checked: the prompts'
+    ids lie inside the engine's vocabulary (the workload's is no larger)."""
+
+    def __init__(self, prompts: RandomPrompts, offsets, slo, ids_checked: bool):
+        self.prompts, self.offsets, self.slo = prompts, offsets, slo
+        self.ids_checked = ids_checked
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __iter__(self):
+        slo, checked = self.slo, self.ids_checked
+        for t, r in zip(self.offsets, self.prompts):
+            yield SimRequest(t, r.prompt_token_ids, r.max_tokens, slo, checked)
+
+
+def build_requests(args: argparse.Namespace, rate: float | None,
+                   engine_vocab_size: int | None = None) -> list[SimRequest] | RequestStream:
     """The workload at `rate` with --arrival's gaps, or (rate None) the --trace's requests
-    at their recorded send times."""
+    at their recorded send times. The random workload comes as a RequestStream (in send
+    order: its arrival gaps are never negative); engine_vocab_size: the replicas' (their
+    engines then skip the per-token check of prompts drawn inside it)."""
     if args.trace is not None:
         trace = read_trace(args.trace)
         prompts = trace_prompts(trace, args.vocab_size, args.seed)
@@ -67,8 +90,11 @@ def build_requests(args: argparse.Namespace, rate: float | None) -> list[SimRequ
         reqs = conversation(args.num_prompts, args.input_len, args.output_len,
                             args.vocab_size, args.seed)
     else:
-        reqs = random_lengths(args.num_prompts, args.input_len, args.output_len,
-                              args.vocab_size, args.seed)
+        prompts = RandomPrompts(args.num_prompts, args.input_len, args.output_len,
+                                args.vocab_size, args.seed, windows=True)
+        checked = engine_vocab_size is not None and args.vocab_size <= engine_vocab_size
+        return RequestStream(prompts, [float(t) for t in _offsets(args, len(prompts), rate)],
+                             slo.get(slo.default_class).request_slo(), checked)
     default = slo.get(slo.default_class).request_slo()
     return [SimRequest(float(t), r.prompt_token_ids, r.max_tokens, default)
             for t, r in zip(_offsets(args, len(reqs), rate), reqs)]
@@ -136,9 +162,9 @@ def by_quarter(records, slo_ttft_s: float | None, slo_tpot_s: float | None) -> l
 def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
             num_replicas: int | None = None) -> tuple[dict, SimResult]:
     num_replicas = args.num_replicas if num_replicas is None else num_replicas
-    requests = build_requests(args, rate)
+    requests = build_requests(args, rate, spec.vocab_size)
     sim = simulate(requests, num_replicas, spec, cost, make_policy(args.policy),
-                   bulk=not args.no_bulk)
+                   bulk=not args.no_bulk, keep_chunk_times=False)
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
     result: dict[str, Any] = {
@@ -146,7 +172,7 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
         "model": args.model, "command": _command(),
         "load": _load_info(args, rate, requests),
         **build_serve_result(sim.records, sim.elapsed_s, slo_ttft_s=slo_ttft,
-                             slo_tpot_s=slo_tpot),
+                             slo_tpot_s=slo_tpot, itl_ms=sim.itl.summary_ms()),
         "sim": {"cost_model": cost.name, "num_replicas": num_replicas,
                 "policy": args.policy, "num_steps": sim.num_steps, "wall_s": sim.wall_s,
                 "bulk_decode": not args.no_bulk, "num_bulk_steps": sim.num_bulk_steps,
@@ -165,9 +191,13 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                 "scheduling_policy": spec.scheduling_policy},
     }
     slo = slo_spec(args)
-    ordered = sorted(requests, key=lambda r: r.arrival_s)  # the records' order
-    result["slo"] = {"spec": slo.to_dict(), "by_class": goodput_by_class(
-        slo, sim.records, [r.slo.slo_class if r.slo else slo.default_class for r in ordered])}
+    if isinstance(requests, RequestStream):  # one class: the default
+        classes = [requests.slo.slo_class] * len(requests)
+    else:
+        ordered = sorted(requests, key=lambda r: r.arrival_s)  # the records' order
+        classes = [r.slo.slo_class if r.slo else slo.default_class for r in ordered]
+    result["slo"] = {"spec": slo.to_dict(), "by_class": goodput_by_class(slo, sim.records,
+                                                                         classes)}
     if args.trace is not None:
         result["workload"] = {"kind": "trace", "num_prompts": len(requests),
                               "num_input_tokens": sum(len(r.prompt_token_ids)
@@ -233,6 +263,10 @@ def _command() -> str:
     return " ".join(["servelm", *sys.argv[1:]]) if sys.argv[1:2] == ["sim"] else "servelm sim"
 
 
+_PLOT_REPLICAS = 16  # lines a timeline plot draws at most
+_PLOT_POINTS = 4000  # points a line keeps at most (every n-th step)
+
+
 def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
     try:
         import matplotlib
@@ -242,10 +276,15 @@ def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
     except ImportError:
         return None
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for rep in sim.replicas:
-        ts = [t[0] for t in rep.timeline]
-        ax1.plot(ts, [t[1] for t in rep.timeline], label=f"replica {rep.index}", lw=0.8)
-        ax2.plot(ts, [t[2] for t in rep.timeline], lw=0.8)
+    shown = sim.replicas
+    if len(shown) > _PLOT_REPLICAS:  # a fleet of hundreds: an even pick of them
+        shown = [shown[i * len(shown) // _PLOT_REPLICAS] for i in range(_PLOT_REPLICAS)]
+        title += f" ({_PLOT_REPLICAS} of {len(sim.replicas)} replicas shown)"
+    for rep in shown:
+        line = rep.timeline[::max(1, len(rep.timeline) // _PLOT_POINTS)]
+        ts = [t[0] for t in line]
+        ax1.plot(ts, [t[1] for t in line], label=f"replica {rep.index}", lw=0.8)
+        ax2.plot(ts, [t[2] for t in line], lw=0.8)
     ax1.set_ylabel("KV usage")
     ax2.set_ylabel("waiting requests")
     ax2.set_xlabel("simulated seconds")

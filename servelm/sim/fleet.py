@@ -13,8 +13,14 @@ finish). A request that arrives during a step waits for the next one, as on a se
 Arrivals at the same instant as a step's start are admitted before it. Steps in which
 nothing changes but one token per running sequence are run in bulk (servelm/sim/bulk.py),
 which gives exactly what stepping gives (tests/sim/test_bulk.py); `bulk=False` steps each.
-A fleet whose prompts can never hit a prefix cache runs without them until a preemption,
-when it is run again with them (simulate, _cache_never_hit: the same result, faster).
+A fleet whose prompts can never hit a prefix cache runs without them until a preemption
+or an arrival that could hit one, when it is run again with them (simulate, _FirstBlocks:
+the same result, faster).
+
+Scale: the requests may come as a stream (a re-iterable in arrival order, as the CLI's
+random workload does), so that a run of millions holds only the prompts in flight; with
+keep_chunk_times=False a finished request's chunk times go into an ITLSummary and its
+record keeps its scalar times only.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from servelm.bench.metrics import RequestRecord
 from servelm.config import SchedulerConfig
@@ -36,6 +42,7 @@ from servelm.protocol import EngineRequest, RequestSLO, SamplingParams
 from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
 from servelm.sim.bulk import DecodeHead, advance_decodes, finish_run, mixed_step
 from servelm.sim.cost_model import StepCostModel, StepShape
+from servelm.sim.itl import ITLSummary
 from servelm.sim.runner import SimRunner, VirtualClock
 
 
@@ -62,6 +69,9 @@ class SimRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     slo: RequestSLO | None = None  # its SLO class's targets (servelm/slo.py), as a server sends
+    # whether its prompt's ids are known to be ints inside the vocabulary (a workload the
+    # simulator drew itself): the engine then skips its per-token check (Engine.add_request)
+    ids_checked: bool = False
 
 
 @dataclass
@@ -122,6 +132,9 @@ class SimResult:
     num_steps: int
     num_bulk_steps: int = 0  # of num_steps, those advanced in bulk (plain decodes)
     num_mixed_steps: int = 0  # of num_steps, engine steps whose leading decodes were hidden
+    # the gaps between chunks when the records dropped their chunk times
+    # (simulate(keep_chunk_times=False)), else None: the records have them
+    itl: ITLSummary | None = None
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -148,13 +161,17 @@ def step_time_of(cost) -> Callable[[int, int, int, int, int], float]:
     return own if own is not None else (lambda *shape: cost.predict(StepShape(*shape)))
 
 
-def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
+def simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpec,
              cost: StepCostModel, policy: RoutingPolicy, bulk: bool = True,
-             skip_idle_cache: bool = True) -> SimResult:
+             skip_idle_cache: bool = True, keep_chunk_times: bool = True) -> SimResult:
     """Run every request to completion; returns what a client would have measured.
+    requests: a sequence (any order), or a re-iterable stream in arrival order (iterated
+    again if the run restarts with prefix caches; an arrival out of order is an error).
     bulk: run plain decode steps in bulk (the same result, faster).
     skip_idle_cache: leave the replicas' prefix caches out while no admission could hit
-    them (the same result, faster; see _cache_never_hit).
+    them (the same result, faster; see _FirstBlocks).
+    keep_chunk_times: the records keep their chunk times; else each finished request's
+    go into SimResult.itl and its record drops them (the memory of a run of millions).
 
     Python's cyclic garbage collector is off while it runs (and restored after): the
     simulation builds millions of long-lived objects (prefix-cache nodes, records) and
@@ -165,27 +182,37 @@ def simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpe
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        if skip_idle_cache and spec.enable_prefix_caching \
-                and _cache_never_hit(requests, spec.block_size):
+        firsts = _FirstBlocks(spec.block_size)
+        if isinstance(requests, Sequence):  # all at hand: checked before, not during, the run
+            requests = sorted(requests, key=lambda r: r.arrival_s)
+            if not all(firsts.admits(r.prompt_token_ids) for r in requests):
+                skip_idle_cache = False
+            firsts.seen = None
+        if skip_idle_cache and spec.enable_prefix_caching:
             try:  # a copy of the policy: a restart must find it as it was (RoundRobin's turn)
                 return _simulate(requests, num_replicas,
                                  replace(spec, enable_prefix_caching=False), cost,
-                                 copy.deepcopy(policy), bulk, started, stop_on_preempt=True)
+                                 copy.deepcopy(policy), bulk, started, keep_chunk_times,
+                                 firsts=firsts)
             except _CacheNeeded:
-                pass  # a preempted sequence would hit its own cached blocks: run with them
-        return _simulate(requests, num_replicas, spec, cost, policy, bulk, started)
+                pass  # an admission could hit a cache (or a preempted sequence its own
+                # cached blocks): run with them
+        return _simulate(requests, num_replicas, spec, cost, policy, bulk, started,
+                         keep_chunk_times)
     finally:
         if was_enabled:
             gc.enable()
 
 
 class _CacheNeeded(Exception):
-    """A run without prefix caches reached its first preemption (simulate restarts it)."""
+    """A run without prefix caches reached its first preemption, or an arrival whose
+    admission could hit a cache (simulate restarts it with them)."""
 
 
-def _cache_never_hit(requests: Sequence[SimRequest], block_size: int) -> bool:
+class _FirstBlocks:
     """Whether, short of preemption, no admission can hit a replica's prefix cache: every
-    prompt fills its first block, and no two prompts' first blocks are equal.
+    prompt fills its first block, and no two prompts' first blocks are equal (checked
+    arrival by arrival: `admits` is False at the first prompt that breaks it).
 
     A match starts at a prompt's first block, so it can then only find the sequence's own
     blocks, which are cached only after its admission: the one way back to them is a
@@ -195,42 +222,56 @@ def _cache_never_hit(requests: Sequence[SimRequest], block_size: int) -> bool:
     0), the KV usage or the hit rate (0): a run without it takes the same steps (the
     sequences are n = 1 and unsalted, one namespace). It only saves filing ~144 cache
     nodes per 2,000-token request. tests/sim/test_speed.py checks the equality, and that
-    a run with a preemption is restarted with the caches."""
-    firsts = set()
-    for r in requests:
-        ids = r.prompt_token_ids
-        if len(ids) < block_size:  # its first block would hold generated tokens too
+    a run with a preemption, or with a repeated first block, is restarted with the caches."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.seen: set[int] | None = set()  # None: every arrival is known to be admitted
+
+    def admits(self, ids: list[int]) -> bool:
+        if self.seen is None:
+            return True
+        bs = self.block_size
+        if len(ids) < bs:  # its first block would hold generated tokens too
             return False
-        first = hash(tuple(ids[:block_size]))  # equal hashes of unequal blocks: no harm,
-        if first in firsts:  # the cache is kept
+        first = hash(tuple(ids[:bs]))  # equal hashes of unequal blocks: no harm, the
+        if first in self.seen:  # cache is kept
             return False
-        firsts.add(first)
-    return True
+        self.seen.add(first)
+        return True
 
 
-def _simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSpec,
+def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpec,
               cost: StepCostModel, policy: RoutingPolicy, bulk: bool, started: float,
-              stop_on_preempt: bool = False) -> SimResult:
-    """stop_on_preempt: raise _CacheNeeded at the first preemption (simulate's first try
-    without prefix caches)."""
+              keep_chunk_times: bool = True, firsts: _FirstBlocks | None = None) -> SimResult:
+    """requests: in arrival order. firsts: raise _CacheNeeded at the first preemption or
+    the first arrival it does not admit (simulate's first try without prefix caches)."""
     replicas = [_make_replica(i, spec, cost) for i in range(num_replicas)]
     lag = getattr(cost, "arrival_s", 0.0)  # the front end's part before the engine's queue
     records: dict[str, RequestRecord] = {}
-    arrivals = sorted(requests, key=lambda r: r.arrival_s)
+    itl = None if keep_chunk_times else ITLSummary()
+    arrivals = iter(requests)
+    nxt = next(arrivals, None)
+    first = nxt.arrival_s if nxt is not None else 0.0
     steps: list = []  # (start time, tiebreak, replica): each stepping replica's next step
     order = itertools.count()
-    num_steps = num_bulk = 0
+    num_steps = num_bulk = num_arrived = 0
     last_end = 0.0
-    next_arrival = 0
     inf = float("inf")
     route = _RouteIndex.make(policy, replicas)
-    while next_arrival < len(arrivals) or steps:
-        t_arrive = (arrivals[next_arrival].arrival_s + lag if next_arrival < len(arrivals)
-                    else inf)
+    while nxt is not None or steps:
+        t_arrive = nxt.arrival_s + lag if nxt is not None else inf
         if t_arrive <= (steps[0][0] if steps else inf):  # same instant: arrival first
-            _arrive(f"r{next_arrival}", arrivals[next_arrival], replicas, policy, records,
-                    steps, order, lag, route)
-            next_arrival += 1
+            if firsts is not None and not firsts.admits(nxt.prompt_token_ids):
+                raise _CacheNeeded
+            _arrive(f"r{num_arrived}", nxt, replicas, policy, records, steps, order, lag,
+                    route)
+            num_arrived += 1
+            sent, nxt = nxt.arrival_s, next(arrivals, None)
+            if nxt is not None and nxt.arrival_s < sent:
+                raise ValueError(f"request {num_arrived} is sent at {nxt.arrival_s} s, "
+                                 f"before the one ahead of it ({sent} s): a stream of "
+                                 "requests must be in arrival order")
             continue
         t, _, rep = heapq.heappop(steps)
         rep.clock.now = t
@@ -240,8 +281,8 @@ def _simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSp
             num_steps += n
             num_bulk += n
         else:  # (a bulk advance never preempts: it stops short of it)
-            _step(rep, records, bulk)
-            if stop_on_preempt and rep.engine.scheduler.num_preemptions:
+            _step(rep, records, bulk, itl)
+            if firsts is not None and rep.engine.scheduler.num_preemptions:
                 raise _CacheNeeded
             num_steps += 1
             if rep.last_finish is not None:
@@ -252,10 +293,9 @@ def _simulate(requests: Sequence[SimRequest], num_replicas: int, spec: ReplicaSp
             rep.is_stepping = False
     for rep in replicas:  # none is left pending (each ran to its last step), but be sure
         finish_run(rep, records)
-    first = min((r.arrival_s for r in requests), default=0.0)
     return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
                      time.perf_counter() - started, num_steps, num_bulk,
-                     sum(r.num_mixed_steps for r in replicas))
+                     sum(r.num_mixed_steps for r in replicas), itl)
 
 
 class _RouteIndex:
@@ -309,7 +349,8 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         rep.engine.add_request(EngineRequest(
             rid, req.prompt_token_ids,
             SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
-            arrival_time=sent, slo=req.slo))  # the front end stamps it
+            arrival_time=sent, slo=req.slo),  # the front end stamps it
+            prompt_checked=req.ids_checked)
     except SLOUnattainableError as exc:  # the SLO policy's early 429: the client sees it now
         rec.error, rec.error_detail, rec.end_time = "slo_unattainable", str(exc), t
         return
@@ -319,9 +360,11 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         heapq.heappush(steps, (rep.clock.now, next(order), rep))
 
 
-def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False) -> list[str]:
+def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False,
+          itl: ITLSummary | None = None) -> list[str]:
     """One Engine.step; its tokens stamped at the step's end. hide: its leading plain
     decodes may be run outside the engine (bulk.mixed_step: the same result, faster).
+    itl: where a finished request's chunk times go (its record then drops them).
     Returns the requests it finished."""
     if hide:
         deltas = mixed_step(rep, records)
@@ -348,10 +391,16 @@ def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False) -
             rec.usage_prompt_tokens = d.num_prompt_tokens
             rep.last_finish = now
             finished.append(d.request_id)
+            if itl is not None:
+                itl.add(rec.chunk_times)
+                rec.chunk_times = _NO_TIMES
     bm, sched = rep.engine.block_manager, rep.engine.scheduler
     rep.timeline.append((now, bm.num_used_blocks / bm.num_blocks, len(sched.waiting),
                          len(sched.running)))
     return finished
 
+
+_NO_TIMES: list[float] = []  # a finished record's chunk times once folded away (shared; never
+# appended to: a finished request takes no more tokens)
 
 __all__ = ["Replica", "ReplicaSpec", "SimRequest", "SimResult", "simulate"]

@@ -1,10 +1,15 @@
 """The simulator's shortcuts that are not bulk advance give exactly what the plain run
 gives: a fleet whose prompts can never hit a prefix cache runs without caches
-(fleet._cache_never_hit), and is restarted with them at its first preemption."""
+(fleet._FirstBlocks), and is restarted with them at its first preemption or at the first
+arrival that could hit one; a stream of requests gives what the same list gives; the CLI's
+random workload (prompts as windows of one pool) the timings of bench serve's prompts; and
+the ITL summary of records that dropped their chunk times what the chunk times give."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from servelm.router.policies import make_policy
 from servelm.sim.fleet import ReplicaSpec, SimRequest, simulate
@@ -139,3 +144,91 @@ def test_summarize_sorts_once_and_gives_the_percentiles_of_results():
         assert [got[f"p{q}"] for q in PERCENTILES] == [_percentile(scaled, q)
                                                        for q in PERCENTILES]
         assert list(got) == ["n", "mean", *(f"p{q}" for q in PERCENTILES), "max"]
+
+
+class _Stream:
+    """A re-iterable in arrival order, as the CLI's RequestStream."""
+
+    def __init__(self, reqs):
+        self.reqs = sorted(reqs, key=lambda r: r.arrival_s)
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.reqs)
+
+
+def test_a_stream_of_requests_runs_as_the_list_and_restarts_at_a_repeated_first_block():
+    spec = ReplicaSpec(num_blocks=4000, block_size=16, max_num_seqs=24,
+                       max_num_batched_tokens=512, max_model_len=2048, vocab_size=1000)
+    reqs = _distinct_prompts(200, 5, prompt=(16, 600))
+    as_list = simulate(reqs, 3, spec, COST, make_policy("least_loaded"))
+    stream = _Stream(reqs)
+    streamed = simulate(stream, 3, spec, COST, make_policy("least_loaded"))
+    _same_run(streamed, as_list)
+    # a late request repeats an early one's first block: the stream's run restarts with
+    # caches at that arrival, and ends as the list's run (checked before it starts) does
+    late = SimRequest(99.0, reqs[0].prompt_token_ids[:16] + [500] * 40, 8)
+    stream = _Stream([*reqs, late])
+    streamed = simulate(stream, 3, spec, COST, make_policy("least_loaded"))
+    assert stream.passes == 2
+    assert all(r.engine.block_manager.prefix_cache is not None for r in streamed.replicas)
+    _same_run(streamed, simulate([*reqs, late], 3, spec, COST, make_policy("least_loaded")))
+    with pytest.raises(ValueError, match="arrival order"):
+        simulate(iter([reqs[1], SimRequest(reqs[1].arrival_s - 1, [101] * 20, 2)]), 1, spec,
+                 COST, make_policy("round_robin"))
+
+
+def test_the_cli_workload_gives_the_timings_of_bench_serves_prompts():
+    """servelm sim's random workload (windows of one pool, drawn as the run goes, the
+    per-token check skipped) against bench serve's random_lengths prompts at the same send
+    times: the same records, steps and replica state, prefix caches on."""
+    from servelm.bench.workloads import random_lengths
+    from servelm.sim import cli as sim_cli
+
+    args = sim_cli.add_parser(__import__("argparse").ArgumentParser().add_subparsers()) \
+        .parse_args(["--cost-model", "x", "--request-rate", "300", "--num-prompts", "150",
+                     "--input-len", "16:400", "--output-len", "2:60", "--vocab-size", "1000",
+                     "--seed", "4"])
+    spec = ReplicaSpec(num_blocks=200, block_size=16, max_num_seqs=16,
+                       max_num_batched_tokens=384, max_model_len=2048, vocab_size=1000)
+    stream = sim_cli.build_requests(args, 300.0, spec.vocab_size)
+    assert isinstance(stream, sim_cli.RequestStream) and stream.ids_checked
+    plain = [SimRequest(s.arrival_s, r.prompt_token_ids, r.max_tokens, s.slo)
+             for s, r in zip(stream, random_lengths(150, "16:400", "2:60", 1000, 4))]
+    for skip in (True, False):  # without, and (preempting) with, the caches
+        a = simulate(stream, 3, spec, COST, make_policy("least_loaded"), skip_idle_cache=skip)
+        b = simulate(plain, 3, spec, COST, make_policy("least_loaded"), skip_idle_cache=skip)
+        assert list(map(_record_key, a.records)) == list(map(_record_key, b.records))
+        assert (a.num_steps, a.elapsed_s) == (b.num_steps, b.elapsed_s)
+    assert sum(r.engine.scheduler.num_preemptions for r in a.replicas) > 0
+    too_wide = sim_cli.build_requests(args, 300.0, 900)  # the engine's vocabulary is smaller
+    assert not too_wide.ids_checked
+
+
+def test_the_itl_summary_of_dropped_chunk_times_is_the_records_one():
+    from servelm.bench.metrics import summarize
+    from servelm.sim.itl import ITLSummary
+
+    spec = ReplicaSpec(num_blocks=4000, block_size=16, max_num_seqs=24,
+                       max_num_batched_tokens=512, max_model_len=2048, vocab_size=1000)
+    reqs = _distinct_prompts(200, 6, prompt=(16, 600))
+    kept = simulate(reqs, 3, spec, COST, make_policy("least_loaded"))
+    dropped = simulate(reqs, 3, spec, COST, make_policy("least_loaded"),
+                       keep_chunk_times=False)
+    gaps = [g for r in kept.records for g in r.itls_s]
+    assert len(gaps) > 2000 and kept.itl is None
+    assert dropped.itl.summary_ms() == summarize(gaps, 1e3)
+    assert all(not r.chunk_times for r in dropped.records)
+    assert [(r.first_token_time, r.end_time, r.num_output_tokens) for r in dropped.records] \
+        == [(r.first_token_time, r.end_time, r.num_output_tokens) for r in kept.records]
+    # over its limit it bins: percentiles within the bins' 0.01%, mean and max as exact
+    small = ITLSummary(exact_limit=500)
+    for r in kept.records:
+        small.add(r.chunk_times)
+    binned, exact = small.summary_ms(), summarize(gaps, 1e3)
+    assert binned["binned"] and binned["n"] == exact["n"]
+    for q in ("p50", "p90", "p95", "p99"):
+        assert binned[q] == pytest.approx(exact[q], rel=1e-4)
+    assert binned["mean"] == pytest.approx(exact["mean"], rel=1e-12)
+    assert binned["max"] == exact["max"]
