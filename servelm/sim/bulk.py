@@ -54,6 +54,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
+import numpy as np
+
 from servelm.engine.scheduler import ScheduledBatch
 from servelm.sim.cost_model import StepShape
 
@@ -72,9 +74,9 @@ class DecodeHead:
     """The lazily advanced head of one replica's running list (the module doc)."""
 
     __slots__ = ("seqs", "info", "groups", "leave", "steps", "t0", "times", "ctx0", "rem0",
-                 "sum_join", "shown", "bs", "order", "files")
+                 "sum_join", "shown", "bs", "order", "files", "itl", "marks")
 
-    def __init__(self, bs: int, files: bool = True):
+    def __init__(self, bs: int, files: bool = True, itl=None):
         self.seqs: list = []  # the members, in running order
         # seq_id -> [base computed, join step, (order, seq), phase key, remaining at join]
         self.info: dict[int, list] = {}
@@ -92,6 +94,14 @@ class DecodeHead:
         # Whether a member filling a block has anything to do there: file it in the prefix
         # cache. Without one (and blocks over one position) only taking a block does.
         self.files = files or bs == 1
+        # Where the members' chunk gaps go when the records keep no chunk times (an
+        # ITLSummary; None: the records get their chunk times). A member caught up over
+        # head steps a..b-1 has the gaps between them: gap i is times[i + 1] - times[i],
+        # shared by every member whose steps span it; `marks` counts them as a difference
+        # array over absolute gap indices (+1 at a, -1 at b - 1), folded into the summary
+        # when the times are dropped (fold).
+        self.itl = itl
+        self.marks: dict[int, int] = {}
 
     @property
     def context(self) -> int:
@@ -125,9 +135,21 @@ class DecodeHead:
         _catch_up(runner, seq, base + d + 1)
         seq.num_computed_tokens = base + d
         t0, times = self.t0, self.times
-        seq.timings.last_token_time = times[self.steps - 1 - t0]
+        last = seq.timings.last_token_time = times[self.steps - 1 - t0]
         rec = records[seq.request_id]
-        rec.chunk_times += times[join - t0:self.steps - t0]
+        if self.itl is None:
+            rec.chunk_times += times[join - t0:self.steps - t0]
+        else:  # the record keeps its last chunk time only
+            chunks = rec.chunk_times
+            if chunks:
+                self.itl.add_gap(times[join - t0] - chunks[0])
+                chunks[0] = last
+            else:
+                chunks.append(last)
+            if d > 1:
+                marks = self.marks
+                marks[join] = marks.get(join, 0) + 1
+                marks[self.steps - 1] = marks.get(self.steps - 1, 0) - 1
         rec.num_output_tokens += d
         # re-based at this step: base + 1 - join and rem - (S - join) are unchanged
         info[0], info[1], info[4] = base + d, self.steps, info[4] - d
@@ -150,8 +172,37 @@ class DecodeHead:
         if len(self.times) > _TIMES_TRIM:  # drop times no member can still need
             first = min(info[1] for info in self.info.values())
             if first - self.t0 > _TIMES_TRIM // 2:
+                self.fold(first)
                 del self.times[:first - self.t0]
                 self.t0 = first
+
+    def fold(self, cut: int) -> None:
+        """Hand the ITL summary the gaps below absolute index `cut` (times before step cut
+        are about to go; no later catch-up starts below it) and keep the count of the
+        spans that go on past it."""
+        marks = self.marks
+        if self.itl is None or not marks:
+            return
+        t0 = self.t0
+        below = [k for k in marks if k < cut]
+        if not below:
+            return
+        n = min(cut - t0, len(self.times) - 1)  # gaps 0..n-1 (relative) have both ends
+        deltas = np.zeros(max(n, 1), dtype=np.int64)
+        carry = 0
+        for k in below:
+            v = marks.pop(k)
+            if k - t0 < n:
+                deltas[k - t0] += v
+            else:  # past the last gap with both ends (the spans closing there net 0)
+                carry += v
+        counts = np.cumsum(deltas)
+        carry += int(counts[-1])
+        if carry:  # spans still open continue from gap `cut`
+            marks[cut] = marks.get(cut, 0) + carry
+        if n > 0:
+            gaps = np.diff(np.array(self.times[:n + 1], dtype=np.float64))
+            self.itl.add_weighted(gaps, counts[:n])
 
 
 def _left(seq, max_model_len: int) -> int:
@@ -173,7 +224,8 @@ def _sync(rep, records) -> DecodeHead:
     engine = rep.engine
     if head is None:
         bm = engine.block_manager
-        head = rep.decode_head = DecodeHead(bm.block_size, bm.prefix_cache is not None)
+        head = rep.decode_head = DecodeHead(bm.block_size, bm.prefix_cache is not None,
+                                            getattr(rep, "itl", None))
     leave, s = head.leave, head.steps
     while leave and leave[0][0] <= s:
         _, _, seq = heapq.heappop(leave)
@@ -181,6 +233,7 @@ def _sync(rep, records) -> DecodeHead:
         head.shown.append(head.info[seq.seq_id][2])  # (order, seq)
         head.remove(seq)
     if not head.seqs and head.times:  # no member needs the times kept so far
+        head.fold(head.steps)
         head.t0, head.times = head.steps, []
     running = engine.scheduler.running
     m = len(head.seqs) + len(head.shown)
@@ -206,6 +259,7 @@ def finish_run(rep, records: dict) -> None:
     runner = rep.runner
     for seq in head.seqs:
         head.catch_up(seq, runner, records)
+    head.fold(head.steps)
 
 
 def _catch_up(runner, seq, num_tokens: int) -> None:

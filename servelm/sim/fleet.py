@@ -88,6 +88,8 @@ class Replica:
     decode_head: DecodeHead | None = None
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)
     # (time, kv usage, waiting, running) after each step
+    # where its requests' chunk gaps go when the records keep no chunk times, else None
+    itl: ITLSummary | None = None
     # load() less the prompt's cached tokens, kept until the engine's state changes: a
     # replica is read at every arrival but changes only when it steps or takes a request.
     _load: ReplicaLoad | None = None
@@ -250,6 +252,8 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
     lag = getattr(cost, "arrival_s", 0.0)  # the front end's part before the engine's queue
     records: dict[str, RequestRecord] = {}
     itl = None if keep_chunk_times else ITLSummary()
+    for rep in replicas:
+        rep.itl = itl
     arrivals = iter(requests)
     nxt = next(arrivals, None)
     first = nxt.arrival_s if nxt is not None else 0.0
@@ -364,7 +368,8 @@ def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False,
           itl: ITLSummary | None = None) -> list[str]:
     """One Engine.step; its tokens stamped at the step's end. hide: its leading plain
     decodes may be run outside the engine (bulk.mixed_step: the same result, faster).
-    itl: where a finished request's chunk times go (its record then drops them).
+    itl: where the request's chunk gaps go (its record then keeps its last chunk time
+    only, and none once it finishes).
     Returns the requests it finished."""
     if hide:
         deltas = mixed_step(rep, records)
@@ -383,7 +388,15 @@ def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False,
         if d.token_ids:
             if rec.first_token_time is None:
                 rec.first_token_time = now
-            rec.chunk_times.append(now)
+            if itl is None:
+                rec.chunk_times.append(now)
+            else:  # the record keeps its last chunk time only
+                chunks = rec.chunk_times
+                if chunks:
+                    itl.add_gap(now - chunks[0])
+                    chunks[0] = now
+                else:
+                    chunks.append(now)
             rec.num_output_tokens += len(d.token_ids)
         if d.timings is not None:
             rec.end_time = now
@@ -392,7 +405,6 @@ def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False,
             rep.last_finish = now
             finished.append(d.request_id)
             if itl is not None:
-                itl.add(rec.chunk_times)
                 rec.chunk_times = _NO_TIMES
     bm, sched = rep.engine.block_manager, rep.engine.scheduler
     rep.timeline.append((now, bm.num_used_blocks / bm.num_blocks, len(sched.waiting),

@@ -1,7 +1,9 @@
 """The inter-token latencies of a simulated run, kept without the requests' chunk times.
 
-Owns: ITLSummary, which takes each request's chunk times as it finishes (the record can then
-drop them: at 300 tokens a request they are most of a large run's memory) and gives the
+Owns: ITLSummary, which takes the gaps between a request's chunks (a finished request's
+chunk times, or the gaps one at a time, or weighted: one gap that many requests share, the
+simulator's decode head, servelm/sim/bulk.py), so the records need not keep their chunk
+times (at 300 tokens a request they are most of a large run's memory), and gives the
 `itl_ms` block of `servelm bench serve`'s result. Up to `exact_limit` gaps it keeps every
 gap and summarizes them as servelm.bench.metrics.summarize does, so a run that fits gives
 the very numbers its records would. Beyond that it bins them: counts in log-spaced bins
@@ -28,8 +30,9 @@ _NUM_BINS = int(math.log(1e5 / _LO) / _WIDTH) + 2  # up to 1e5 s
 class ITLSummary:
     def __init__(self, exact_limit: int = EXACT_LIMIT):
         self.exact_limit = exact_limit
-        self._pending: list[np.ndarray] = []  # finished requests' gaps not yet folded
+        self._pending: list[np.ndarray] = []  # gaps not yet folded in
         self._num_pending = 0
+        self.gaps: list[float] = []  # single gaps (add_gap), folded in batches
         self._exact: list[np.ndarray] = []  # gap arrays while under the limit
         self._num_exact = 0
         self._counts: np.ndarray | None = None  # bin counts once binned
@@ -41,17 +44,34 @@ class ITLSummary:
         """One finished request's chunk times (its gaps are the differences)."""
         if len(chunk_times) < 2:
             return
-        gaps = np.diff(np.array(chunk_times, dtype=np.float64))
+        self._push(np.diff(np.array(chunk_times, dtype=np.float64)))
+
+    def add_gap(self, gap: float) -> None:
+        self.gaps.append(gap)
+        if len(self.gaps) >= _BATCH:
+            self._push(np.array(self.gaps, dtype=np.float64))
+            self.gaps = []
+
+    def add_weighted(self, gaps: np.ndarray, counts: np.ndarray) -> None:
+        """Gap i, counts[i] times."""
+        self._push(np.repeat(gaps, counts))
+
+    def _push(self, gaps: np.ndarray) -> None:
         self._pending.append(gaps)
         self._num_pending += len(gaps)
         if self._num_pending >= _BATCH:
             self._flush()
 
     def _flush(self) -> None:
+        if self.gaps:
+            self._pending.append(np.array(self.gaps, dtype=np.float64))
+            self.gaps = []
         if not self._pending:
             return
         gaps = np.concatenate(self._pending)
         self._pending, self._num_pending = [], 0
+        if not len(gaps):
+            return
         self.n += len(gaps)
         self._max = max(self._max, float(gaps.max()))
         if self._counts is None and self._num_exact + len(gaps) <= self.exact_limit:

@@ -206,18 +206,25 @@ def test_the_cli_workload_gives_the_timings_of_bench_serves_prompts():
     assert not too_wide.ids_checked
 
 
-def test_the_itl_summary_of_dropped_chunk_times_is_the_records_one():
+@pytest.mark.parametrize("trim", [None, 8])
+def test_the_itl_summary_of_dropped_chunk_times_is_the_records_one(monkeypatch, trim):
+    """The decode head's shared gaps (counted per member span, folded when its times are
+    dropped: trim 8 drops them every few steps) and the engine steps' own, against every
+    record's chunk times."""
     from servelm.bench.metrics import summarize
+    from servelm.sim import bulk
     from servelm.sim.itl import ITLSummary
 
+    if trim is not None:
+        monkeypatch.setattr(bulk, "_TIMES_TRIM", trim)
     spec = ReplicaSpec(num_blocks=4000, block_size=16, max_num_seqs=24,
                        max_num_batched_tokens=512, max_model_len=2048, vocab_size=1000)
-    reqs = _distinct_prompts(200, 6, prompt=(16, 600))
+    reqs = _distinct_prompts(200, 6, prompt=(16, 600), output=(1, 200))
     kept = simulate(reqs, 3, spec, COST, make_policy("least_loaded"))
     dropped = simulate(reqs, 3, spec, COST, make_policy("least_loaded"),
                        keep_chunk_times=False)
     gaps = [g for r in kept.records for g in r.itls_s]
-    assert len(gaps) > 2000 and kept.itl is None
+    assert len(gaps) > 5000 and kept.itl is None and dropped.num_bulk_steps > 1000
     assert dropped.itl.summary_ms() == summarize(gaps, 1e3)
     assert all(not r.chunk_times for r in dropped.records)
     assert [(r.first_token_time, r.end_time, r.num_output_tokens) for r in dropped.records] \
