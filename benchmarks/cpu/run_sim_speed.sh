@@ -7,8 +7,7 @@
 # smallest slice, its top functions and the profiler's overhead (wall with / without).
 # Writes benchmarks/results/sim-speed-<UTC>/ (summary.json, summary.md, profile.txt).
 #
-# Run it ALONE on the machine (timed): about 3 minutes (the last record, before hidden
-# decodes, took 4).
+# Run it ALONE on the machine (timed): about 10 minutes on a slow 2-core machine.
 #   bash benchmarks/cpu/run_sim_speed.sh
 #   DRY=1 bash benchmarks/cpu/run_sim_speed.sh      # tiny, /tmp only
 set -euo pipefail
@@ -16,7 +15,10 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 TS=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=${OUT:-benchmarks/results/sim-speed-$TS}
-SLICES=${SLICES:-"8:100:1500 32:400:3000 80:1000:4000"}   # replicas:req/s:requests
+# replicas:req/s:requests; the first three are short (their start and drain are a large part),
+# the last two run long enough for the steady state: 40 s of 80 replicas' traffic, and 30 s
+# of the whole fleet's (800 replicas at 10,000 req/s)
+SLICES=${SLICES:-"8:100:1500 32:400:3000 80:1000:4000 80:1000:40000 800:10000:300000"}
 if [ "${DRY:-0}" = 1 ]; then SLICES="2:25:60"; OUT=/tmp/servelm-sim-speed-dry-$TS; fi
 mkdir -p "$OUT"
 FLEET=(--gpu H100-SXM --model Llama-3.1-70B --tp 8 --policy least_loaded --input-len 2000
@@ -25,7 +27,7 @@ FLEET=(--gpu H100-SXM --model Llama-3.1-70B --tp 8 --policy least_loaded --input
 for s in $SLICES; do
   IFS=: read -r n rate num <<< "$s"
   "$PY" -m servelm.cli sim "${FLEET[@]}" --num-replicas "$n" --request-rate "$rate" \
-    --num-prompts "$num" --out "$OUT/slice-$n.json" > /dev/null 2> "$OUT/slice-$n.log"
+    --num-prompts "$num" --out "$OUT/slice-$n-$num.json" > /dev/null 2> "$OUT/slice-$n-$num.log"
 done
 first=${SLICES%% *}
 IFS=: read -r n rate num <<< "$first"
@@ -36,7 +38,7 @@ import json, pstats, sys
 from pathlib import Path
 out, first = Path(sys.argv[1]), sys.argv[2].split(":")[0]
 rows = []
-for f in sorted(out.glob("slice-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+for f in sorted(out.glob("slice-*.json"), key=lambda p: tuple(map(int, p.stem.split("-")[1:]))):
     r = json.loads(f.read_text())
     s = r["sim"]
     rows.append({"num_replicas": s["num_replicas"], "request_rate": r["load"]["request_rate"],
@@ -45,19 +47,21 @@ for f in sorted(out.glob("slice-*.json"), key=lambda p: int(p.stem.split("-")[1]
                  "bulk_share": s["num_bulk_steps"] / max(1, s["num_steps"]),
                  "hidden_share": s.get("num_mixed_steps", 0) / max(1, s["num_steps"]),
                  "ttft_p50_ms": r["ttft_ms"]["p50"], "goodput": r["goodput"],
+                 "max_rss_mb": s["max_rss_mb"],
                  "whole_question_h": 6_000_000 / s["simulated_requests_per_wall_s"] / 3600})
 prof = json.loads((out / f"profiled-{first}.json").read_text())["sim"]["wall_s"]
-plain = next(x["wall_s"] for x in rows if str(x["num_replicas"]) == first)
+plain = rows[0]["wall_s"]  # the first slice's
 (out / "summary.json").write_text(json.dumps({"slices": rows, "profiler_overhead":
                                               prof / plain, "bar_req_per_wall_s": 3333},
                                              indent=2) + "\n")
-print("| replicas | req/s | requests | wall s | simulated req / wall s | bulk steps | steps with hidden decodes | TTFT p50 ms | goodput | 6M requests would take |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| replicas | req/s | requests | wall s | simulated req / wall s | bulk steps | steps with hidden decodes | TTFT p50 ms | goodput | peak memory | 6M requests would take |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for x in rows:
     print(f"| {x['num_replicas']} | {x['request_rate']:g} | {x['num_requests']} | {x['wall_s']:.1f} | "
           f"{x['req_per_wall_s']:.0f} | {x['bulk_share']:.0%} | {x['hidden_share']:.0%} | "
           f"{x['ttft_p50_ms']:.0f} | "
-          f"{x['goodput']:.0%} | {x['whole_question_h']:.1f} h |")
+          f"{x['goodput']:.0%} | {x['max_rss_mb'] / 1024:.2f} GiB | "
+          f"{x['whole_question_h']:.1f} h |")
 print(f"\nbar: 3,333 simulated req / wall s (6M requests in 30 min); cProfile overhead on the "
       f"{first}-replica slice: {prof / plain:.2f}x wall")
 with open(out / "profile.txt", "w") as f:

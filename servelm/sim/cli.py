@@ -178,6 +178,7 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                 "bulk_decode": not args.no_bulk, "num_bulk_steps": sim.num_bulk_steps,
                 "num_mixed_steps": sim.num_mixed_steps,
                 "simulated_requests_per_wall_s": sim.requests_per_wall_s,
+                "max_rss_mb": _max_rss_mb(),
                 "replicas": [{"num_requests": sum(rep.engine.stats.finished.values()),
                               "num_steps": rep.runner.num_steps, "busy_s": rep.runner.busy_s,
                               "num_preemptions": rep.engine.scheduler.num_preemptions,
@@ -239,6 +240,13 @@ class ScaledCost:
 
     def step_time(self, *shape) -> float:
         return self.inner.predict(StepShape(*shape)) * self.scale
+
+
+def _max_rss_mb() -> float:
+    """The process's peak resident memory so far (MiB): what the run needed at most."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _hit_rate(replicas) -> float:
