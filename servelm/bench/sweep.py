@@ -1,7 +1,7 @@
 """The throughput-latency curve of `servelm bench serve --sweep-rates`.
 
 Owns: find_knee (where latency starts to buy little throughput), goodput_threshold (the rate
-at which goodput drops below a target), summarize_sweep and plot_sweep (PNG, matplotlib Agg).
+at which goodput drops below a target) and goodput_crossing (that rate between two grid points), summarize_sweep and plot_sweep (PNG, matplotlib Agg).
 Never: sends requests (serve.py runs each rate through loadgen.py).
 
 Reading the plot: each point is one request rate. Left of the knee, more load buys output
@@ -59,6 +59,22 @@ def goodput_threshold(rates: Sequence[float], goodputs: Sequence[float],
     return best, first_below
 
 
+def goodput_crossing(rates: Sequence[float], goodputs: Sequence[float],
+                     target: float) -> float | None:
+    """The rate at which goodput falls to the target, interpolated linearly between the last
+    rate meeting it and the first rate below it (goodput_threshold's pair), so the knee is not
+    quantized to the sweep's grid: on a grid 0.5 req/s apart near a knee of 4.5, the grid
+    alone cannot tell a 10% difference. None when every rate meets the target or even the
+    lowest misses it (no bracket to interpolate in)."""
+    points = sorted(zip(rates, goodputs))
+    for (r0, g0), (r1, g1) in zip(points, points[1:]):
+        if g0 < target:
+            return None  # the lowest rate already misses it
+        if g1 < target:
+            return r0 + (g0 - target) / (g0 - g1) * (r1 - r0)
+    return None
+
+
 def summarize_sweep(runs: list[dict[str, Any]], goodput_target: float) -> dict[str, Any]:
     """Knee and goodput threshold over finished runs (each a serve result)."""
     ok = sorted((r for r in runs if not r.get("error")), key=lambda r: r["load"]["request_rate"])
@@ -76,10 +92,12 @@ def summarize_sweep(runs: list[dict[str, Any]], goodput_target: float) -> dict[s
     if knees:
         i, name = min(knees, key=lambda k: k[0])  # ties: the first listed
         knee = Knee(i, ok[i]["load"]["request_rate"], ok[i]["output_tok_s"], name)._asdict()
-    best, below = goodput_threshold(rates, [r["goodput"] for r in ok], goodput_target)
+    goodputs = [r["goodput"] for r in ok]
+    best, below = goodput_threshold(rates, goodputs, goodput_target)
     return {"rates": rates, "knee": knee,
             "goodput_target": goodput_target, "max_rate_meeting_target": best,
             "first_rate_below_target": below,
+            "goodput_crossing_rate": goodput_crossing(rates, goodputs, goodput_target),
             "points": [{"request_rate": r["load"]["request_rate"],
                         "achieved_rate": r["request_throughput"],
                         "output_tok_s": r["output_tok_s"], "goodput": r["goodput"],
@@ -111,6 +129,9 @@ def render_sweep_table(summary: dict[str, Any]) -> str:
         "not met at any rate" if best is None else
         f"up to {best:g} req/s" + (f"; below target from {below:g} req/s" if below is not None
                                    else "; met at every rate swept")))
+    crossing = summary.get("goodput_crossing_rate")
+    if crossing is not None:
+        lines[-1] += f" (falls to the target at ~{crossing:.3g} req/s, interpolated)"
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from servelm.bench.metrics import (RequestRecord, build_serve_result, goodput, meets_slo,
                                    render_serve_table, summarize)
-from servelm.bench.sweep import find_knee, goodput_threshold, summarize_sweep
+from servelm.bench.sweep import find_knee, goodput_crossing, goodput_threshold, summarize_sweep
 
 
 def rec(ttft, e2e, n_out, *, sent=10.0, chunks=None, error=None, n_in=5, max_tokens=None):
@@ -106,6 +106,17 @@ def test_goodput_threshold_finds_the_last_rate_meeting_the_target():
     assert goodput_threshold([1, 2], [0.5, 0.1], 0.9) == (None, 1)
 
 
+def test_goodput_crossing_interpolates_between_the_bracketing_rates():
+    # 0.95 at 2, 0.7 at 4: 0.9 is a fifth of the way down, at 2.4.
+    assert goodput_crossing([1, 2, 4, 8], [1.0, 0.95, 0.7, 0.1], 0.9) == pytest.approx(2.4)
+    # Unsorted input; exactly on the target at the lower rate.
+    assert goodput_crossing([4, 1, 2], [0.5, 1.0, 0.9], 0.9) == pytest.approx(2.0)
+    # The first crossing counts, not a later recovery.
+    assert goodput_crossing([1, 2, 3, 4], [1.0, 0.8, 0.95, 0.5], 0.9) == pytest.approx(1.5)
+    assert goodput_crossing([4, 1, 2], [0.99, 1.0, 0.97], 0.9) is None
+    assert goodput_crossing([1, 2], [0.5, 0.1], 0.9) is None
+
+
 def test_summarize_sweep_uses_the_runs_in_rate_order():
     def run(rate, tok_s, p99, g):
         lat = {"p50": p99 / 2, "p99": p99}
@@ -119,6 +130,7 @@ def test_summarize_sweep_uses_the_runs_in_rate_order():
     assert s["rates"] == [1, 2, 4, 8, 16, 32]
     assert s["knee"]["request_rate"] == 8 and s["knee"]["metric"] == "p50 TTFT"
     assert (s["max_rate_meeting_target"], s["first_rate_below_target"]) == (4, 8)
+    assert s["goodput_crossing_rate"] == pytest.approx(4 + 0.05 / 0.10 * 4)
     assert not math.isnan(s["points"][0]["ttft_p99_ms"])
 
 
