@@ -19,7 +19,9 @@ spec, servelm/slo.py); one without (best effort) goes after every request that h
 Prefill chunks: a step carrying C prompt tokens next to D decodes takes step_time(D + 1, D,
 context, C); the cap is the largest C (at least `min_chunk`, so prompts always move) that
 keeps that step within the tightest TPOT target among the running decodes (times
-`tpot_headroom`, 0.9: a TPOT is the mean of a request's steps): the chunk budget
+`tpot_headroom`, 0.9: a TPOT is the mean of a request's steps), and there is none when
+even `min_chunk` tokens put the step over it (no chunk size keeps that step within the
+target; small ones only make more slow steps): the chunk budget
 `servelm plan prefill --tpot` derives from the roofline, here from the engine's own step-cost
 model, per step, for the batch actually running.
 
@@ -126,7 +128,11 @@ class SLOPolicy:
             return None
         lo, hi = self.min_chunk, room  # step_time grows with the chunk: bisect
         if f(num + 1, num, ctx, lo, _pairs(0, lo)) > tpot:
-            return lo  # the decodes alone are at the target: the smallest chunk still moves
+            # Even the smallest chunk puts the step over the target (a step with a prompt
+            # chunk has a fixed cost of its own: on a slow CPU over the whole budget): no
+            # chunk keeps it, and a small one only multiplies the slow steps (a 900-token
+            # prompt in 16-token chunks is 57 of them). No cap: the fewest slow steps.
+            return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if f(num + 1, num, ctx, mid, _pairs(0, mid)) <= tpot:

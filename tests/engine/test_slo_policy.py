@@ -171,6 +171,36 @@ def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
             if s.seq.request_id == "long"] == [40]
 
 
+def test_no_cap_when_even_the_smallest_chunk_is_over_the_target():
+    # A step with a prompt chunk pays 15 ms of its own on top of 10 ms + 1 ms per token:
+    # with 4 decodes, 2 prompt tokens are 31 ms > 0.9 x 20 ms. No chunk size keeps the
+    # step within the target, so the prompt goes in one chunk, not in 20 slow steps.
+    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
+
+    def step_time(num_seqs, num_decode, context, prefill, pairs):
+        return 0.010 + 0.001 * (num_decode + prefill) + (0.015 if prefill else 0.0)
+
+    engine = _engine(Clock(), step_time, max_num_batched_tokens=64, max_num_seqs=8,
+                     num_blocks=128)
+    engine.scheduler.policy.min_chunk = 2
+    for i in range(4):
+        engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+    engine.step()
+    engine.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    batch = engine.scheduler.schedule()
+    assert engine.scheduler.policy.last_prefill_cap is None
+    assert [s.num_new_tokens for s in batch.seqs if s.seq.request_id == "long"] == [40]
+    # Without the chunk's own cost, 4 decodes + 4 tokens fit 18 ms: the cap is back.
+    engine2 = _engine(Clock(), max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
+    engine2.scheduler.policy.min_chunk = 2
+    for i in range(4):
+        engine2.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+    engine2.step()
+    engine2.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    engine2.scheduler.schedule()
+    assert engine2.scheduler.policy.last_prefill_cap == 4
+
+
 def test_a_request_that_cannot_meet_its_ttft_behind_the_queue_is_refused():
     spec = SLOSpec.from_dict(SPEC)  # interactive TTFT 200 ms
     clock = Clock()
