@@ -1,7 +1,8 @@
 """The throughput-latency curve of `servelm bench serve --sweep-rates`.
 
 Owns: find_knee (where latency starts to buy little throughput), goodput_threshold (the rate
-at which goodput drops below a target) and goodput_crossing (that rate between two grid points), summarize_sweep and plot_sweep (PNG, matplotlib Agg).
+at which goodput drops below a target), goodput_crossing (that rate between two grid points),
+summarize_sweep and plot_sweep (PNG, matplotlib Agg).
 Never: sends requests (serve.py runs each rate through loadgen.py).
 
 Reading the plot: each point is one request rate. Left of the knee, more load buys output
@@ -66,13 +67,12 @@ def goodput_crossing(rates: Sequence[float], goodputs: Sequence[float],
     quantized to the sweep's grid: on a grid 0.5 req/s apart near a knee of 4.5, the grid
     alone cannot tell a 10% difference. None when every rate meets the target or even the
     lowest misses it (no bracket to interpolate in)."""
-    points = sorted(zip(rates, goodputs))
-    for (r0, g0), (r1, g1) in zip(points, points[1:]):
-        if g0 < target:
-            return None  # the lowest rate already misses it
-        if g1 < target:
-            return r0 + (g0 - target) / (g0 - g1) * (r1 - r0)
-    return None
+    r0, r1 = goodput_threshold(rates, goodputs, target)
+    if r0 is None or r1 is None:
+        return None
+    at = dict(zip(rates, goodputs))
+    g0, g1 = at[r0], at[r1]
+    return r0 + (g0 - target) / (g0 - g1) * (r1 - r0)
 
 
 def summarize_sweep(runs: list[dict[str, Any]], goodput_target: float) -> dict[str, Any]:

@@ -146,16 +146,22 @@ def test_a_doomed_request_goes_behind_those_that_can_still_make_it():
     assert [s.request_id for s in engine.scheduler.waiting] == ["new", "batch", "old"]
 
 
-def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
-    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
-    clock = Clock()
-    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 0.9 x 20 ms -> c <= 4
-    engine = _engine(clock, max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
+def _four_decodes_and_a_long_prompt(spec, step_time=_linear()):
+    """Four interactive requests decoding (TPOT 20 ms), a 40-token batch prompt waiting."""
+    engine = _engine(Clock(), step_time, max_num_batched_tokens=64, max_num_seqs=8,
+                     num_blocks=128)
     engine.scheduler.policy.min_chunk = 2
     for i in range(4):
         engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
     engine.step()  # the four prompts
     engine.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    return engine
+
+
+def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
+    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
+    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 0.9 x 20 ms -> c <= 4
+    engine = _four_decodes_and_a_long_prompt(spec)
     batch = engine.scheduler.schedule()
     prompt_tokens = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1
                         or s.seq.request_id == "long")
@@ -180,23 +186,12 @@ def test_no_cap_when_even_the_smallest_chunk_is_over_the_target():
     def step_time(num_seqs, num_decode, context, prefill, pairs):
         return 0.010 + 0.001 * (num_decode + prefill) + (0.015 if prefill else 0.0)
 
-    engine = _engine(Clock(), step_time, max_num_batched_tokens=64, max_num_seqs=8,
-                     num_blocks=128)
-    engine.scheduler.policy.min_chunk = 2
-    for i in range(4):
-        engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
-    engine.step()
-    engine.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    engine = _four_decodes_and_a_long_prompt(spec, step_time)
     batch = engine.scheduler.schedule()
     assert engine.scheduler.policy.last_prefill_cap is None
     assert [s.num_new_tokens for s in batch.seqs if s.seq.request_id == "long"] == [40]
     # Without the chunk's own cost, 4 decodes + 4 tokens fit 18 ms: the cap is back.
-    engine2 = _engine(Clock(), max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
-    engine2.scheduler.policy.min_chunk = 2
-    for i in range(4):
-        engine2.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
-    engine2.step()
-    engine2.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    engine2 = _four_decodes_and_a_long_prompt(spec)
     engine2.scheduler.schedule()
     assert engine2.scheduler.policy.last_prefill_cap == 4
 
