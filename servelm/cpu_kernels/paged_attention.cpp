@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "paged_tables.h"
@@ -92,12 +93,14 @@ struct Problem {
 };
 
 // Per-thread scratch, in 16-lane vectors: q (scaled), accumulators, one tile of partial dots;
-// per query head of the work item: running max and sum.
+// per query head of the work item: running max and sum; for the AVX2 walk (attend8) one
+// tile's K and V rows of a KV head widened to float32, and a row of zeros.
 struct Scratch {
   std::vector<f32x16> q, acc, dots;
-  std::vector<float> max, sum;
+  std::vector<float> max, sum, tile, zeros;
   Scratch(int64_t heads, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), max(heads), sum(heads) {}
+      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), max(heads), sum(heads),
+        tile(2 * kTile * 16 * chunks), zeros(16 * chunks) {}
 };
 
 template <typename Q>
@@ -213,13 +216,174 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   }
 }
 
+#if defined(SERVELM_VEC16_HALVES)
+// AVX2 (no AVX-512): the same walk in 8-lane vectors. With 16 ymm registers the 16-lane form
+// above spills: a tile's K row (D / 8 halves) and a group's query heads (G D / 8) do not fit,
+// so GCC moves every operand through the stack (measured: 5-7x slower than this, and fp8
+// caches 4x slower again). Here a tile's rows are first widened to float32 in a scratch
+// tile (once per element, whatever the cache dtype), then each query head of the group
+// takes its scores against the tile with q read from memory (FMA memory operands) and keeps
+// its D / 8 accumulators in registers while the tile's V rows stream. Same online softmax;
+// sums are added in another order (another rounding of the same sums).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const fp8_e4m3* p) {  // exact, as load16 (vec16.h)
+  const __m256i w =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7)));
+  const __m256 v = _mm256_blendv_ps(sub, normal, is_normal);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+}
+
+// exp16's polynomial on 8 lanes (vec16.h: x clamped to [-87, 88], about 1 ulp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 big = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), big), big);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.9875691500e-4f), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+}
+
+// out lane t = the sum of x[t]'s 8 lanes, t = 0..7.
+inline __m256 sum_lanes_8(const __m256* x) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// kH: D / 8 (8 for D = 64, 16 for 128), 0: runtime.
+template <int kH, typename KV>
+void attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
+  const int64_t nh = kH ? kH : p.head_dim / 8, G = p.group, D = p.head_dim;
+  const int64_t heads = (kh1 - kh0) * G, bs = p.block_size;
+  const KV* kbase = static_cast<const KV*>(p.k) + kh0 * D;
+  const KV* vbase = static_cast<const KV*>(p.v) + kh0 * D;
+  const int64_t* table = p.tables + b * p.table_stride;
+  const int64_t len = p.seq_lens[b];
+  const int64_t row_bytes = (kh1 - kh0) * D * int64_t(sizeof(KV));
+  const float* q = reinterpret_cast<const float*>(s.q.data());  // [heads][D], scaled
+  float* accs = reinterpret_cast<float*>(s.acc.data());         // [heads][D]
+  std::vector<float>& tile = s.tile;  // one KV head's K and V rows of a tile: [kTile][D] each
+  std::fill(accs, accs + heads * D, 0.0f);
+  std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
+  int64_t rows[kTile], next[kTile];
+  locate(table, bs, p.slot_stride, 0, len, next);
+  for (int64_t start = 0; start < len; start += kTile) {
+    const int n = int(std::min<int64_t>(kTile, len - start));
+    std::copy(next, next + n, rows);
+    const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
+    for (int t = 0; t < n_next; ++t)
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
+      }
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
+      // The tile's K and V rows as float32: the cache's own rows, or widened into scratch.
+      const float *krow[kTile], *vrow[kTile];
+      float* kt = tile.data();
+      float* vt = kt + kTile * D;
+      for (int t = 0; t < n; ++t) {
+        if constexpr (std::is_same_v<KV, float>) {
+          krow[t] = kbase + rows[t] + kh * D, vrow[t] = vbase + rows[t] + kh * D;
+          continue;
+        }
+        for (int64_t c = 0; c < nh; ++c) {
+          _mm256_storeu_ps(kt + t * D + 8 * c, load8(kbase + rows[t] + kh * D + 8 * c));
+          _mm256_storeu_ps(vt + t * D + 8 * c, load8(vbase + rows[t] + kh * D + 8 * c));
+        }
+        krow[t] = kt + t * D, vrow[t] = vt + t * D;
+      }
+      for (int t = n; t < kTile; ++t) krow[t] = s.zeros.data();  // finite scores, masked below
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* qh = q + h * D;
+        __m256 qv[kH ? kH : 32];  // in registers for D = 64 (8 of the 16)
+        for (int64_t c = 0; c < nh; ++c) qv[c] = _mm256_loadu_ps(qh + 8 * c);
+        __m256 part[kTile];
+        for (int t = 0; t < kTile; ++t) {
+          const float* kr = krow[t];
+          __m256 d0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+          __m256 d1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(kr + 8));
+          for (int64_t c = 2; c < nh; c += 2) {
+            d0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + 8 * c), d0);
+            d1 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kr + 8 * c + 8), d1);
+          }
+          part[t] = _mm256_add_ps(d0, d1);
+        }
+        const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256 sc[2], valid[2];
+        for (int i = 0; i < 2; ++i) {
+          valid[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * i), idx));
+          sc[i] = _mm256_blendv_ps(ninf, sum_lanes_8(part + 8 * i), valid[i]);
+        }
+        float &max = s.max[h], &sum = s.sum[h];
+        const float mx = std::max(max, hmax8(_mm256_max_ps(sc[0], sc[1])));
+        float* acc = accs + h * D;
+        __m256 a[kH ? kH : 32];
+        for (int64_t c = 0; c < nh; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+        if (mx > max) {  // rescale what came before to the new max
+          const __m256 alpha = exp8(_mm256_set1_ps(max - mx));
+          for (int64_t c = 0; c < nh; ++c) a[c] = _mm256_mul_ps(a[c], alpha);
+          sum *= _mm256_cvtss_f32(alpha);
+          max = mx;
+        }
+        alignas(32) float w[kTile];
+        for (int i = 0; i < 2; ++i) {
+          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sc[i], _mm256_set1_ps(mx))), valid[i]);
+          _mm256_store_ps(w + 8 * i, e);
+        }
+        sum += hsum8(_mm256_add_ps(_mm256_load_ps(w), _mm256_load_ps(w + 8)));
+        for (int t = 0; t < n; ++t) {
+          const __m256 wt = _mm256_broadcast_ss(w + t);
+          const float* vr = vrow[t];
+          for (int64_t c = 0; c < nh; ++c)
+            a[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + 8 * c), a[c]);
+        }
+        for (int64_t c = 0; c < nh; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+      }
+    }
+  }
+  float* out = p.out + (b * p.num_heads + kh0 * G) * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m256 inv = _mm256_set1_ps(1.0f / s.sum[h]);
+    for (int64_t c = 0; c < nh; ++c)
+      _mm256_storeu_ps(out + h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(accs + h * D + 8 * c), inv));
+  }
+}
+#endif
+
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
 
 template <typename KV>
 AttendFn pick(int64_t head_dim) {
+#if defined(SERVELM_VEC16_HALVES)
+  if (head_dim == 64) return attend8<8, KV>;
+  if (head_dim == 128) return attend8<16, KV>;
+  return attend8<0, KV>;
+#else
   if (head_dim == 64) return attend<4, KV>;
   if (head_dim == 128) return attend<8, KV>;
   return attend<0, KV>;
+#endif
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
