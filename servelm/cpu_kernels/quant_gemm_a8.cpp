@@ -246,13 +246,18 @@ template <int R, typename S>
 inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, const S* so,
                           Out16* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t per_group = group / kAGroup;  // activation groups a weight group
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const S* sg = so + h * 8;  // weight group g's scales (g = 32 a / group, no division)
+    int64_t left = per_group;
     for (int64_t a = 0; a < x.A; ++a) {
       __m256i dot16[R];
       for (int r = 0; r < R; ++r) dot16[r] = _mm256_setzero_si256();
       const uint8_t* c = codes + a * 4 * 64 + h * 32;
+      // Not unrolled: unrolled, GCC computes all 8 R products first and spills them.
+#pragma GCC unroll 1
       for (int b = 0; b < 4; ++b) {  // 8 columns a block
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b * 64));
         const __m256i wl = _mm256_and_si256(w, low4);
@@ -263,9 +268,9 @@ inline void int4_a8_panel(const RowsA8& x, int64_t group, const uint8_t* codes, 
           dot16[r] = _mm256_add_epi16(dot16[r], _mm256_maddubs_epi16(wh, bcast4(xr + 4)));
         }
       }
-      const int64_t g = a * kAGroup / group;
-      const __m256 scale = load_scales8(so + (2 * g) * kLanes + h * 8);
-      const __m256 offset = load_scales8(so + (2 * g + 1) * kLanes + h * 8);
+      const __m256 scale = load_scales8(sg);
+      const __m256 offset = load_scales8(sg + kLanes);
+      if (--left == 0) sg += 2 * kLanes, left = per_group;
       for (int r = 0; r < R; ++r) {
         const float d = x.d[r * x.A + a];
         const __m256i dot = _mm256_madd_epi16(dot16[r], ones);
