@@ -210,6 +210,10 @@ def registry_gguf(model: str) -> str | None:
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if getattr(args, "step_trace", None):  # an engine flag the offline runs cannot honour
+        raise FlagError("--step-trace", "traces the steps of a serving engine's loop "
+                        "(`servelm serve --step-trace FILE`); bench offline steps the engine "
+                        "itself, so nothing would be written")
     requests = workload_from_args(args)
     peers = parse_peers(args.peers)
     pythons = parse_mapping(args.peer_python, "--peer-python")

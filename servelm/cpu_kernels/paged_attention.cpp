@@ -14,7 +14,8 @@
 // prefetched into L2 and each tile's K rows read in address order (all the item's KV heads
 // of a slot at once). 16 scores per head come out of one transpose-and-add tree, softmax is
 // online per tile (running max and sum in fp32), and a head's accumulator stays in
-// registers while the tile's V rows stream.
+// registers while the tile's V rows stream. On a CPU without AVX-512 the same walk runs in
+// 8-lane AVX2 vectors (attend8, below): the 16-lane form does not fit 16 ymm registers.
 // D must be a multiple of 16. Caches hold float32, bfloat16 or float8 e4m3 codes with a scale
 // per KV head (k_scale folded into q, v_scale into the output); q float32 or bfloat16; the
 // output is fp32.

@@ -39,6 +39,7 @@ def test_bad_num_prompts_names_the_flag(capsys, tmp_path):
     (["--peers", "vllm", "--peer-python", "tgi=/x"], "--peer-python"),
     (["--peers", "vllm", "--peer-model", "vllm=/m"], "--peer-python"),  # no interpreter
     (["--peers", "vllm", "--peer-python", "vllm=/py"], "--peer-model"),  # no model
+    (["--step-trace", "steps.jsonl"], "--step-trace"),  # served steps only: refused
 ])
 def test_bad_peer_flags_name_the_flag(argv, flag, capsys):
     args = parse(["m.safetensors-dir", "--no-servelm"] + argv)
