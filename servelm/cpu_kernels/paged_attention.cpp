@@ -124,6 +124,36 @@ inline int locate(const int64_t* table, int64_t bs, int64_t slot_stride, int64_t
   return n;
 }
 
+// One work item's walk over its context, tile by tile: sequence b's slots for KV heads
+// kh0..kh1-1 (whole slots, contiguous in memory), the next tile's rows prefetched into L2
+// while this one computes (its blocks lie anywhere in the pool).
+template <typename KV>
+struct Walk {
+  const KV *kbase, *vbase;  // KV head kh0's part of slot 0
+  const int64_t* table;
+  int64_t len, bs, slot_stride, row_bytes;
+  int64_t rows[kTile], next[kTile];  // element offsets of this tile's and the next's slots
+  Walk(const Problem& p, int64_t b, int64_t kh0, int64_t kh1)
+      : kbase(static_cast<const KV*>(p.k) + kh0 * p.head_dim),
+        vbase(static_cast<const KV*>(p.v) + kh0 * p.head_dim),
+        table(p.tables + b * p.table_stride), len(p.seq_lens[b]), bs(p.block_size),
+        slot_stride(p.slot_stride), row_bytes((kh1 - kh0) * p.head_dim * int64_t(sizeof(KV))) {
+    locate(table, bs, slot_stride, 0, len, next);
+  }
+  // The rows of the tile at `start` into rows[]; returns how many (<= kTile).
+  int tile(int64_t start) {
+    const int n = int(std::min<int64_t>(kTile, len - start));
+    std::copy(next, next + n, rows);
+    const int n_next = locate(table, bs, slot_stride, start + kTile, len, next);
+    for (int t = 0; t < n_next; ++t)
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
+      }
+    return n;
+  }
+};
+
 // dots[h][t] for the item's heads h over one tile of n <= 16 rows: lane-wise q * k products,
 // summed over the chunks. The rows' KV heads are read in address order (whole slots).
 template <int kChunks, typename KV>
@@ -184,30 +214,16 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
 template <int kChunks, typename KV>
 void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group, D = p.head_dim;
-  const int64_t heads = (kh1 - kh0) * G, bs = p.block_size;
-  const KV* kbase = static_cast<const KV*>(p.k) + kh0 * D;
-  const KV* vbase = static_cast<const KV*>(p.v) + kh0 * D;
-  const int64_t* table = p.tables + b * p.table_stride;
-  const int64_t len = p.seq_lens[b];
-  const int64_t row_bytes = (kh1 - kh0) * D * int64_t(sizeof(KV));
+  const int64_t heads = (kh1 - kh0) * G;
+  Walk<KV> w(p, b, kh0, kh1);
   std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
-  int64_t rows[kTile], next[kTile];  // element offsets of this tile's and the next's slots
-  locate(table, bs, p.slot_stride, 0, len, next);
-  for (int64_t start = 0; start < len; start += kTile) {
-    const int n = int(std::min<int64_t>(kTile, len - start));
-    std::copy(next, next + n, rows);
-    // The next tile's blocks lie anywhere in the pool: fetch them while this one computes.
-    const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
-    for (int t = 0; t < n_next; ++t)
-      for (int64_t c = 0; c < row_bytes; c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);  // to L2
-        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
-      }
-    tile_dots<kChunks, KV>(p, kbase, rows, n, kh1 - kh0, s);
+  for (int64_t start = 0; start < w.len; start += kTile) {
+    const int n = w.tile(start);
+    tile_dots<kChunks, KV>(p, w.kbase, w.rows, n, kh1 - kh0, s);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
-      attend_tile<kChunks, KV>(p, vbase + kh * D, rows, n, kh * G, s);
+      attend_tile<kChunks, KV>(p, w.vbase + kh * D, w.rows, n, kh * G, s);
   }
   float* out = p.out + (b * p.num_heads + kh0 * G) * D;
   for (int64_t h = 0; h < heads; ++h) {
@@ -273,29 +289,18 @@ inline __m256 sum_lanes_8(const __m256* x) {
 template <int kH, typename KV>
 void attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   const int64_t nh = kH ? kH : p.head_dim / 8, G = p.group, D = p.head_dim;
-  const int64_t heads = (kh1 - kh0) * G, bs = p.block_size;
-  const KV* kbase = static_cast<const KV*>(p.k) + kh0 * D;
-  const KV* vbase = static_cast<const KV*>(p.v) + kh0 * D;
-  const int64_t* table = p.tables + b * p.table_stride;
-  const int64_t len = p.seq_lens[b];
-  const int64_t row_bytes = (kh1 - kh0) * D * int64_t(sizeof(KV));
+  const int64_t heads = (kh1 - kh0) * G;
+  Walk<KV> w(p, b, kh0, kh1);
+  const KV *kbase = w.kbase, *vbase = w.vbase;
   const float* q = reinterpret_cast<const float*>(s.q.data());  // [heads][D], scaled
   float* accs = reinterpret_cast<float*>(s.acc.data());         // [heads][D]
   std::vector<float>& tile = s.tile;  // one KV head's K and V rows of a tile: [kTile][D] each
   std::fill(accs, accs + heads * D, 0.0f);
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
-  int64_t rows[kTile], next[kTile];
-  locate(table, bs, p.slot_stride, 0, len, next);
-  for (int64_t start = 0; start < len; start += kTile) {
-    const int n = int(std::min<int64_t>(kTile, len - start));
-    std::copy(next, next + n, rows);
-    const int n_next = locate(table, bs, p.slot_stride, start + kTile, len, next);
-    for (int t = 0; t < n_next; ++t)
-      for (int64_t c = 0; c < row_bytes; c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[t]) + c, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[t]) + c, 0, 1);
-      }
+  const int64_t* rows = w.rows;
+  for (int64_t start = 0; start < w.len; start += kTile) {
+    const int n = w.tile(start);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
       // The tile's K and V rows as float32: the cache's own rows, or widened into scratch.
       const float *krow[kTile], *vrow[kTile];
