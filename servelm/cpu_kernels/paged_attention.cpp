@@ -43,45 +43,6 @@ using namespace servelm_cpu;
 constexpr int kTile = 16;
 constexpr int kMaxChunks = 16;  // D <= 256
 
-// out[t] = the sum of x[t]'s 16 lanes, t = 0..15: four levels that each halve the vectors
-// and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order. On AVX2 each vector's
-// two halves are added first, then hadd rounds sum 8 vectors at a time.
-inline f32x16 sum_lanes_16(const f32x16* x) {
-#if defined(SERVELM_VEC16_HALVES)
-  __m256 out[2];
-  for (int part = 0; part < 2; ++part) {
-    __m256 v[8];
-    for (int i = 0; i < 8; ++i) {
-      const f32x16& xi = x[8 * part + i];
-      v[i] = _mm256_add_ps(half8(xi, 0), half8(xi, 1));
-    }
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    // a: lanes (0 1 2 3 | 0 1 2 3) of vectors 0-3, each half a partial sum; b the same of 4-7
-    out[part] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
-                              _mm256_permute2f128_ps(a, b, 0x31));
-  }
-  return join8(out[0], out[1]);
-#else
-  const i32x16 a8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32x16 b8 = a8 + 8;
-  const i32x16 a4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i32x16 b4 = a4 + 4;
-  const i32x16 a2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i32x16 b2 = a2 + 2;
-  const i32x16 a1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const i32x16 b1 = a1 + 1;
-  f32x16 y[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], a8) + __builtin_shuffle(x[2 * i], x[2 * i + 1], b8);
-  for (int i = 0; i < 4; ++i)
-    z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], a4) + __builtin_shuffle(y[2 * i], y[2 * i + 1], b4);
-  for (int i = 0; i < 2; ++i)
-    w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], a2) + __builtin_shuffle(z[2 * i], z[2 * i + 1], b2);
-  return __builtin_shuffle(w[0], w[1], a1) + __builtin_shuffle(w[0], w[1], b1);
-#endif
-}
-
 struct Problem {
   const void* k;
   const void* v;
@@ -93,15 +54,22 @@ struct Problem {
   float* out;  // [B, H, D]
 };
 
-// Per-thread scratch, in 16-lane vectors: q (scaled), accumulators, one tile of partial dots;
-// per query head of the work item: running max and sum; for the AVX2 walk (attend8) one
-// tile's K and V rows of a KV head widened to float32, and a row of zeros.
+// Per-thread scratch, in 16-lane vectors: q (scaled), accumulators; per query head of the
+// work item: running max and sum. The 16-lane walk keeps one tile of partial dots; the AVX2
+// walk one tile's K and V rows of a KV head widened to float32, and a row of zeros.
 struct Scratch {
-  std::vector<f32x16> q, acc, dots;
-  std::vector<float> max, sum, tile, zeros;
+  std::vector<f32x16> q, acc;
+  std::vector<float> max, sum;
+#if defined(SERVELM_VEC16_HALVES)
+  std::vector<float> tile, zeros;
   Scratch(int64_t heads, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), dots(heads * kTile), max(heads), sum(heads),
+      : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads),
         tile(2 * kTile * 16 * chunks), zeros(16 * chunks) {}
+#else
+  std::vector<f32x16> dots;
+  Scratch(int64_t heads, int64_t chunks)
+      : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads), dots(heads * kTile) {}
+#endif
 };
 
 template <typename Q>
@@ -153,6 +121,28 @@ struct Walk {
     return n;
   }
 };
+
+#if !defined(SERVELM_VEC16_HALVES)
+// out[t] = the sum of x[t]'s 16 lanes, t = 0..15: four levels that each halve the vectors
+// and the lanes per token (8 -> 4 -> 2 -> 1), keeping tokens in order.
+inline f32x16 sum_lanes_16(const f32x16* x) {
+  const i32x16 a8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 b8 = a8 + 8;
+  const i32x16 a4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32x16 b4 = a4 + 4;
+  const i32x16 a2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32x16 b2 = a2 + 2;
+  const i32x16 a1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i32x16 b1 = a1 + 1;
+  f32x16 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], a8) + __builtin_shuffle(x[2 * i], x[2 * i + 1], b8);
+  for (int i = 0; i < 4; ++i)
+    z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], a4) + __builtin_shuffle(y[2 * i], y[2 * i + 1], b4);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], a2) + __builtin_shuffle(z[2 * i], z[2 * i + 1], b2);
+  return __builtin_shuffle(w[0], w[1], a1) + __builtin_shuffle(w[0], w[1], b1);
+}
 
 // dots[h][t] for the item's heads h over one tile of n <= 16 rows: lane-wise q * k products,
 // summed over the chunks. The rows' KV heads are read in address order (whole slots).
@@ -233,16 +223,19 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   }
 }
 
-#if defined(SERVELM_VEC16_HALVES)
+#else
 // AVX2 (no AVX-512): the same walk in 8-lane vectors. With 16 ymm registers the 16-lane form
 // above spills: a tile's K row (D / 8 halves) and a group's query heads (G D / 8) do not fit,
-// so GCC moves every operand through the stack (measured: 5-7x slower than this, and fp8
-// caches 4x slower again). Here a tile's rows are first widened to float32 in a scratch
-// tile (once per element, whatever the cache dtype), then each query head of the group
-// takes its scores against the tile with q read from memory (FMA memory operands) and keeps
-// its D / 8 accumulators in registers while the tile's V rows stream. Same online softmax;
-// sums are added in another order (another rounding of the same sums).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// so GCC moves every operand through the stack (record paged-decode-micro-20261203T154318Z:
+// 1.8x slower than this from memory and 4.7x in cache for a float32 cache, 14x for fp8).
+// Here a bfloat16 or fp8 tile's rows are first widened to float32 in scratch (once per
+// element; a float32 tile is read where it lies), then each query head of the group takes
+// its scores against the tile with its q in registers (D = 64) and keeps its D / 8
+// accumulators in registers while the tile's V rows stream. Same online softmax; sums are
+// added in another order (another rounding of the same sums).
+
+// bfloat16 / fp8 cache rows widened to float32, 8 lanes (load16 in vec16.h goes through the
+// stack on AVX2 for these: 3-6x slower here).
 inline __m256 load8(const bf16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -260,7 +253,8 @@ inline __m256 load8(const fp8_e4m3* p) {  // exact, as load16 (vec16.h)
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
 }
 
-// exp16's polynomial on 8 lanes (vec16.h: x clamped to [-87, 88], about 1 ulp).
+// exp16's polynomial (vec16.h: x clamped to [-87, 88], about 1 ulp) on one 8-lane register:
+// exp16 on a joined pair of them goes through the stack (measured: 1.3-1.7x the whole walk).
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
   const __m256 big = _mm256_set1_ps(12582912.0f);
@@ -278,7 +272,8 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
 }
 
-// out lane t = the sum of x[t]'s 8 lanes, t = 0..7.
+// out lane t = the sum of x[t]'s 8 lanes, t = 0..7: hadd rounds, then the two 128-bit halves.
+// a: lanes (0 1 2 3 | 0 1 2 3) of vectors 0-3, each half a partial sum; b the same of 4-7.
 inline __m256 sum_lanes_8(const __m256* x) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
@@ -307,15 +302,16 @@ void attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) 
       float* kt = tile.data();
       float* vt = kt + kTile * D;
       for (int t = 0; t < n; ++t) {
+        const KV *kr = kbase + rows[t] + kh * D, *vr = vbase + rows[t] + kh * D;
         if constexpr (std::is_same_v<KV, float>) {
-          krow[t] = kbase + rows[t] + kh * D, vrow[t] = vbase + rows[t] + kh * D;
-          continue;
+          krow[t] = kr, vrow[t] = vr;
+        } else {
+          for (int64_t c = 0; c < nh; ++c) {  // nh: a constant for D = 64 and 128
+            _mm256_storeu_ps(kt + t * D + 8 * c, load8(kr + 8 * c));
+            _mm256_storeu_ps(vt + t * D + 8 * c, load8(vr + 8 * c));
+          }
+          krow[t] = kt + t * D, vrow[t] = vt + t * D;
         }
-        for (int64_t c = 0; c < nh; ++c) {
-          _mm256_storeu_ps(kt + t * D + 8 * c, load8(kbase + rows[t] + kh * D + 8 * c));
-          _mm256_storeu_ps(vt + t * D + 8 * c, load8(vbase + rows[t] + kh * D + 8 * c));
-        }
-        krow[t] = kt + t * D, vrow[t] = vt + t * D;
       }
       for (int t = n; t < kTile; ++t) krow[t] = s.zeros.data();  // finite scores, masked below
       for (int64_t g = 0; g < G; ++g) {
