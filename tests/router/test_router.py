@@ -48,6 +48,25 @@ class _Uvicorn:
         self.server.should_exit = True
         self.thread.join(30)
 
+    def kill(self) -> socket.socket:
+        """Stop, keeping the port: the socket returned holds it bound and not listening from
+        the moment the server lets it go, so connections are refused and no other server
+        started meanwhile (by a test before this one, say) can take it. Close it to free it."""
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server.should_exit = True
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sock.bind(("127.0.0.1", port))
+                break
+            except OSError:  # still listening: uvicorn closes it within a tick
+                assert time.monotonic() < deadline, "the server kept its port"
+                time.sleep(0.001)
+        self.thread.join(30)
+        return sock
+
 
 def _replica(port: int) -> _Uvicorn:
     from servelm.server.app import ServerConfig, build_app
@@ -118,7 +137,7 @@ def test_openai_client_through_the_router_spreads_requests(fleet):
 
 def test_a_dead_replica_is_retried_around_ejected_and_readmitted(fleet):
     reps, router, ports = fleet
-    reps[0].stop()
+    held = reps[0].kill()
     body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
     for _ in range(4):  # nothing lost: a failure before the first byte goes elsewhere
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
@@ -129,6 +148,7 @@ def test_a_dead_replica_is_retried_around_ejected_and_readmitted(fleet):
     m = _metrics(router.url)
     assert m["servelm_router_retries_total"] >= 1
     assert m[f'servelm_router_ejections_total{{replica="{reps[0].url}"}}'] == 1
+    held.close()
     reps[0] = _replica(ports[0])  # back on the same address
     _wait(lambda: _metrics(router.url)[healthy] == 1, 5)
     seen = {httpx.post(router.url + "/v1/completions", json=body).headers["x-servelm-replica"]
