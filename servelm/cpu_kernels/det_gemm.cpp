@@ -7,20 +7,28 @@
 // sits in the batch and however many threads run. Tiles and blocks below only decide which
 // elements are computed together and when, never the order of one element's sum:
 //
-//   w [N, K] packed once into panels of 64 columns:  packed[p][k][0..63] = w[64p + j][k]
+//   w [N, K] packed once into panels of kNR columns:  packed[p][k][0..kNR-1] = w[kNR p + j][k]
 //   (zero rows pad the last panel)
 //
 //   for each chunk of kMC rows:                       x rows stay in L2
-//     parallel over (panel, 24-row group) items:      a panel's K rows (64 floats) stream
+//     parallel over (panel, 24-row group) items:      a panel's K rows (kNR floats) stream
 //       for each block of kKC k:                      the panel's block stays in L1
-//         for each tile of up to 6 rows:              6 x 4 vector accumulators in registers,
+//         for each tile of up to 6 rows:              6 x kNR accumulators in registers,
 //           for k in the block:                       spilled between blocks (exactly)
 //             acc[m][j] = fma(x[m][k], packed[p][k][j], acc[m][j])
 //       y = acc + bias
 //
 // A spill stores the float32 accumulator and the next block reloads it: exactly the value
 // a register would have held, so K blocking costs nothing in invariance.
-// fma16 is an explicit fused multiply-add (vec16.h), not left to contraction.
+//
+// Two bodies of the same sums (the same bits: one chain of fused multiply-adds per element):
+//   AVX-512: panels of 64 columns, a tile is 6 x 4 zmm accumulators (fma16, vec16.h);
+//   AVX2:    panels of 16 columns, a tile is 6 x 2 ymm accumulators, each a named variable:
+//            GCC kept an array of them on the stack and stored all 12 after every k (the
+//            16-lane form splits into 48 ymm accumulators and spills likewise), a third of
+//            the FMA rate; as named variables they stay in 12 of the 16 ymm registers.
+// On AVX2 machines this kernel also takes the default float32 linears where it is faster
+// than oneDNN's packed GEMM (servelm/layers/linear.py, `float_linear_kernel`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,16 +45,58 @@
 namespace {
 
 using namespace servelm_cpu;
+#if defined(SERVELM_VEC16_HALVES)
+constexpr int64_t kNR = 16;   // columns per panel: two 8-lane vectors
+constexpr int64_t kKC = 256;  // k per block: a block of a panel (16 KiB) stays in L1
+#else
 constexpr int64_t kNR = 64;   // columns per panel: four 16-lane vectors
-constexpr int kMR = 6;        // rows per register tile: 24 accumulators
+constexpr int64_t kKC = 96;   // k per block: a block of a panel (24 KiB) stays in L1
+#endif
+constexpr int kMR = 6;        // rows per register tile
 constexpr int64_t kMG = 24;   // rows per work item (4 tiles share the panel from L1/L2)
 constexpr int64_t kMC = 192;  // rows per chunk: the chunk's x rows stay in L2
-constexpr int64_t kKC = 96;   // k per block: a block of a panel (24 KiB) stays in L1
 
 std::atomic<int64_t> calls{0};  // det_linear calls since load (tests check it ran)
 
-// y[m][0..63] (+)= sum over k in [k0, k1) of x[m][k] * panel[k][0..63], rows m < MR.
+// y[m][0..kNR-1] (+)= sum over k in [k0, k1) of x[m][k] * panel[k][0..kNR-1], rows m < MR.
 // first: start from 0, else continue from what acc holds.
+#if defined(SERVELM_VEC16_HALVES)
+template <int MR>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                 float* acc, bool first) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define SERVELM_DET_LOAD(m)                                                                 \
+  if constexpr (MR > m) {                                                                   \
+    c##m##0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * kNR);                 \
+    c##m##1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * kNR + 8);             \
+  }
+#define SERVELM_DET_FMA(m)                                                                  \
+  if constexpr (MR > m) {                                                                   \
+    const __m256 a = _mm256_broadcast_ss(xk + m * ldx);                                     \
+    c##m##0 = _mm256_fmadd_ps(a, w0, c##m##0);                                              \
+    c##m##1 = _mm256_fmadd_ps(a, w1, c##m##1);                                              \
+  }
+#define SERVELM_DET_STORE(m)                                                                \
+  if constexpr (MR > m) {                                                                   \
+    _mm256_storeu_ps(acc + m * kNR, c##m##0);                                               \
+    _mm256_storeu_ps(acc + m * kNR + 8, c##m##1);                                           \
+  }
+  SERVELM_DET_LOAD(0) SERVELM_DET_LOAD(1) SERVELM_DET_LOAD(2)
+  SERVELM_DET_LOAD(3) SERVELM_DET_LOAD(4) SERVELM_DET_LOAD(5)
+  const float* w = panel + k0 * kNR;
+  const float* xk = x + k0;
+  for (int64_t k = k0; k < k1; ++k, w += kNR, ++xk) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    SERVELM_DET_FMA(0) SERVELM_DET_FMA(1) SERVELM_DET_FMA(2)
+    SERVELM_DET_FMA(3) SERVELM_DET_FMA(4) SERVELM_DET_FMA(5)
+  }
+  SERVELM_DET_STORE(0) SERVELM_DET_STORE(1) SERVELM_DET_STORE(2)
+  SERVELM_DET_STORE(3) SERVELM_DET_STORE(4) SERVELM_DET_STORE(5)
+#undef SERVELM_DET_LOAD
+#undef SERVELM_DET_FMA
+#undef SERVELM_DET_STORE
+}
+#else
 template <int MR>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
                  float* acc, bool first) {
@@ -67,11 +117,12 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, in
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) store16(acc + m * kNR + 16 * j, c[m][j]);
 }
+#endif
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// Rows [m0, m1) (at most kMG) of x against panel p -> y columns [64p, min(64p + 64, N)).
+// Rows [m0, m1) (at most kMG) of x against panel p -> y columns [kNR p, min(kNR (p + 1), N)).
 // k blocks outside, tiles inside: a block of the panel is read from L1 by every tile.
 void panel_rows(const float* x, int64_t K, const float* packed, const float* bias, int64_t N,
                 int64_t p, int64_t m0, int64_t m1, float* y) {
@@ -95,7 +146,7 @@ void panel_rows(const float* x, int64_t K, const float* packed, const float* bia
   }
 }
 
-// w [N, K] float32 -> panels [ceil(N / 64), K, 64], zero-padded.
+// w [N, K] float32 -> panels [ceil(N / kNR), K, kNR], zero-padded.
 at::Tensor det_pack(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
               "det_pack: w must be a float32 CPU [N, K] tensor");
