@@ -1,10 +1,12 @@
 """Micro-benchmark: what one linear layer sustains on this CPU, float32 against int8 math.
 
 The default model's four layer shapes (out x in: qkv 960 x 576, o 576 x 576, gate_up
-3072 x 576, down 576 x 1536) at M = 1, 4, 16, 64, 256 rows, through servelm's two batch
-paths: float32 weights packed once for oneDNN (PackedLinear, the default's linears) and the
-GGUF's 4-bit codes with int8 activations (servelm_cpu::int4_gemm_a8, `--quantization gguf
---quant-activations int8`; the activation rounding is inside the call). Random weights;
+3072 x 576, down 576 x 1536) at M = 1, 4, 16, 64, 256 rows, through three paths: float32
+weights packed once for oneDNN (PackedLinear, the default's linears), float32 weights in
+servelm's own panels (DetLinear: servelm_cpu::det_linear, deterministic mode's
+batch-invariant kernel) and the GGUF's 4-bit codes with int8 activations
+(servelm_cpu::int4_gemm_a8, `--quantization gguf --quant-activations int8`; the activation
+rounding is inside the call). Random weights;
 each case is timed interleaved A/B, median of the rounds. Rates count 2 M N K operations
 (multiply and add). Writes result.json (command, machine, commit) and plot.png under
 benchmarks/results/linear-rates-<UTC ts>/.
@@ -25,6 +27,7 @@ import torch
 
 from servelm import cpu_kernels
 from servelm.bench.results import git_commit, machine_info
+from servelm.layers.det_linear import DetLinear
 from servelm.layers.linear import PackedLinear
 from servelm.quant.cpu_panels import pack_int4_vnni
 
@@ -51,26 +54,33 @@ def main() -> None:
     cases = []
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
-            dense = PackedLinear(torch.randn(n, k, generator=gen) * 0.05, None)
+            w = torch.randn(n, k, generator=gen) * 0.05
+            dense, panels = PackedLinear(w, None), DetLinear(w, None)
             codes = pack_int4_vnni(torch.randint(0, 16, (n, k), generator=gen))
             so = (torch.rand(codes.shape[0], k // 32, 2, 16, generator=gen) * 0.01).half()
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen)
                 f32 = lambda: dense(x)  # noqa: E731
+                det = lambda: panels(x)  # noqa: E731
                 a8 = lambda: ops.int4_gemm_a8(x, codes, so, n, 32)  # noqa: E731
                 iters = max(3, int(2e8 // (2 * m * n * k)))
-                f32(), a8()
-                t32, t8 = [], []
+                f32(), det(), a8()
+                t32, tdet, t8 = [], [], []
                 for _ in range(a.rounds):
                     t32.append(_ms(f32, iters))
+                    tdet.append(_ms(det, iters))
                     t8.append(_ms(a8, iters))
                 ops_count = 2 * m * n * k
                 case = {"shape": name, "n": n, "k": k, "rows": m,
-                        "float32_ms": statistics.median(t32), "int4_a8_ms": statistics.median(t8)}
+                        "float32_ms": statistics.median(t32),
+                        "float32_panels_ms": statistics.median(tdet),
+                        "int4_a8_ms": statistics.median(t8)}
                 case["float32_gflop_s"] = ops_count / case["float32_ms"] / 1e6
+                case["float32_panels_gflop_s"] = ops_count / case["float32_panels_ms"] / 1e6
                 case["int4_a8_gop_s"] = ops_count / case["int4_a8_ms"] / 1e6
                 cases.append(case)
                 print(f"{name:8s} M={m:3d}: float32 {case['float32_gflop_s']:6.1f} GFLOP/s, "
+                      f"panels {case['float32_panels_gflop_s']:6.1f} GFLOP/s, "
                       f"int4 x int8 {case['int4_a8_gop_s']:6.1f} GOP/s", file=sys.stderr)
     ts = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(a.out or f"benchmarks/results/linear-rates-{ts}")
@@ -84,9 +94,10 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=True)
     for ax, key, title in ((axes[0], "float32_gflop_s", "float32 (oneDNN, packed)"),
-                           (axes[1], "int4_a8_gop_s", "int4 codes x int8 activations")):
+                           (axes[1], "float32_panels_gflop_s", "float32 (servelm panels)"),
+                           (axes[2], "int4_a8_gop_s", "int4 codes x int8 activations")):
         for name in SHAPES:
             rows = [c for c in cases if c["shape"] == name]
             ax.plot([c["rows"] for c in rows], [c[key] for c in rows], "o-", label=name)
@@ -95,7 +106,7 @@ def main() -> None:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("G multiply-add ops x 2 / s")
-    axes[1].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
     fig.suptitle(f"{result['machine'].get('cpu', 'CPU')}, {a.threads} threads", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "plot.png", dpi=120)

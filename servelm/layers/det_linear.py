@@ -5,7 +5,9 @@ token's output row changes in the last bits with the batch it lands in (a prefil
 M tokens, a decode batch of B sequences). DetLinear's kernel (cpu_kernels/det_gemm.cpp)
 sums every output element in one fixed order, so a row's result is the same bits at any M,
 at any place in the batch and at any thread count. It costs about what oneDNN's packed
-GEMM does at decode sizes (it is faster below ~16 rows, up to ~1.3x slower at hundreds).
+GEMM does: measured on the model's shapes it was faster below ~16 rows and up to ~1.3x
+slower at hundreds on an AVX-512 Xeon; on an AVX2-only EPYC 1.1-2x faster up to 64 rows and
+0.8-1.0x at 256 (docs/benchmarks.md, "Deterministic mode").
 
 On the GPU (the Triton backend) the same swap takes TritonDetLinear instead: the fixed-tile
 Triton matmul of servelm/kernels/batch_invariant.py in the model's dtype (float32, bfloat16
