@@ -105,6 +105,7 @@ class Scheduler:
         # orders the waiting queue and may cap this step's prompt tokens (_prefill_left).
         self.policy = None
         self._prefill_left: int | None = None
+        self._pause_prefills = False  # this step's cap goes to the waiting queue's head
 
     @property
     def has_unfinished(self) -> bool:
@@ -116,20 +117,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.encoder_budget.reset()
-        if self.policy is not None and self.config.enable_chunked_prefill:
-            self._prefill_left = self.policy.prefill_cap(self.running,
-                                                         self.config.max_num_batched_tokens)
+        self._pause_prefills = False
+        if self.policy is not None:
+            self.policy.order(self.waiting, self.running, self.config.max_num_batched_tokens)
+            if self.config.enable_chunked_prefill:
+                self._prefill_left = self.policy.prefill_cap(
+                    self.running, self.config.max_num_batched_tokens, self.waiting)
+                # a waiting request that orders first takes this step's prompt tokens
+                self._pause_prefills = self.policy.waiting_first(
+                    self.running, self.waiting, self.config.max_num_batched_tokens)
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
-            if self.policy is not None:
-                self.policy.order(self.waiting, self.running, budget)
             self._schedule_waiting(batch, budget)
         return batch
 
     def _take_prefill(self, num_new: int) -> int:
-        """Prompt tokens a sequence may compute this step within the policy's chunk cap
-        (called only while there is one: FCFS steps pay nothing for it)."""
+        """Prompt tokens a running sequence may compute this step within the policy's chunk
+        cap, or none while the cap goes to the waiting queue's head (called only under a
+        policy: FCFS steps pay nothing for it)."""
         if num_new <= 1:
+            return num_new
+        if self._pause_prefills:
+            return 0
+        if self._prefill_left is None:
             return num_new
         num_new = min(num_new, self._prefill_left)
         self._prefill_left -= num_new
@@ -141,7 +151,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._prefill_left is not None:
+            if self._prefill_left is not None or self._pause_prefills:
                 num_new = self._take_prefill(num_new)
             if num_new == 0:  # the policy's chunk cap is spent: this prefill waits a step
                 i += 1

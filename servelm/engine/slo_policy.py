@@ -2,7 +2,8 @@
 
 Owns: the order of the waiting queue (by whether a request can still meet its TTFT, its class
 priority, then its deadline slack), the cap on prompt tokens per step that keeps the running
-decodes within their TPOT targets, and the early refusal of a request whose TTFT cannot be met
+decodes within their TPOT targets (0: none this step), which prompt the step's chunk goes to
+when a waiting request orders before the prefills under way, and the early refusal of a request whose TTFT cannot be met
 behind the current queue (`SLOUnattainableError`, a 429 over HTTP).
 Never: imports torch, allocates blocks, preempts, or decides what a step runs beyond that
 order and that cap: the Scheduler still admits in order, within its token budget and blocks.
@@ -17,16 +18,29 @@ spec, servelm/slo.py); one without (best effort) goes after every request that h
                 its TTFT is behind it, its TPOT is what waits)
 
 Prefill chunks: a step carrying C prompt tokens next to D decodes takes step_time(D + 1, D,
-context, C); the cap is the largest C (at least `min_chunk`, so prompts always move) that
-keeps that step within the tightest TPOT target among the running decodes (times
-`tpot_headroom`, 0.9: a TPOT is the mean of a request's steps), and there is none when
-even `min_chunk` tokens put the step over it (no chunk size keeps that step within the
-target; small ones only make more slow steps): the chunk budget
-`servelm plan prefill --tpot` derives from the roofline, here from the engine's own step-cost
-model, per step, for the batch actually running.
+context, C). Each decode with a TPOT target can take a step of at most
 
-Early refusal, at add time: the prompt tokens ahead of the new request (waiting work that
-orders before it, prefills under way) plus its own, at the capped chunk per step, give its
+    room = headroom x tpot x (N - 1) - (now - first token) - (N - n - 1) x plain
+
+(n tokens out of N = max_tokens, `plain` the time of a step of the decodes alone,
+`tpot_headroom` 0.9): its TPOT is the mean of its gaps, so steps faster than the target
+bank time for a slow one. The cap is the largest C whose step fits the smallest room (a
+decode whose TPOT is out of reach even if every step left were plain counts for none). When
+not even the smallest chunk worth a step (its prompt tokens cost twice the fixed cost a
+chunk adds) fits, no prompt runs this step (cap 0) and the decodes go on alone, unless a
+prompt cannot wait: one that would lose its TTFT within two plain steps, or a preempted one
+resuming. That is the chunk budget `servelm plan prefill --tpot` derives from the roofline,
+here from the engine's own step-cost model, per step, for the batch actually running.
+Beside it, a step carrying prompt tokens is kept within a third (`ttft_share`) of the
+tightest TTFT target among the requests seen: a request of that class arriving during the
+step waits for it to end.
+
+Prefills under way pause (their blocks kept) for a waiting request that orders before all
+of them (`waiting_first`): a batch prompt half prefilled does not hold an interactive
+prompt that arrives behind it for the rest of its chunks.
+
+Early refusal, at add time: the prompt tokens ahead of the new request (waiting work and
+prefills under way that order before it) plus its own, at the capped chunk per step, give its
 predicted TTFT; a request of a `reject_early` class whose prediction exceeds its target, but
 that would meet it with nothing ahead, is refused with the prediction in the message.
 
@@ -61,7 +75,7 @@ def _pairs(start: int, n: int) -> int:
 
 class SLOPolicy:
     def __init__(self, clock: Callable[[], float], step_time: StepTime | None = None,
-                 min_chunk: int = 16, tpot_headroom: float = 0.9):
+                 min_chunk: int = 16, tpot_headroom: float = 0.9, ttft_share: float = 1 / 3):
         self.clock = clock
         self.step_time = step_time
         self.min_chunk = min_chunk
@@ -69,6 +83,10 @@ class SLOPolicy:
         # its steps, and steps sized to the target exactly put half of them just over it
         # (prediction error, the other prefills' per-sequence cost).
         self.tpot_headroom = tpot_headroom
+        # Prompt-bearing steps are kept within this share of the tightest TTFT target of
+        # the requests seen so far (an arrival waits for the step running when it comes).
+        self.ttft_share = ttft_share
+        self.tightest_ttft_s = math.inf
         self.num_rejected = 0
         self.last_prefill_cap: int | None = None  # the cap the last step ran with
 
@@ -94,58 +112,149 @@ class SLOPolicy:
         waiting.clear()
         waiting.extend(items)
 
+    def waiting_first(self, running: list, waiting: deque, budget: int) -> bool:
+        """Whether the head of the (ordered) waiting queue goes before every prefill under
+        way: then those pause this step (their blocks kept) and the chunk is the head's. A
+        batch prompt half prefilled must not hold the prompt of an interactive request
+        arriving behind it for the rest of its chunks."""
+        if not waiting or self.step_time is None:
+            return False
+        now = self.clock()
+        per_token = self._prefill_s_per_token(running, budget)
+        head = self._key(waiting[0], now, per_token)
+        found = False
+        for seq in running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+                found = True
+                if self._key(seq, now, per_token) <= head:
+                    return False
+        return found
+
     # -- chunk size --------------------------------------------------------------------------
 
-    def _decodes(self, running: list) -> tuple[int, int, float]:
-        """(decoding sequences, their context tokens, the tightest TPOT among them)."""
-        num = ctx = 0
-        tightest = math.inf
-        for seq in running:
-            if seq.num_computed_tokens >= seq.num_prompt_tokens:
-                num += 1
-                ctx += seq.num_tokens
-                if seq.slo is not None and seq.slo.tpot_s < tightest:
-                    tightest = seq.slo.tpot_s
-        return num, ctx, tightest
+    def _decodes(self, running: list, now: float) -> tuple[int, int, float]:
+        """(decoding sequences, their context tokens, the longest step all of them can
+        take: see `_step_room`)."""
+        decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
+        num = len(decoding)
+        ctx = sum(s.num_tokens for s in decoding)
+        room = math.inf
+        if not decoding or self.step_time is None:
+            return num, ctx, room
+        plain = self.step_time(num, num, ctx, 0, 0)  # a step of these decodes alone
+        for seq in decoding:
+            slo = seq.slo
+            if slo is not None:
+                room = min(room, self._step_room(seq, slo.tpot_s, now, plain))
+        return num, ctx, room
 
-    def prefill_cap(self, running: list, budget: int) -> int | None:
-        """Prompt tokens this step may compute (None: no cap), from the tightest TPOT among
-        the running decodes."""
+    def _step_room(self, seq, tpot: float, now: float, plain: float) -> float:
+        """The longest next step that keeps this decode's TPOT within headroom x its
+        target, if every step after it is a plain decode step (`plain` seconds). Its TPOT
+        is (last token - first token) / (N - 1) for N = max_tokens tokens: with n tokens
+        out, this step and the N - n - 1 after it must fit in headroom * tpot * (N - 1) -
+        (now - first token). Steps faster than the target bank the difference for a slow
+        one (a prompt chunk); the bank is recomputed every step, so a chunk that spends it
+        leaves the next steps less. inf: the request's TPOT is out of reach even if every
+        step left were plain (then no step protects it)."""
+        target = self.tpot_headroom * tpot
+        first = seq.timings.first_token_time
+        n = seq.num_output_tokens
+        if first is None or n < 1:
+            return target
+        elapsed = now - first
+        total = max(seq.max_tokens, n + 1)
+        if elapsed + (total - n) * plain > tpot * (total - 1):
+            return math.inf  # missed however the rest goes
+        return target * (total - 1) - elapsed - (total - n - 1) * plain
+
+    def prefill_cap(self, running: list, budget: int, waiting=()) -> int | None:
+        """Prompt tokens this step may compute (None: no cap; 0: none this step), from what
+        the running decodes' TPOT targets leave for this step."""
         if self.step_time is None:
             self.last_prefill_cap = None
             return None
-        num, ctx, tpot = self._decodes(running)
-        cap = self._largest_chunk(num, ctx, tpot, budget - num)
+        now = self.clock()
+        num, ctx, room = self._decodes(running, now)
+        cap = self._largest_chunk(num, ctx, room, budget - num)
+        if cap == 0 and self._must_prefill(running, waiting, num, ctx, budget, now):
+            cap = None
+        if cap != 0 and self.tightest_ttft_s < math.inf:
+            # A request of the tightest class arriving now waits for this step to end:
+            # keep prompt-bearing steps within a share of its TTFT target.
+            limit = self._largest_chunk(num, ctx, self.ttft_share * self.tightest_ttft_s,
+                                        budget - num)
+            if limit and (cap is None or limit < cap):
+                cap = limit
         self.last_prefill_cap = cap
         return cap
 
-    def _largest_chunk(self, num: int, ctx: int, tpot: float, room: int) -> int | None:
-        if tpot == math.inf or room <= self.min_chunk:
-            return None  # nothing decoding has a target, or the budget is the cap
-        tpot *= self.tpot_headroom
+    def _largest_chunk(self, num: int, ctx: int, step_room: float, room: int) -> int | None:
+        """The largest chunk whose step fits in `step_room` seconds (None: any chunk the
+        budget allows; 0: not even the smallest chunk worth a step)."""
+        if step_room == math.inf or room <= self.min_chunk:
+            return None  # nothing decoding has a target in reach, or the budget is the cap
         f = self.step_time
-        if f(num + 1, num, ctx, room, _pairs(0, room)) <= tpot:
+        if f(num + 1, num, ctx, room, _pairs(0, room)) <= step_room:
             return None
         lo, hi = self.min_chunk, room  # step_time grows with the chunk: bisect
-        if f(num + 1, num, ctx, lo, _pairs(0, lo)) > tpot:
-            # Even the smallest chunk puts the step over the target (a step with a prompt
-            # chunk has a fixed cost of its own: on a slow CPU over the whole budget): no
-            # chunk keeps it, and a small one only multiplies the slow steps (a 900-token
-            # prompt in 16-token chunks is 57 of them). No cap: the fewest slow steps.
-            return None
+        if f(num + 1, num, ctx, self._worth(num, ctx, room), 0) > step_room:
+            # Not even the smallest chunk worth a step of its own fits what the decodes
+            # can take: the prompt waits (0) for one of them to finish, unless
+            # _must_prefill says it cannot. (Smaller chunks would spend the decodes' time
+            # mostly on the fixed cost of a prompt step.)
+            return 0
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if f(num + 1, num, ctx, mid, _pairs(0, mid)) <= tpot:
+            if f(num + 1, num, ctx, mid, _pairs(0, mid)) <= step_room:
                 lo = mid
             else:
                 hi = mid
         return lo
 
+    def _worth(self, num: int, ctx: int, room: int) -> int:
+        """The smallest chunk worth a step of its own: one whose prompt tokens cost at
+        least twice the fixed cost a prompt chunk adds to a step (a smaller one spends the
+        decodes' banked time mostly on that fixed cost)."""
+        f = self.step_time
+        base = f(num, num, ctx, 0, 0)
+        fixed = f(num + 1, num, ctx, 1, 1) - base
+        per_token = (f(num + 1, num, ctx, room, 0) - base - fixed) / max(1, room - 1)
+        if per_token <= 0:
+            return self.min_chunk
+        return max(self.min_chunk, min(room, math.ceil(2 * fixed / per_token)))
+
+    def _must_prefill(self, running: list, waiting, num: int, ctx: int, budget: int,
+                      now: float) -> bool:
+        """Whether a prompt cannot wait a step for the decodes to bank time: a request that
+        can still meet its TTFT but would not after two more plain decode steps, or a
+        preempted one resuming (its TPOT is what waits)."""
+        f = self.step_time
+        wait = 2 * f(num, num, ctx, 0, 0)
+        full = max(1, budget - num)
+        per_token = f(num + 1, num, ctx, full, _pairs(0, full)) / full
+        for seq in running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens and self._urgent(
+                    seq, now, per_token, wait):
+                return True
+        return any(self._urgent(seq, now, per_token, wait) for seq in waiting)
+
+    @staticmethod
+    def _urgent(seq, now: float, per_token: float, wait: float) -> bool:
+        slo = seq.slo
+        if slo is None:
+            return False
+        if seq.num_output_tokens > 0:
+            return True
+        slack = (seq.timings.arrival_time + slo.ttft_s - now
+                 - seq.num_uncomputed_tokens * per_token)
+        return 0 <= slack < wait
+
     def _chunk_and_step(self, running: list, budget: int) -> tuple[int, float]:
         """(prompt tokens per step, that step's time) for the batch running now."""
-        num, ctx, tpot = self._decodes(running)
+        num, ctx, step_room = self._decodes(running, self.clock())
         room = max(1, budget - num)
-        cap = self._largest_chunk(num, ctx, tpot, room) or room
+        cap = self._largest_chunk(num, ctx, step_room, room) or room
         return cap, self.step_time(num + 1, num, ctx, cap, _pairs(0, cap))
 
     def _prefill_s_per_token(self, running: list, budget: int) -> float:
@@ -160,6 +269,8 @@ class SLOPolicy:
         """Raise SLOUnattainableError when the request's TTFT cannot be met behind the work
         queued before it (and could be met without it)."""
         slo = request.slo
+        if slo is not None and slo.ttft_s < self.tightest_ttft_s:
+            self.tightest_ttft_s = slo.ttft_s
         if slo is None or not slo.reject_early or self.step_time is None:
             return
         now = self.clock()
@@ -169,8 +280,10 @@ class SLOPolicy:
         chunk, step_s = self._chunk_and_step(scheduler.running, budget)
         per_token = step_s / chunk
         mine = (0, slo.priority, arrival + slo.ttft_s - now - own * per_token)
+        # prefills under way that order after it pause for it (waiting_first)
         ahead = sum(s.num_uncomputed_tokens for s in scheduler.running
-                    if s.num_computed_tokens < s.num_prompt_tokens)
+                    if s.num_computed_tokens < s.num_prompt_tokens
+                    and self._key(s, now, per_token) <= mine)
         num_ahead = 0
         for seq in scheduler.waiting:
             if self._key(seq, now, per_token) <= mine:

@@ -6,6 +6,7 @@ Scheduler, with the engine's bookkeeping invariants holding under any schedule (
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -146,54 +147,151 @@ def test_a_doomed_request_goes_behind_those_that_can_still_make_it():
     assert [s.request_id for s in engine.scheduler.waiting] == ["new", "batch", "old"]
 
 
-def _four_decodes_and_a_long_prompt(spec, step_time=_linear()):
-    """Four interactive requests decoding (TPOT 20 ms), a 40-token batch prompt waiting."""
+def _four_decodes_and_a_long_prompt(spec, step_time=_linear(), max_tokens=2, long="batch",
+                                    arrival=0.0):
+    """Four interactive requests decoding (TPOT 20 ms; `max_tokens` each), a 40-token
+    prompt of class `long` waiting. The TTFT-share cap is off (ttft_share inf): each test
+    looks at one rule."""
     engine = _engine(Clock(), step_time, max_num_batched_tokens=64, max_num_seqs=8,
                      num_blocks=128)
     engine.scheduler.policy.min_chunk = 2
+    engine.scheduler.policy.ttft_share = math.inf
     for i in range(4):
-        engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+        engine.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=max_tokens))
     engine.step()  # the four prompts
-    engine.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    engine.add_request(_req("long", 40, long, spec, max_tokens=4, arrival=arrival))
     return engine
 
 
-def test_prefill_chunks_are_capped_by_the_tightest_running_tpot():
-    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
-    # step = 10 ms + 1 ms per token: 4 decodes + c prompt tokens <= 0.9 x 20 ms -> c <= 4
+def _long_tokens(batch) -> list[int]:
+    return [s.num_new_tokens for s in batch.seqs if s.seq.request_id == "long"]
+
+
+def test_prefill_chunks_are_capped_by_what_the_running_decodes_can_take():
+    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms: steps within 0.9 x 20 = 18 ms
+    # step = 10 ms + 1 ms per token. Decodes with one token left: their next step is their
+    # last gap, so 4 decodes + c prompt tokens <= 18 ms -> c <= 4.
     engine = _four_decodes_and_a_long_prompt(spec)
-    batch = engine.scheduler.schedule()
-    prompt_tokens = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1
-                        or s.seq.request_id == "long")
-    assert engine.scheduler.policy.last_prefill_cap == 4
-    assert prompt_tokens == 4  # not the 40 the token budget (64 - 4) would allow
+    assert _long_tokens(engine.scheduler.schedule()) == [4]
+    assert engine.scheduler.policy.last_prefill_cap == 4  # not the 60 the budget allows
+    # Two tokens left each: this step and one plain one (14 ms) share 2 x 18 ms, so this
+    # one may take 22 ms: c <= 8. The faster-than-target steps after it pay for it.
+    engine = _four_decodes_and_a_long_prompt(spec, max_tokens=3)
+    assert _long_tokens(engine.scheduler.schedule()) == [8]
     # FCFS on the same state takes the whole prompt.
     fcfs = make_engine(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
     for i in range(4):
-        fcfs.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=50))
+        fcfs.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=2))
     fcfs.step()
     fcfs.add_request(_req("long", 40, "batch", spec, max_tokens=4))
-    assert [s.num_new_tokens for s in fcfs.scheduler.schedule().seqs
-            if s.seq.request_id == "long"] == [40]
+    assert _long_tokens(fcfs.scheduler.schedule()) == [40]
 
 
-def test_no_cap_when_even_the_smallest_chunk_is_over_the_target():
-    # A step with a prompt chunk pays 15 ms of its own on top of 10 ms + 1 ms per token:
-    # with 4 decodes, 2 prompt tokens are 31 ms > 0.9 x 20 ms. No chunk size keeps the
-    # step within the target, so the prompt goes in one chunk, not in 20 slow steps.
-    spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms
-
+def _chunk_cost(base=0.010):
+    """A step pays 15 ms more when it carries a prompt chunk."""
     def step_time(num_seqs, num_decode, context, prefill, pairs):
-        return 0.010 + 0.001 * (num_decode + prefill) + (0.015 if prefill else 0.0)
+        return base + 0.001 * (num_decode + prefill) + (0.015 if prefill else 0.0)
+    return step_time
 
-    engine = _four_decodes_and_a_long_prompt(spec, step_time)
-    batch = engine.scheduler.schedule()
+
+def test_a_chunk_that_fits_no_step_waits_for_a_decode_to_finish():
+    # With 4 decodes a chunk of the smallest size worth a step costs 31+ ms > 18 ms: the
+    # batch prompt waits (cap 0), its TTFT (20 s) can afford it.
+    spec = SLOSpec.from_dict(SPEC)
+    engine = _four_decodes_and_a_long_prompt(spec, _chunk_cost())
+    assert _long_tokens(engine.scheduler.schedule()) == []
+    assert engine.scheduler.policy.last_prefill_cap == 0
+    # An interactive prompt whose TTFT (200 ms) would run out within two plain steps goes
+    # now, whatever it costs the decodes.
+    engine = _four_decodes_and_a_long_prompt(spec, _chunk_cost(), long="interactive",
+                                             arrival=-0.12)
+    assert _long_tokens(engine.scheduler.schedule()) == [40]
+    # Decodes that miss their TPOT even if no prompt step came (a plain step of 21 ms
+    # against 20) have nothing to protect: no cap, the fewest slow steps.
+    engine = _four_decodes_and_a_long_prompt(spec, _chunk_cost(base=0.017))
+    assert _long_tokens(engine.scheduler.schedule()) == [40]
     assert engine.scheduler.policy.last_prefill_cap is None
-    assert [s.num_new_tokens for s in batch.seqs if s.seq.request_id == "long"] == [40]
-    # Without the chunk's own cost, 4 decodes + 4 tokens fit 18 ms: the cap is back.
-    engine2 = _four_decodes_and_a_long_prompt(spec)
-    engine2.scheduler.schedule()
-    assert engine2.scheduler.policy.last_prefill_cap == 4
+
+
+def _run_timed(engine, cost):
+    """Step `engine` to the end on a clock each step moves by `cost` of its shape; returns
+    the sequences it served and the policy's cap at each step."""
+    clock, sched = engine.clock, engine.scheduler
+    schedule, caps, seqs = sched.schedule, [], {}
+
+    def timed():
+        batch = schedule()
+        dec = sum(1 for s in batch.seqs if s.num_new_tokens == 1)
+        pre = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1)
+        caps.append(sched.policy.last_prefill_cap if sched.policy else None)
+        seqs.update((s.seq.request_id, s.seq) for s in batch.seqs)
+        clock.now += cost(len(batch.seqs), dec, 0, pre, 0)
+        return batch
+
+    sched.schedule = timed
+    seqs.update((s.request_id, s) for s in sched.running)
+    outputs = {}
+    while engine.has_unfinished:
+        _collect(engine.step(), outputs)
+    assert set(outputs) == set(seqs)
+    return seqs, caps
+
+
+def _tpot(seq) -> float:
+    t = seq.timings
+    return (t.last_token_time - t.first_token_time) / (seq.num_output_tokens - 1)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 6, 10])
+def test_decodes_keep_their_tpot_while_a_prompt_waits_or_goes_in_chunks(max_tokens):
+    # Stepped on a clock the step-time model moves, from the state above with decodes of
+    # 3-10 tokens: the prompt waits, goes in a chunk, or both, and every interactive
+    # decode's TPOT is within its 20 ms. FCFS, taking the prompt at once, breaks it.
+    spec = SLOSpec.from_dict(SPEC)
+    cost = _chunk_cost()
+    engine = _four_decodes_and_a_long_prompt(spec, cost, max_tokens=max_tokens)
+    seqs, caps = _run_timed(engine, cost)
+    assert [seqs[f"i{i}"].num_output_tokens for i in range(4)] == [max_tokens] * 4
+    assert all(_tpot(seqs[f"i{i}"]) <= 0.020 for i in range(4))
+    assert seqs["long"].num_output_tokens == 4
+    fcfs = make_engine(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
+    fcfs.clock = Clock()
+    for i in range(4):
+        fcfs.add_request(_req(f"i{i}", 4, "interactive", spec, max_tokens=max_tokens))
+    fcfs.step()
+    fcfs.add_request(_req("long", 40, "batch", spec, max_tokens=4))
+    seqs, _ = _run_timed(fcfs, cost)
+    assert any(_tpot(seqs[f"i{i}"]) > 0.020 for i in range(4))
+
+
+def test_a_waiting_request_of_a_higher_class_pauses_a_prefill_under_way():
+    spec = SLOSpec.from_dict(SPEC)
+    clock = Clock()
+    engine = _engine(clock, max_num_batched_tokens=16, max_num_seqs=8, num_blocks=128)
+    engine.scheduler.policy.ttft_share = math.inf
+    engine.add_request(_req("b", 64, "batch", spec))
+    engine.step()  # the batch prompt's first 16 tokens
+    assert engine.scheduler.running[0].num_computed_tokens == 16
+    engine.add_request(_req("i", 8, "interactive", spec, arrival=clock.now))
+    batch = engine.scheduler.schedule()
+    # the interactive prompt takes the step; the batch prompt keeps its blocks and waits
+    assert [(s.seq.request_id, s.num_new_tokens) for s in batch.seqs] == [("i", 8)]
+
+
+def test_prompt_steps_are_kept_within_a_share_of_the_tightest_ttft():
+    spec = SLOSpec.from_dict(SPEC)  # interactive TTFT 200 ms; a third of it: 66.7 ms
+    clock = Clock()
+    engine = _engine(clock, max_num_batched_tokens=512, max_num_seqs=8, num_blocks=256)
+    engine.add_request(_req("b", 400, "batch", spec))
+    # No interactive request seen yet: nothing tighter to protect, one 410 ms step.
+    assert [s.num_new_tokens for s in engine.scheduler.schedule().seqs] == [400]
+    engine = _engine(clock, max_num_batched_tokens=512, max_num_seqs=8, num_blocks=256)
+    engine.add_request(_req("i", 4, "interactive", spec, max_tokens=1))
+    engine.step()  # an interactive request came and went: one may come again
+    engine.add_request(_req("b", 400, "batch", spec))
+    # 10 ms + c tokens x 1 ms <= 66.7 ms -> c = 56: a new interactive arrival waits at
+    # most one such step.
+    assert [s.num_new_tokens for s in engine.scheduler.schedule().seqs] == [56]
 
 
 def test_a_request_that_cannot_meet_its_ttft_behind_the_queue_is_refused():

@@ -1,8 +1,8 @@
 """The SLO spec and the SLO scheduling policy in the simulator and `servelm bench serve`:
 per-class goodput in the result, bulk advance still equal to stepping under the policy, the
-policy buying the interactive class goodput over FCFS on an overloaded mix (and refusing
-early what FCFS queues), and `bench serve --class-mix` sending the same requests with the
-same classes that `servelm sim --class-mix` simulates."""
+policy buying the interactive class goodput over FCFS on an overloaded mix (a refused
+request counted as a failure, never dropped), and `bench serve --class-mix` sending the
+same requests with the same classes that `servelm sim --class-mix` simulates."""
 
 from __future__ import annotations
 
@@ -58,12 +58,14 @@ def test_the_slo_policy_buys_the_interactive_class_goodput_under_overload(files)
         assert by["interactive"]["num_requests"] + by["batch"]["num_requests"] == 300
     assert f["interactive"]["num_requests"] == s["interactive"]["num_requests"]
     assert f["interactive"]["num_rejected"] == 0  # FCFS never refuses
-    assert s["interactive"]["num_rejected"] > 0 and s["batch"]["num_rejected"] == 0
-    assert s["interactive"]["goodput"] > f["interactive"]["goodput"] + 0.15
+    assert s["batch"]["num_rejected"] == 0  # reject_early false
+    assert s["interactive"]["goodput"] > f["interactive"]["goodput"] + 0.5
+    assert s["interactive"]["goodput"] >= 0.9  # the class meets its target
     assert s["batch"]["goodput"] >= 0.5  # batch still meets its (loose) target
     # A refused request is a failure in the overall result too, never a silent drop.
-    assert slo["num_requests"] == 300 and slo["failures"] == {
-        "slo_unattainable": s["interactive"]["num_rejected"]}
+    refused = s["interactive"]["num_rejected"]
+    assert slo["num_requests"] == 300
+    assert slo["failures"] == ({"slo_unattainable": refused} if refused else {})
 
 
 def test_bulk_advance_is_stepping_under_the_slo_policy():
