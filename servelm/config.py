@@ -982,7 +982,8 @@ def add_engine_cli_args(parser) -> None:
                    help="servelm's C++ CPU kernels: 'auto' (where they build, else torch), "
                         "'kernel' (or an error), 'torch' (never); per part, e.g. "
                         "'attention=torch,decode=kernel' (parts: attention, decode, "
-                        "layer_ops, quant; default %(default)s). The start-up log (-v) says "
+                        "layer_ops, quant, gemm (float32 decode steps on servelm's panel "
+                        "GEMM); default %(default)s). The start-up log (-v) says "
                         "which path each part took")
     g.add_argument("--no-prepared-weights-cache", dest="prepared_weights_cache",
                    action="store_false", default=d("prepared_weights_cache"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -82,7 +83,9 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     if (quant is None or getattr(quant, "packs_float_layers", False)) and \
             can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"), _one_thread():
-            pack_linears(model)
+            if not (quant is None and dtype == torch.float32 and parallel is None
+                    and _pair_with_panels(model)):
+                pack_linears(model)
     if parallel is not None:
         model = parallel_build.wrap_model(parallel, model)
     return model.eval()
@@ -96,6 +99,40 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
                                       args.quant_activations, args.deterministic)
     dtype_choice.log_choice(args.dtype, dtype, why)
     return dataclasses.replace(args, dtype=dtype)
+
+
+def _pair_with_panels(model) -> bool:
+    """--cpu-kernels gemm: float32 linears packed for oneDNN and also for servelm's panel
+    GEMM for steps of few rows (servelm/layers/linear.py, pair_with_panels), where this CPU
+    has a measured row count for it and the second copy of the weights fits in a quarter of
+    the free memory. False: not done (the caller packs for oneDNN alone)."""
+    from servelm.layers.linear import float_weight_bytes, pair_with_panels, panel_rows
+
+    chosen = cpu_kernels.mode("gemm")
+    if chosen == "torch" or cpu_kernels.ops_for_mode("gemm", chosen) is None:
+        return False
+    rows = panel_rows()
+    extra = float_weight_bytes(model)
+    if rows == 0 or extra > _free_memory_bytes() // 4:
+        why = ("no AVX2 on this CPU" if rows == 0 else
+               f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
+               f"quarter of the free memory")
+        if chosen == "kernel":
+            raise ValueError(f"cpu_kernels: gemm=kernel: the panel GEMM does not apply: {why}")
+        logger.info("float32 linears on oneDNN alone (--cpu-kernels gemm=%s): %s", chosen, why)
+        return False
+    num = pair_with_panels(model, rows)
+    logger.info("float32 linears: steps of up to %d rows on the panel GEMM, oneDNN above "
+                "(%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
+                rows, num, extra >> 20)
+    return True
+
+
+def _free_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ Stages (seconds):
     tokenizer       the tokenizer
     weights_read    checkpoint tensors read, dequantized and placed in the model
                     (from the prepared-weights cache after one start)
-    weights_pack    float weights reordered for oneDNN's GEMM (PackedLinear)
+    weights_pack    float weights reordered for oneDNN's GEMM (PackedLinear), and float32
+                    ones for the panel GEMM too (layers/linear.py, pair_with_panels)
     weights_cache   writing the prepared-weights cache (first start only)
     kernels         loading servelm's C++ op library (building it: first start on a machine)
     kv_alloc        the KV cache's memory

@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SERVELM_CONFIGS = ["default", "float32", "bfloat16", "gguf", "gguf-a8", "gguf-mixed",
-                   "gguf-mixed-a8"]
+SERVELM_CONFIGS = ["default", "float32", "float32-onednn", "bfloat16", "gguf", "gguf-a8",
+                   "gguf-mixed", "gguf-mixed-a8"]
 PEERS = ["vllm", "vllm-bf16", "llama-server", "llama.cpp"]
 LABELS = {"default": "servelm default", "float32": "servelm float32",
+          "float32-onednn": "servelm float32, oneDNN alone (--cpu-kernels gemm=torch)",
           "bfloat16": "servelm bfloat16", "gguf": "servelm gguf",
           "gguf-a8": "servelm gguf, int8 activations",
           "gguf-mixed": "servelm gguf-mixed (codes <= 4 rows, model dtype above)",

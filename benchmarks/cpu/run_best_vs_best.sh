@@ -6,7 +6,9 @@
 #   single: 1 prompt of 128 tokens, 128 new tokens
 # Systems, in this order for each workload:
 #   servelm default (no --dtype: whatever the default chooses; its log says what and why),
-#   servelm --dtype float32, servelm --dtype bfloat16, servelm --quantization gguf, and
+#   servelm --dtype float32, the same with its linears on oneDNN alone (--cpu-kernels
+#   gemm=torch: no panel GEMM for decode steps), servelm --dtype bfloat16,
+#   servelm --quantization gguf, and
 #   servelm --quantization gguf --quant-activations int8 where that flag exists, and
 #   servelm --quantization gguf-mixed (the codes for steps of <= 4 rows, the model's dtype
 #   above), and the same with int8 activations;
@@ -38,12 +40,17 @@ PEER_ARGS=(--peers "$PEER_LIST"
            --peer-model "vllm=$PEERS/smollm2-hf"
            --peer-bin "llama-server=$PEERS/llama.cpp/bin/llama-server")
 HELP=$("$PY" -m servelm.cli bench offline --help)
-declare -A FLAGS=([default]="" [float32]="--dtype float32" [bfloat16]="--dtype bfloat16"
+declare -A FLAGS=([default]="" [float32]="--dtype float32"
+                  [float32-onednn]="--dtype float32 --cpu-kernels gemm=torch"
+                  [bfloat16]="--dtype bfloat16"
                   [gguf]="--quantization gguf"
                   [gguf-a8]="--quantization gguf --quant-activations int8"
                   [gguf-mixed]="--quantization gguf-mixed"
                   [gguf-mixed-a8]="--quantization gguf-mixed --quant-activations int8")
-CONFIGS=${SERVELM_CONFIGS:-default float32 bfloat16 gguf gguf-a8 gguf-mixed gguf-mixed-a8}
+CONFIGS=${SERVELM_CONFIGS:-default float32 float32-onednn bfloat16 gguf gguf-a8 gguf-mixed gguf-mixed-a8}
+if ! grep -q -- "gemm" <<<"$HELP"; then  # a checkout from before the panel GEMM's part
+  CONFIGS=${CONFIGS//float32-onednn/}
+fi
 if ! grep -q -- "--quant-activations" <<<"$HELP"; then
   CONFIGS=${CONFIGS//gguf-mixed-a8/}
   CONFIGS=${CONFIGS//gguf-a8/}

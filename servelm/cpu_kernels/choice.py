@@ -7,6 +7,8 @@ read from text. Parts:
     decode      the whole-model decode stack (servelm/runner/cpu_decode.py)
     layer_ops   fused RMSNorm, rotary, SiLU-and-mul (servelm/layers/fused_cpu.py)
     quant       int4/int8 matmuls on panels (servelm/quant/cpu_panels.py)
+    gemm        float32 linears of steps of few rows on servelm's panel GEMM, oneDNN above
+                (servelm/layers/linear.py, `pair_with_panels`)
 
 and for each a mode: 'auto' (the kernels where they build, else torch), 'kernel' (the kernels,
 or an error), 'torch' (never). "torch" sets every part; "attention=torch,decode=kernel" sets
@@ -24,9 +26,10 @@ import os
 from dataclasses import dataclass
 
 MODES = ("auto", "kernel", "torch")
-PARTS = ("attention", "decode", "layer_ops", "quant")
+PARTS = ("attention", "decode", "layer_ops", "quant", "gemm")
 # The environment variables that chose each part before the engine option did.
-_OLD_ENV_VARS = {part: f"SERVELM_CPU_{part.upper()}" for part in PARTS}
+_OLD_ENV_VARS = {part: f"SERVELM_CPU_{part.upper()}"
+                 for part in ("attention", "decode", "layer_ops", "quant")}
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class CpuKernelChoice:
     decode: str = "auto"
     layer_ops: str = "auto"
     quant: str = "auto"
+    gemm: str = "auto"
 
     def __post_init__(self) -> None:
         for part in PARTS:

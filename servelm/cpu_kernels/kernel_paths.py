@@ -16,10 +16,14 @@ _QUANT_KERNELS = {"cpu": "panels", "aten": "aten", "triton": "triton", None: "at
 def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
                  device: torch.device) -> dict[str, str]:
     """{part: path}: attention kernel|rows|torch, decode stack|eager, layer_ops fused|torch,
-    quant panels|aten|triton|... (none: no quantized linears); in deterministic mode also
-    linear=det (attention=rows: every token one row of the paged kernel)."""
+    quant panels|aten|triton|... (none: no quantized linears), gemm (the float linears):
+    panels<=ROWS+onednn (paired by layers/linear.py's pair_with_panels) | onednn (packed) |
+    aten | det (deterministic mode, where attention=rows: every token one row of the paged
+    kernel) | none."""
     from servelm.layers.det_linear import DetLinear
     from servelm.layers.fused_cpu import fused_ops
+    from servelm.layers.linear import PackedLinear
+    from servelm.quant.mixed_linear import MixedLinear
     from servelm.quant.quantized_linear import QuantizedLinear
 
     if getattr(backend, "deterministic", False):
@@ -35,8 +39,17 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
              "decode": "stack" if cpu_stack is not None else "eager",
              "layer_ops": "fused" if fused_ops(probe) is not None else "torch",
              "quant": "+".join(quant) or "none"}
-    if any(isinstance(m, DetLinear) for m in model.modules()):
-        paths["linear"] = "det"
+    panels = [m.max_rows for m in model.modules()
+              if type(m) is MixedLinear and type(m.small) is DetLinear]
+    if panels:
+        paths["gemm"] = f"panels<={min(panels)}+onednn"
+    elif any(isinstance(m, DetLinear) for m in model.modules()):
+        paths["gemm"] = "det"
+    elif any(type(m) is PackedLinear for m in model.modules()):
+        paths["gemm"] = "onednn"
+    else:
+        paths["gemm"] = "aten" if any(type(m) is torch.nn.Linear
+                                      for m in model.modules()) else "none"
     return paths
 
 

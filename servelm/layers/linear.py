@@ -56,3 +56,58 @@ def pack_linears(model: nn.Module) -> int:
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)
         return len(targets) + 1
     return len(targets)
+
+
+# Rows up to which servelm's panel GEMM (cpu_kernels/det_gemm.cpp) beats oneDNN's packed
+# float32 GEMM on the model's shapes, by the widest vector set the machine runs: measured by
+# benchmarks/cpu/linear_rates_micro.py (docs/benchmarks.md, "Deterministic mode"): on an
+# AVX2-only EPYC 1.1-2x up to 64 rows, 0.8-1.0x at 256; on an AVX-512 Xeon faster below
+# about 16 rows, up to 1.3x slower at hundreds.
+PANEL_ROWS = {"avx512f": 16, "avx2": 64}
+
+
+def panel_rows() -> int:
+    """Rows a step may have for the panel form of float32 linears on this CPU (0: none)."""
+    from servelm.cpu_kernels import isa
+
+    for name, rows in PANEL_ROWS.items():
+        if isa.usable(name):
+            return rows
+    return 0
+
+
+def pair_with_panels(model: nn.Module, max_rows: int) -> int:
+    """pack_linears, and each packed layer (a tied head's copy too) also gets a second form on
+    servelm's panel GEMM (DetLinear's kernel) for steps of at most `max_rows` rows: it
+    becomes a MixedLinear(full=the PackedLinear, small=a DetLinear of the same weight). A
+    decode step of a few sequences is bound by reading the weights, where the panels' single
+    pass beats oneDNN's blocking for few rows; prefill chunks keep oneDNN. Costs a second
+    copy of the float weights. Returns how many linears were paired.
+
+    The two forms sum in different orders, so a row's logits move in the last bits with its
+    step's row count (as they do with oneDNN alone across its own M-dependent blockings);
+    --deterministic never takes this path (every linear is a DetLinear there)."""
+    from servelm.layers.det_linear import DetLinear
+    from servelm.quant.mixed_linear import MixedLinear
+
+    def pair(weight, bias):
+        return MixedLinear(PackedLinear(weight, bias), DetLinear(weight, bias), max_rows)
+
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, pair(child.weight, child.bias))
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
+        model.lm_head = pair(model.embed_tokens.weight, None)
+        return len(targets) + 1
+    return len(targets)
+
+
+def float_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the float linears' weights pack_linears would pack (a tied head counted)."""
+    n = sum(m.weight.numel() * m.weight.element_size()
+            for m in model.modules() if type(m) is nn.Linear)
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
+        w = model.embed_tokens.weight
+        n += w.numel() * w.element_size()
+    return n

@@ -8,6 +8,10 @@ keeps both: the file's codes (Int4Linear / Int8Linear, the file's weights exactl
 activations) for steps of at most `max_rows` rows, and their values in the model's dtype (an
 nn.Linear, packed by layers/linear.py's pack_linears like any other) above that.
 
+The same two-form layer holds float32 weights too (servelm/layers/linear.py,
+pair_with_panels): oneDNN's packed GEMM for prefill chunks, servelm's panel GEMM (DetLinear's
+kernel, one pass over the weights) for decode steps of up to 16 rows on AVX-512 or 64 on AVX2.
+
 Where one form overtakes the other is measured by benchmarks/cpu/mixed_crossover.py (the
 default model's 30 layers of linears with their weights in DRAM; docs/benchmarks.md has the
 record): MAX_ROWS is read off that curve.

@@ -92,7 +92,8 @@ def test_a_side_with_no_result_is_named_not_divided(tmp_path):
     assert summary.main([str(tmp_path), "--command", "x"]) == 0
     ratios = json.loads((tmp_path / "summary.json").read_text())["ratios"]
     assert ratios[0]["ratio"] is None and ratios[0]["missing"] == ["vllm", "vllm-bf16"]
-    assert ratios[2]["missing"] == ["default", "float32", "bfloat16", "gguf", "gguf-a8",
+    assert ratios[2]["missing"] == ["default", "float32", "float32-onednn", "bfloat16",
+                                    "gguf", "gguf-a8",
                                     "gguf-mixed", "gguf-mixed-a8", "llama-server",
                                     "llama.cpp"]
 

@@ -124,9 +124,10 @@ def test_cpu_kernels_flag_is_in_help_and_reaches_engine_args():
 
 
 @pytest.mark.parametrize("option,expected", [
-    ("auto", "attention=kernel decode=stack layer_ops=fused quant=panels"),
-    ("torch", "attention=torch decode=eager layer_ops=torch quant=aten"),
-    ("decode=torch,quant=torch", "attention=kernel decode=eager layer_ops=fused quant=aten"),
+    ("auto", "attention=kernel decode=stack layer_ops=fused quant=panels gemm=none"),
+    ("torch", "attention=torch decode=eager layer_ops=torch quant=aten gemm=none"),
+    ("decode=torch,quant=torch",
+     "attention=kernel decode=eager layer_ops=fused quant=aten gemm=none"),
 ])
 def test_start_up_log_says_which_path_each_part_took(tiny_hf, tiny_engine, caplog, option,
                                                       expected):

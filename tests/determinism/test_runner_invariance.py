@@ -102,7 +102,7 @@ def test_the_start_up_log_says_deterministic_paths_ran(hf, tiny_engine, caplog):
         tiny_engine(hf, deterministic=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels")]
     assert lines and lines[0].endswith("attention=rows decode=stack layer_ops=fused quant=none "
-                                       "linear=det")
+                                       "gemm=det")
 
 
 def test_the_flag_is_in_help_and_reaches_engine_args():
