@@ -48,12 +48,18 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of a loaded float model by a PackedLinear; a tied output head
     (model.lm_head None) gets a packed copy of the embedding. Returns how many were packed."""
+    return _replace_float_linears(model, PackedLinear)
+
+
+def _replace_float_linears(model: nn.Module, make) -> int:
+    """Every nn.Linear becomes make(weight, bias), a tied head (model.lm_head None)
+    make(the embedding's weight, None). Returns how many were replaced."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
+        setattr(parent, name, make(child.weight, child.bias))
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        model.lm_head = make(model.embed_tokens.weight, None)
         return len(targets) + 1
     return len(targets)
 
@@ -93,14 +99,7 @@ def pair_with_panels(model: nn.Module, max_rows: int) -> int:
     def pair(weight, bias):
         return MixedLinear(PackedLinear(weight, bias), DetLinear(weight, bias), max_rows)
 
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        setattr(parent, name, pair(child.weight, child.bias))
-    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens"):
-        model.lm_head = pair(model.embed_tokens.weight, None)
-        return len(targets) + 1
-    return len(targets)
+    return _replace_float_linears(model, pair)
 
 
 def float_weight_bytes(model: nn.Module) -> int:
