@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 
 import torch
@@ -27,7 +26,7 @@ from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.kv_cache import KVCache, kv_storage_dtype
-from servelm.runner.model_runner import ModelRunner, num_kv_blocks
+from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ def _pair_with_panels(model) -> bool:
         return False
     rows = panel_rows()
     extra = float_weight_bytes(model)
-    if rows == 0 or extra > _free_memory_bytes() // 4:
+    if rows == 0 or extra > available_memory_bytes(torch.device("cpu")) // 4:
         why = ("no AVX2 on this CPU" if rows == 0 else
                f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
                f"quarter of the free memory")
@@ -126,13 +125,6 @@ def _pair_with_panels(model) -> bool:
                 "(%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
                 rows, num, extra >> 20)
     return True
-
-
-def _free_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 @contextlib.contextmanager

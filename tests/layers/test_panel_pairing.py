@@ -91,12 +91,12 @@ def test_the_pairing_steps_aside_or_refuses_where_it_does_not_apply(
         tiny_hf, tiny_engine, caplog, monkeypatch):
     from servelm import engine_builder
 
-    monkeypatch.setattr(engine_builder, "_free_memory_bytes", lambda: 1 << 10)
+    monkeypatch.setattr(engine_builder, "available_memory_bytes", lambda device: 1 << 10)
     _, engine, log = _engine(tiny_hf, tiny_engine, caplog, "auto")
     assert log.endswith("gemm=onednn")
     with pytest.raises(ValueError, match=r"gemm=kernel: .*quarter of the free memory"):
         tiny_engine(tiny_hf("llama"), cpu_kernels="gemm=kernel")
     monkeypatch.setattr("servelm.layers.linear.panel_rows", lambda: 0)
-    monkeypatch.setattr(engine_builder, "_free_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(engine_builder, "available_memory_bytes", lambda device: 1 << 40)
     with pytest.raises(ValueError, match=r"gemm=kernel: .*no AVX2"):
         tiny_engine(tiny_hf("llama"), cpu_kernels="gemm=kernel")
