@@ -179,14 +179,14 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                 "num_mixed_steps": sim.num_mixed_steps,
                 "simulated_requests_per_wall_s": sim.requests_per_wall_s,
                 "max_rss_mb": _max_rss_mb(),
-                "replicas": [{"num_requests": sum(rep.engine.stats.finished.values()),
-                              "num_steps": rep.runner.num_steps, "busy_s": rep.runner.busy_s,
-                              "num_preemptions": rep.engine.scheduler.num_preemptions,
+                "replicas": [{"num_requests": rep.num_requests,
+                              "num_steps": rep.num_steps, "busy_s": rep.busy_s,
+                              "num_preemptions": rep.num_preemptions,
                               "max_kv_usage": max((t[1] for t in rep.timeline), default=0.0),
                               "max_waiting": max((t[2] for t in rep.timeline), default=0),
                               "prefix_hit_rate": _hit_rate([rep])}
-                             for rep in sim.replicas],
-                "prefix_hit_rate": _hit_rate(sim.replicas),
+                             for rep in sim.replica_reports],
+                "prefix_hit_rate": _hit_rate(sim.replica_reports),
                 "imbalance": _imbalance(sim),
                 "by_quarter": by_quarter(sim.records, slo_ttft, slo_tpot),
                 "scheduling_policy": spec.scheduling_policy},
@@ -251,18 +251,14 @@ def _max_rss_mb() -> float:
 
 def _hit_rate(replicas) -> float:
     """Prompt tokens found in the prefix caches / prompt tokens looked up (admissions)."""
-    hit = queried = 0
-    for rep in replicas:
-        cache = rep.engine.block_manager.prefix_cache
-        if cache is not None:
-            hit += cache.stats.num_hit_tokens
-            queried += cache.stats.num_query_tokens
+    hit = sum(rep.prefix_hit_tokens for rep in replicas)
+    queried = sum(rep.prefix_query_tokens for rep in replicas)
     return hit / queried if queried else 0.0
 
 
 def _imbalance(sim: SimResult) -> float:
     """max / mean of the replicas' busy seconds (1.0: perfectly even)."""
-    busy = [rep.runner.busy_s for rep in sim.replicas]
+    busy = [rep.busy_s for rep in sim.replica_reports]
     mean = sum(busy) / len(busy)
     return max(busy) / mean if mean else 1.0
 
@@ -284,10 +280,10 @@ def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
     except ImportError:
         return None
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    shown = sim.replicas
+    shown = sim.replica_reports
     if len(shown) > _PLOT_REPLICAS:  # a fleet of hundreds: an even pick of them
         shown = [shown[i * len(shown) // _PLOT_REPLICAS] for i in range(_PLOT_REPLICAS)]
-        title += f" ({_PLOT_REPLICAS} of {len(sim.replicas)} replicas shown)"
+        title += f" ({_PLOT_REPLICAS} of {len(sim.replica_reports)} replicas shown)"
     for rep in shown:
         line = rep.timeline[::max(1, len(rep.timeline) // _PLOT_POINTS)]
         ts = [t[0] for t in line]
@@ -296,7 +292,7 @@ def plot_timeline(sim: SimResult, path: Path, title: str) -> Path | None:
     ax1.set_ylabel("KV usage")
     ax2.set_ylabel("waiting requests")
     ax2.set_xlabel("simulated seconds")
-    if len(sim.replicas) <= 8:
+    if len(sim.replica_reports) <= 8:
         ax1.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -126,6 +126,30 @@ class Replica:
 
 
 @dataclass
+class ReplicaReport:
+    """What a run's result says of one replica (`servelm sim`'s per-replica block and
+    timeline plot), as plain values: the result's reader needs no live engine."""
+
+    index: int
+    num_requests: int  # finished
+    num_steps: int
+    busy_s: float
+    num_preemptions: int
+    timeline: list  # (time, kv usage, waiting, running) after each step
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+    @classmethod
+    def of(cls, rep: Replica) -> "ReplicaReport":
+        engine = rep.engine
+        cache = engine.block_manager.prefix_cache
+        return cls(rep.index, sum(engine.stats.finished.values()), rep.runner.num_steps,
+                   rep.runner.busy_s, engine.scheduler.num_preemptions, rep.timeline,
+                   cache.stats.num_hit_tokens if cache is not None else 0,
+                   cache.stats.num_query_tokens if cache is not None else 0)
+
+
+@dataclass
 class SimResult:
     records: list[RequestRecord]
     replicas: list[Replica]
@@ -137,6 +161,13 @@ class SimResult:
     # the gaps between chunks when the records dropped their chunk times
     # (simulate(keep_chunk_times=False)), else None: the records have them
     itl: ITLSummary | None = None
+    reports: list[ReplicaReport] | None = None  # None: read from `replicas` when asked
+
+    @property
+    def replica_reports(self) -> list[ReplicaReport]:
+        if self.reports is None:
+            self.reports = [ReplicaReport.of(rep) for rep in self.replicas]
+        return self.reports
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -277,29 +308,40 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
                                  f"before the one ahead of it ({sent} s): a stream of "
                                  "requests must be in arrival order")
             continue
-        t, _, rep = heapq.heappop(steps)
-        rep.clock.now = t
-        n = advance_decodes(rep, t_arrive, records, defer=True) if bulk else 0
-        rep.changed()
-        if n:
-            num_steps += n
-            num_bulk += n
-        else:  # (a bulk advance never preempts: it stops short of it)
-            _step(rep, records, bulk, itl)
-            if firsts is not None and rep.engine.scheduler.num_preemptions:
-                raise _CacheNeeded
-            num_steps += 1
-            if rep.last_finish is not None:
-                last_end = max(last_end, rep.last_finish)
-        if rep.engine.has_unfinished:
-            heapq.heappush(steps, (rep.clock.now, next(order), rep))
-        else:
-            rep.is_stepping = False
+        n, b, fin = _next_step(steps, order, t_arrive, records, bulk, itl, firsts is not None)
+        num_steps += n
+        num_bulk += b
+        if fin is not None:
+            last_end = max(last_end, fin)
     for rep in replicas:  # none is left pending (each ran to its last step), but be sure
         finish_run(rep, records)
     return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
                      time.perf_counter() - started, num_steps, num_bulk,
                      sum(r.num_mixed_steps for r in replicas), itl)
+
+
+def _next_step(steps: list, order, t_arrive: float, records: dict[str, RequestRecord],
+               bulk: bool, itl: ITLSummary | None, no_preemption: bool
+               ) -> tuple[int, int, float | None]:
+    """Run the earliest stepping replica's next step (or its bulk run of plain decodes
+    that start before t_arrive, the next arrival's time); returns (steps run, of them in
+    bulk, when the step finished a request or None). no_preemption: raise _CacheNeeded
+    at a preemption (a run without prefix caches)."""
+    t, _, rep = heapq.heappop(steps)
+    rep.clock.now = t
+    n = advance_decodes(rep, t_arrive, records, defer=True) if bulk else 0
+    rep.changed()
+    fin = None
+    if not n:  # (a bulk advance never preempts: it stops short of it)
+        _step(rep, records, bulk, itl)
+        if no_preemption and rep.engine.scheduler.num_preemptions:
+            raise _CacheNeeded
+        fin = rep.last_finish
+    if rep.engine.has_unfinished:
+        heapq.heappush(steps, (rep.clock.now, next(order), rep))
+    else:
+        rep.is_stepping = False
+    return (n, n, None) if n else (1, 0, fin)
 
 
 class _RouteIndex:
@@ -334,8 +376,6 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
             index: _RouteIndex | None = None) -> None:
     """The request reaches the engine's queue `lag` after it was sent (the record's
     times are the client's). index: the policy's incremental picker over `replicas`."""
-    sent = req.arrival_s
-    t = sent + lag
     if index is not None:
         rep = replicas[index.pick()]
     else:
@@ -343,6 +383,14 @@ def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingP
         # The prefix caches are only looked up for a policy that reads the cached tokens.
         prompt = req.prompt_token_ids if getattr(policy, "reads_cached_tokens", True) else None
         rep = replicas[policy.pick([x.load(prompt) for x in replicas], route)]
+    _admit(rid, req, rep, records, steps, order, lag)
+
+
+def _admit(rid: str, req: SimRequest, rep: Replica, records: dict[str, RequestRecord],
+           steps: list, order, lag: float = 0.0) -> None:
+    """The routed request enters rep's engine (or is refused by its SLO policy)."""
+    sent = req.arrival_s
+    t = sent + lag
     records[rid] = rec = RequestRecord(len(req.prompt_token_ids), req.max_tokens,
                                        scheduled_time=sent, sent_time=sent, written_time=sent)
     if rep.engine.scheduler.policy is not None:  # its admission check reads the running
@@ -415,4 +463,4 @@ def _step(rep: Replica, records: dict[str, RequestRecord], hide: bool = False,
 _NO_TIMES: list[float] = []  # a finished record's chunk times once folded away (shared; never
 # appended to: a finished request takes no more tokens)
 
-__all__ = ["Replica", "ReplicaSpec", "SimRequest", "SimResult", "simulate"]
+__all__ = ["Replica", "ReplicaReport", "ReplicaSpec", "SimRequest", "SimResult", "simulate"]
