@@ -65,7 +65,8 @@ def test_compare_groups_by_label_and_times_the_document_batch(results, capsys):
         assert d["speedup"] == pytest.approx(seq["elapsed_s"] / batch["elapsed_s"])
         assert d["batch"]["num_completed"] == d["sequential"]["num_completed"] == 8
     # One at a time, sending everything at once buys nothing; batching 8 requests of
-    # ~0.06 s each finishes them together (the band is wide: on 2 busy cores a run of 0.5 s jitters).
+    # ~0.06 s each finishes them together (the band is wide: on 2 busy cores a run of
+    # 0.5 s jitters).
     assert systems["serial"]["documents"]["speedup"] == pytest.approx(1.0, abs=0.5)
     assert systems["batching"]["documents"]["speedup"] > 3
     # At 40 req/s the serial server queues (TTFT past 300 ms); the batching one keeps up.
