@@ -31,6 +31,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, Iterable, Sequence
 
 from servelm.bench.metrics import RequestRecord
@@ -161,13 +162,10 @@ class SimResult:
     # the gaps between chunks when the records dropped their chunk times
     # (simulate(keep_chunk_times=False)), else None: the records have them
     itl: ITLSummary | None = None
-    reports: list[ReplicaReport] | None = None  # None: read from `replicas` when asked
 
-    @property
+    @cached_property
     def replica_reports(self) -> list[ReplicaReport]:
-        if self.reports is None:
-            self.reports = [ReplicaReport.of(rep) for rep in self.replicas]
-        return self.reports
+        return [ReplicaReport.of(rep) for rep in self.replicas]
 
     @property
     def requests_per_wall_s(self) -> float:
