@@ -122,6 +122,12 @@ class LeastLoadedIndex:
             raise RuntimeError("no healthy replica")
         return i
 
+    def least(self) -> tuple:
+        """The winning key, (tokens in flight, KV usage, index); index -1: none is healthy.
+        Keys of disjoint sets of replicas compare as one set's would, once their indexes
+        are mapped into one numbering in the same order (a sharded simulation's)."""
+        return self._tree[1]
+
 
 class Session:
     """Sticky: requests with the same `user` (or session id) go to the same healthy replica

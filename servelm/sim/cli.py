@@ -164,7 +164,8 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
     num_replicas = args.num_replicas if num_replicas is None else num_replicas
     requests = build_requests(args, rate, spec.vocab_size)
     sim = simulate(requests, num_replicas, spec, cost, make_policy(args.policy),
-                   bulk=not args.no_bulk, keep_chunk_times=False)
+                   bulk=not args.no_bulk, keep_chunk_times=False,
+                   shards=num_shards(args.shards, num_replicas))
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
     result: dict[str, Any] = {
@@ -178,7 +179,10 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                 "bulk_decode": not args.no_bulk, "num_bulk_steps": sim.num_bulk_steps,
                 "num_mixed_steps": sim.num_mixed_steps,
                 "simulated_requests_per_wall_s": sim.requests_per_wall_s,
-                "max_rss_mb": _max_rss_mb(),
+                "num_shards": sim.num_shards,
+                # this process's peak, and each shard's (pages shared since the fork count
+                # in each: an upper bound on what the run held at once)
+                "max_rss_mb": _max_rss_mb() + sum(sim.shard_max_rss_mb),
                 "replicas": [{"num_requests": rep.num_requests,
                               "num_steps": rep.num_steps, "busy_s": rep.busy_s,
                               "num_preemptions": rep.num_preemptions,
@@ -210,6 +214,25 @@ def run_one(args, cost: StepCostModel, spec: ReplicaSpec, rate: float | None,
                               "input_len": args.input_len, "output_len": args.output_len,
                               "seed": args.seed, "vocab_size": args.vocab_size}
     return result, sim
+
+
+SHARD_MIN_REPLICAS = 4  # --shards auto: a smaller fleet runs in one process
+
+
+def num_shards(value: str, num_replicas: int) -> int:
+    """--shards: a count, or auto (one per usable core for a fleet of SHARD_MIN_REPLICAS
+    or more: below, each arrival's exchange costs more than the shards save)."""
+    from servelm.sim.shards import usable_cpus
+
+    if value == "auto":
+        return usable_cpus() if num_replicas >= SHARD_MIN_REPLICAS else 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--shards: a count or auto, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"--shards: must be >= 1, got {n}")
+    return n
 
 
 def render_class_table(by_class: dict) -> str:
@@ -582,6 +605,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-bulk", action="store_true",
                    help="run every decode step through the engine (the same result as the "
                         "default bulk advance of plain decode steps, slower: for checking)")
+    p.add_argument("--shards", default="auto", metavar="N|auto",
+                   help="run the fleet's replicas in N processes, routed as one fleet (the "
+                        "same result, faster on N cores; least_loaded only, else one "
+                        "process); auto: one per usable core for fleets of at least "
+                        f"{SHARD_MIN_REPLICAS} replicas")
     p.add_argument("--out", default=None, help="result JSON (PNG next to it)")
     p.set_defaults(func=cmd_sim)
     return p

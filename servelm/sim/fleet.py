@@ -31,7 +31,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Callable, Iterable, Sequence
 
 from servelm.bench.metrics import RequestRecord
@@ -136,7 +136,8 @@ class ReplicaReport:
     num_steps: int
     busy_s: float
     num_preemptions: int
-    timeline: list  # (time, kv usage, waiting, running) after each step
+    timeline: list[tuple[float, float, int, int]]  # (time, kv usage, waiting, running)
+    # after each step
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
 
@@ -162,9 +163,16 @@ class SimResult:
     # the gaps between chunks when the records dropped their chunk times
     # (simulate(keep_chunk_times=False)), else None: the records have them
     itl: ITLSummary | None = None
+    # a sharded run's (servelm/sim/shards.py): its replicas' reports (it has no live
+    # replicas), how many processes ran it, and each one's peak memory
+    reports: list[ReplicaReport] | None = None
+    num_shards: int = 1
+    shard_max_rss_mb: list[float] = field(default_factory=list)
 
     @cached_property
     def replica_reports(self) -> list[ReplicaReport]:
+        if self.reports is not None:
+            return self.reports
         return [ReplicaReport.of(rep) for rep in self.replicas]
 
     @property
@@ -194,7 +202,8 @@ def step_time_of(cost) -> Callable[[int, int, int, int, int], float]:
 
 def simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpec,
              cost: StepCostModel, policy: RoutingPolicy, bulk: bool = True,
-             skip_idle_cache: bool = True, keep_chunk_times: bool = True) -> SimResult:
+             skip_idle_cache: bool = True, keep_chunk_times: bool = True,
+             shards: int = 1) -> SimResult:
     """Run every request to completion; returns what a client would have measured.
     requests: a sequence (any order), or a re-iterable stream in arrival order (iterated
     again if the run restarts with prefix caches; an arrival out of order is an error).
@@ -203,6 +212,10 @@ def simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpe
     them (the same result, faster; see _FirstBlocks).
     keep_chunk_times: the records keep their chunk times; else each finished request's
     go into SimResult.itl and its record drops them (the memory of a run of millions).
+    shards: run the replicas in this many forked processes, routed as one fleet (the same
+    result, in less wall time on as many cores; servelm/sim/shards.py), where the policy
+    allows it (shards.can_shard: least_loaded), else in this one. The result then has no
+    live replicas, only their reports.
 
     Python's cyclic garbage collector is off while it runs (and restored after): the
     simulation builds millions of long-lived objects (prefix-cache nodes, records) and
@@ -210,6 +223,12 @@ def simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpe
     live objects found nothing and were a large share of the time (tests/sim/test_bulk.py
     checks that a run leaves no cyclic garbage behind while its result is alive)."""
     started = time.perf_counter()
+    run = _simulate
+    if shards > 1 and num_replicas > 1:
+        from servelm.sim import shards as sharding
+
+        if sharding.can_shard(policy):
+            run = partial(sharding.run_shards, num_shards=shards)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -221,15 +240,15 @@ def simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSpe
             firsts.seen = None
         if skip_idle_cache and spec.enable_prefix_caching:
             try:  # a copy of the policy: a restart must find it as it was (RoundRobin's turn)
-                return _simulate(requests, num_replicas,
-                                 replace(spec, enable_prefix_caching=False), cost,
-                                 copy.deepcopy(policy), bulk, started, keep_chunk_times,
-                                 firsts=firsts)
+                return run(requests, num_replicas,
+                           replace(spec, enable_prefix_caching=False), cost,
+                           copy.deepcopy(policy), bulk, started, keep_chunk_times,
+                           firsts=firsts)
             except _CacheNeeded:
                 pass  # an admission could hit a cache (or a preempted sequence its own
                 # cached blocks): run with them
-        return _simulate(requests, num_replicas, spec, cost, policy, bulk, started,
-                         keep_chunk_times)
+        return run(requests, num_replicas, spec, cost, policy, bulk, started,
+                   keep_chunk_times, firsts=None)
     finally:
         if was_enabled:
             gc.enable()
@@ -362,11 +381,19 @@ class _RouteIndex:
         return cls(make_index([rep.load() for rep in replicas]), replicas)
 
     def pick(self) -> int:
+        self._catch_up()
+        return self.index.pick()
+
+    def least(self) -> tuple:
+        """The index's winning key (LeastLoadedIndex.least), up to date."""
+        self._catch_up()
+        return self.index.least()
+
+    def _catch_up(self) -> None:
         index, replicas = self.index, self.replicas
         for i in self.dirty:
             index.update(i, replicas[i].load())
         self.dirty.clear()
-        return index.pick()
 
 
 def _arrive(rid: str, req: SimRequest, replicas: list[Replica], policy: RoutingPolicy,
