@@ -302,6 +302,27 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
     itl = None if keep_chunk_times else ITLSummary()
     for rep in replicas:
         rep.itl = itl
+    route = _RouteIndex.make(policy, replicas)
+
+    def arrive(j: int, req: SimRequest, steps: list, order) -> None:
+        _arrive(f"r{j}", req, replicas, policy, records, steps, order, lag, route)
+
+    first, last_end, num_steps, num_bulk = _event_loop(requests, arrive, lag, records, bulk,
+                                                       itl, firsts)
+    for rep in replicas:  # none is left pending (each ran to its last step), but be sure
+        finish_run(rep, records)
+    return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
+                     time.perf_counter() - started, num_steps, num_bulk,
+                     sum(r.num_mixed_steps for r in replicas), itl)
+
+
+def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
+                records: dict[str, RequestRecord], bulk: bool, itl: ITLSummary | None,
+                firsts: _FirstBlocks | None) -> tuple[float, float, int, int]:
+    """Arrivals and steps in time order until every request is done: arrive(j, request,
+    steps, order) routes and admits arrival j (its replica joins `steps`, the heap of each
+    stepping replica's next step). Returns (the first arrival's send time, the last
+    finish, steps run, of them in bulk)."""
     arrivals = iter(requests)
     nxt = next(arrivals, None)
     first = nxt.arrival_s if nxt is not None else 0.0
@@ -310,14 +331,12 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
     num_steps = num_bulk = num_arrived = 0
     last_end = 0.0
     inf = float("inf")
-    route = _RouteIndex.make(policy, replicas)
     while nxt is not None or steps:
         t_arrive = nxt.arrival_s + lag if nxt is not None else inf
         if t_arrive <= (steps[0][0] if steps else inf):  # same instant: arrival first
             if firsts is not None and not firsts.admits(nxt.prompt_token_ids):
                 raise _CacheNeeded
-            _arrive(f"r{num_arrived}", nxt, replicas, policy, records, steps, order, lag,
-                    route)
+            arrive(num_arrived, nxt, steps, order)
             num_arrived += 1
             sent, nxt = nxt.arrival_s, next(arrivals, None)
             if nxt is not None and nxt.arrival_s < sent:
@@ -330,11 +349,7 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
         num_bulk += b
         if fin is not None:
             last_end = max(last_end, fin)
-    for rep in replicas:  # none is left pending (each ran to its last step), but be sure
-        finish_run(rep, records)
-    return SimResult(list(records.values()), replicas, max(last_end - first, 1e-9),
-                     time.perf_counter() - started, num_steps, num_bulk,
-                     sum(r.num_mixed_steps for r in replicas), itl)
+    return first, last_end, num_steps, num_bulk
 
 
 def _next_step(steps: list, order, t_arrive: float, records: dict[str, RequestRecord],

@@ -30,7 +30,6 @@ the ITL summary's exact state), never pickle.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import multiprocessing
 import multiprocessing.connection
@@ -47,7 +46,7 @@ import msgspec
 from servelm.bench.metrics import RequestRecord
 from servelm.sim.bulk import finish_run
 from servelm.sim.fleet import (ReplicaReport, SimResult, _admit, _CacheNeeded, _FirstBlocks,
-                               _make_replica, _next_step, _RouteIndex)
+                               _event_loop, _make_replica, _RouteIndex)
 from servelm.sim.itl import ITLSummary
 
 
@@ -231,42 +230,24 @@ def _run_shard(k: int, num_shards: int, board: _Board, requests: Iterable, num_r
         rep.itl = itl
     route = _RouteIndex.make(policy, replicas)
     others = [o for o in range(num_shards) if o != k]
-    arrivals = iter(requests)
-    nxt = next(arrivals, None)
-    first = nxt.arrival_s if nxt is not None else 0.0
-    steps: list = []
-    order = itertools.count()
-    num_steps = num_bulk = j = 0
-    last_end = 0.0
     inf = float("inf")
-    while nxt is not None or steps:
-        t_arrive = nxt.arrival_s + lag if nxt is not None else inf
-        if t_arrive <= (steps[0][0] if steps else inf):
-            if firsts is not None and not firsts.admits(nxt.prompt_token_ids):
-                raise _CacheNeeded
-            tokens, kv, at = route.least()
-            best = own = (float(tokens), kv, float(at * num_shards + k))
-            board.post(k, j, own)
-            for o in others:
-                key = board.read(o, j)
-                if key < best:
-                    best = key
-            if best[0] == inf:
-                raise RuntimeError("no healthy replica")
-            if best is own:
-                _admit(f"r{j}", nxt, replicas[at], records, steps, order, lag)
-            j += 1
-            sent, nxt = nxt.arrival_s, next(arrivals, None)
-            if nxt is not None and nxt.arrival_s < sent:
-                raise ValueError(f"request {j} is sent at {nxt.arrival_s} s, before the one "
-                                 f"ahead of it ({sent} s): a stream of requests must be in "
-                                 "arrival order")
-            continue
-        n, b, fin = _next_step(steps, order, t_arrive, records, bulk, itl, firsts is not None)
-        num_steps += n
-        num_bulk += b
-        if fin is not None:
-            last_end = max(last_end, fin)
+
+    def arrive(j: int, req, steps: list, order) -> None:
+        """Post this shard's least key for arrival j, read the others': the least admits."""
+        tokens, kv, at = route.least()
+        best = own = (float(tokens), kv, float(at * num_shards + k))
+        board.post(k, j, own)
+        for o in others:
+            key = board.read(o, j)
+            if key < best:
+                best = key
+        if best[0] == inf:
+            raise RuntimeError("no healthy replica")
+        if best is own:
+            _admit(f"r{j}", req, replicas[at], records, steps, order, lag)
+
+    first, last_end, num_steps, num_bulk = _event_loop(requests, arrive, lag, records, bulk,
+                                                       itl, firsts)
     for rep in replicas:
         finish_run(rep, records)
     reports = [replace(ReplicaReport.of(rep), index=i * num_shards + k)
