@@ -77,7 +77,6 @@ class _Board:
     tokens in flight, KV usage, global index) as float64; the last value is the stop flag."""
 
     def __init__(self, num_shards: int):
-        self.num_shards = num_shards
         self._mem = mmap.mmap(-1, (num_shards * 8 + 1) * 8)  # anonymous, shared on fork
         self.v = memoryview(self._mem).cast("d")
         for i in range(0, num_shards * 8, 4):
@@ -221,8 +220,8 @@ def _run_shard(k: int, num_shards: int, board: _Board, requests: Iterable, num_r
                firsts: _FirstBlocks | None) -> _ShardOut:
     """fleet._simulate's loop over this shard's replicas (global index k + num_shards * i
     at position i), each arrival routed with the other shards over the board."""
-    replicas = [_make_replica(i, spec, cost) for i in range(len(range(k, num_replicas,
-                                                                         num_shards)))]
+    replicas = [_make_replica(g // num_shards, spec, cost)
+                for g in range(k, num_replicas, num_shards)]
     lag = getattr(cost, "arrival_s", 0.0)
     records: dict[str, RequestRecord] = {}
     itl = None if keep_chunk_times else ITLSummary()
