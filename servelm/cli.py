@@ -154,9 +154,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Sub-commands that run an engine: the environment defaults (servelm/own_env.py) are theirs.
+_ENGINE_COMMANDS = {"serve", "bench", "generate", "chat", "eval"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    apply_defaults()  # before any sub-command loads torch (libgomp reads them then)
-    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
+    argv_ = sys.argv[1:] if argv is None else argv
+    if next((a for a in argv_ if not a.startswith("-")), None) in _ENGINE_COMMANDS:
+        apply_defaults()  # before the sub-command loads torch (libgomp reads them then)
+    args = build_parser(argv_).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[servelm] %(message)s", stream=sys.stderr)
     try:

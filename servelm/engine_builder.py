@@ -305,6 +305,10 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         runner = parallel_build.wrap_runner(parallel, runner)
     if device.type == "cpu":
         from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
+        from servelm.own_env import startup_line
+
+        if startup_line():
+            logger.info("%s", startup_line())
 
         logger.info("cpu kernels (--cpu-kernels %s): %s", cpu_choice, describe(
             kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
