@@ -1,6 +1,7 @@
 """Micro-benchmark: the C++ paged decode kernel (servelm_cpu::paged_decode) alone, per KV cache
 dtype, at the default model's shapes: 9 query heads, 3 KV heads, head dim 64, blocks of 16
-in a scrambled order, 64 sequences of one context length, one pool per layer for 30 layers
+in a scrambled order, 64 sequences of one context length (q float32, bfloat16 with a
+bfloat16 cache, as a bfloat16 model's), one pool per layer for 30 layers
 (each step reads every layer's K and V from memory, as a decode step does), and the same
 work on one small pool that stays in cache (what the arithmetic alone costs).
 
@@ -74,6 +75,8 @@ def main() -> None:
                                    dtype, gen)
             reps = 1 if where == "memory" else LAYERS * a.batch // 4
             qq, ll = (q, lens) if where == "memory" else (q[:4].contiguous(), lens[:4])
+            if dtype == torch.bfloat16:  # a bfloat16 model's q is bfloat16 too
+                qq = qq.to(torch.bfloat16)
             _pass_ms(ops, qq, pools, tables, ll, scales, reps)  # warm
             ms = statistics.median(_pass_ms(ops, qq, pools, tables, ll, scales, reps)
                                    for _ in range(a.rounds))

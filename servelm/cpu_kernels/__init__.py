@@ -109,8 +109,13 @@ def load():
             import torch
 
             _build()
-            _loaded = torch.ops.servelm_cpu
-            _loaded.paged_decode
+            ops = torch.ops.servelm_cpu
+            ops.paged_decode
+            # bfloat16 decodes' q . k on vdpbf16ps only where the probe saw it run (isa.py)
+            from servelm.cpu_kernels import isa
+
+            ops.paged_decode_use_bf16_dot(isa.usable("avx512_bf16"))
+            _loaded = ops
         except Exception as exc:
             _error = exc
             raise

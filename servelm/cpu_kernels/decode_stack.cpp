@@ -8,7 +8,7 @@
 //
 //   h = rms_norm(x) | add_rms_norm(x, residual)           input_layernorm
 //   q, k, v = split(qkv_proj(h)); [q_norm, k_norm]; rotary_(q, k)
-//   k_cache[slots], v_cache[slots] = k, v; a = paged_decode(q, caches, tables, seq_lens)
+//   store_kv(k_cache, v_cache, slots, k, v); a = paged_decode(q, caches, tables, seq_lens)
 //   h, residual = add_rms_norm(o_proj(a), residual)       post_attention_layernorm
 //   x = down_proj(silu_and_mul(gate_up_proj(h)))
 //   (tensor parallel: o_proj's and down_proj's outputs all-reduced, see set_all_reduce)
@@ -51,6 +51,8 @@ struct Ops {
       find_op<void(at::Tensor, at::Tensor, T, T, T)>("servelm_cpu::rotary_");
   c10::TypedOperatorHandle<at::Tensor(T)> silu_and_mul =
       find_op<at::Tensor(T)>("servelm_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, T, T, T)> store_kv =
+      find_op<void(at::Tensor, at::Tensor, T, T, T)>("servelm_cpu::store_kv");
   using OptT = const c10::optional<at::Tensor>&;
   c10::TypedOperatorHandle<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)> paged_decode =
       find_op<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)>("servelm_cpu::paged_decode");
@@ -181,8 +183,7 @@ class DecodeStack : public torch::CustomClassHolder {
         store_fp8(l.k_cache, slots, k, l.k_scale);
         store_fp8(l.v_cache, slots, v, l.v_scale);
       } else {
-        l.k_cache.index_copy_(0, slots, k);
-        l.v_cache.index_copy_(0, slots, v);
+        ops_.store_kv.call(l.k_cache, l.v_cache, slots, k, v);  // as KVCache.store
       }
       at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
                                                block_size_, scale_, ks, vs);

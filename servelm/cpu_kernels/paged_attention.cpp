@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -66,11 +67,26 @@ struct Scratch {
       : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads),
         tile(2 * kTile * 16 * chunks), zeros(16 * chunks) {}
 #else
-  std::vector<f32x16> dots;
+  std::vector<f32x16> dots, vtile;  // vtile: one KV head's V rows of a tile, as float32
+  std::vector<f32x16> sums;         // per head: the softmax's running sum, lane by lane
+  std::vector<u32x16> qbf;          // bfloat16 dot products: q as stored, 32 elements a vector
+  float dot_scale = 1.0f;           // ... and the scale their scores still need
   Scratch(int64_t heads, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads), dots(heads * kTile) {}
+      : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads), dots(heads * kTile),
+        vtile(kTile * chunks), sums(heads), qbf(heads * (chunks + 1) / 2) {}
 #endif
 };
+
+// Whether a bfloat16 q against a bfloat16 cache takes its q . k from avx512_bf16's vdpbf16ps
+// (32 products a instruction, straight from the stored rows): compiled where the build
+// machine has it, used only once Python has seen the instruction run here
+// (servelm/cpu_kernels/isa.py, set through paged_decode_use_bf16_dot).
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+bool g_use_bf16_dot = false;
 
 template <typename Q>
 void load_q(const at::Tensor& q, int64_t b, int64_t h0, int64_t heads, float scale, Scratch& s) {
@@ -144,6 +160,49 @@ inline f32x16 sum_lanes_16(const f32x16* x) {
   return __builtin_shuffle(w[0], w[1], a1) + __builtin_shuffle(w[0], w[1], b1);
 }
 
+// A bfloat16 row in "pair order": each 64-byte load of 32 elements gives two float32 vectors,
+// the even elements (bits shifted up) and the odd ones (low bits masked off), with no lane
+// shuffle: vpmovzxwd's widening runs on the one shuffle port, which the score tree below
+// also needs, and cost a bfloat16 cache 30% over a float32 one with its rows in cache.
+// q and the accumulators live in the same order (a dot product and a weighted sum do not
+// care which lane holds which dimension); the output is put back in order at the end.
+// Float32 and fp8 rows keep the natural order; with D % 32 == 16 the last chunk does too.
+template <typename KV>
+constexpr bool kPairOrder = std::is_same_v<KV, bf16>;
+
+template <typename KV>
+inline void load_row(const KV* p, int64_t nc, f32x16* out) {
+  if constexpr (kPairOrder<KV>) {
+    int64_t c = 0;
+    for (; c + 1 < nc; c += 2) {
+      const u32x16 w = *reinterpret_cast<const u32x16*>(p + 16 * c);
+      out[c] = (f32x16)(w << 16);
+      out[c + 1] = (f32x16)(w & 0xFFFF0000u);
+    }
+    if (c < nc) out[c] = load16(p + 16 * c);
+  } else {
+    for (int64_t c = 0; c < nc; ++c) out[c] = load16(p + 16 * c);
+  }
+}
+
+// natural order <-> pair order, for each 32-dimension pair of chunks (x[c], x[c + 1])
+inline void to_pair_order(f32x16* x, int64_t nc) {
+  const i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  for (int64_t c = 0; c + 1 < nc; c += 2) {
+    const f32x16 a = x[c], b = x[c + 1];
+    x[c] = __builtin_shuffle(a, b, even);
+    x[c + 1] = __builtin_shuffle(a, b, even + 1);
+  }
+}
+inline void from_pair_order(f32x16* x, int64_t nc) {
+  const i32x16 lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  for (int64_t c = 0; c + 1 < nc; c += 2) {
+    const f32x16 e = x[c], o = x[c + 1];
+    x[c] = __builtin_shuffle(e, o, lo);
+    x[c + 1] = __builtin_shuffle(e, o, lo + 8);
+  }
+}
+
 // dots[h][t] for the item's heads h over one tile of n <= 16 rows: lane-wise q * k products,
 // summed over the chunks. The rows' KV heads are read in address order (whole slots).
 template <int kChunks, typename KV>
@@ -157,7 +216,7 @@ void tile_dots(const Problem& p, const KV* kbase, const int64_t* rows, int n, in
     }
     for (int64_t kh = 0; kh < num_kv; ++kh) {
       f32x16 k[kMaxChunks];
-      for (int64_t c = 0; c < nc; ++c) k[c] = load16(kbase + rows[t] + kh * D + 16 * c);
+      load_row(kbase + rows[t] + kh * D, nc, k);
       for (int64_t g = 0; g < G; ++g) {
         const f32x16* qh = &s.q[(kh * G + g) * nc];
         f32x16 d = qh[0] * k[0];
@@ -168,17 +227,52 @@ void tile_dots(const Problem& p, const KV* kbase, const int64_t* rows, int n, in
   }
 }
 
+#if defined(__AVX512BF16__)
+// tile_dots for a bfloat16 q and cache: each pair of products of q's and k's stored values is
+// exact in float32 and added in float32, as the widened form computes them (in another
+// order); the scale is applied to the summed scores. D % 32 == 0.
+template <int kChunks>
+void tile_dots_bf16(const Problem& p, const bf16* kbase, const int64_t* rows, int n,
+                    int64_t num_kv, Scratch& s) {
+  const int64_t np = (kChunks ? kChunks : p.head_dim / 16) / 2, G = p.group, D = p.head_dim;
+  for (int t = 0; t < kTile; ++t) {
+    if (t >= n) {
+      for (int64_t h = 0; h < num_kv * G; ++h) s.dots[h * kTile + t] = splat(0.0f);
+      continue;
+    }
+    for (int64_t kh = 0; kh < num_kv; ++kh) {
+      __m512bh k[kMaxChunks / 2];
+      for (int64_t c = 0; c < np; ++c)
+        k[c] = (__m512bh)_mm512_loadu_si512(kbase + rows[t] + kh * D + 32 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const u32x16* qh = &s.qbf[(kh * G + g) * np];
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qh[0], k[0]);
+        for (int64_t c = 1; c < np; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)qh[c], k[c]);
+        s.dots[(kh * G + g) * kTile + t] = (f32x16)d;
+      }
+    }
+  }
+}
+#endif
+
 // Softmax and values of one tile for the G query heads of one KV head: vbase points at that
 // head's part of slot 0; h is the item's index of the group's first head.
-template <int kChunks, typename KV>
+// A bfloat16 or fp8 tile's V rows are widened into scratch once, for all G heads.
+template <int kChunks, typename KV, bool kDot>
 void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, int64_t h,
                  Scratch& s) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
+  if constexpr (!std::is_same_v<KV, float>)
+    for (int t = 0; t < n; ++t) load_row(vbase + rows[t], nc, &s.vtile[t * nc]);
   for (int64_t g = 0; g < G; ++g) {
-    float &max = s.max[h + g], &sum = s.sum[h + g];
+    // The running sum stays a vector (summed across lanes once, at the end) and the tile's
+    // max is a shuffle tree: both were 16-step dependent scalar chains a head and a tile.
+    float& max = s.max[h + g];
+    f32x16& sum = s.sums[h + g];
     f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
+    if (kDot) scores *= s.dot_scale;
     scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
-    const float mx = std::max(max, lane_max(scores));
+    const float mx = std::max(max, _mm512_reduce_max_ps((__m512)scores));
     f32x16 acc[kMaxChunks];
     for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
     if (mx > max) {  // rescale what came before to the new max
@@ -189,11 +283,16 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
     }
     f32x16 e = exp16(scores - mx);
     e = keep_first(e, n, 0.0f);
-    sum += lane_sum(e);
+    sum += e;
     for (int t = 0; t < n; ++t) {
-      const KV* vr = vbase + rows[t];
       const float w = e[t];
-      for (int64_t c = 0; c < nc; ++c) acc[c] += w * load16(vr + 16 * c);
+      if constexpr (std::is_same_v<KV, float>) {
+        const float* vr = vbase + rows[t];
+        for (int64_t c = 0; c < nc; ++c) acc[c] += w * load16(vr + 16 * c);
+      } else {
+        const f32x16* vr = &s.vtile[t * nc];
+        for (int64_t c = 0; c < nc; ++c) acc[c] += w * vr[c];
+      }
     }
     for (int64_t c = 0; c < nc; ++c) s.acc[(h + g) * nc + c] = acc[c];
   }
@@ -201,25 +300,33 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
 
 // Sequence b, KV heads kh0..kh1-1; s.q holds their query heads. kChunks = D / 16, 0: runtime.
 // Each tile is read for all the item's KV heads at once: whole slots, contiguous in memory.
-template <int kChunks, typename KV>
+// kDot: q . k from tile_dots_bf16 (s.qbf holds q), else tile_dots (s.q).
+template <int kChunks, typename KV, bool kDot = false>
 void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group, D = p.head_dim;
   const int64_t heads = (kh1 - kh0) * G;
   Walk<KV> w(p, b, kh0, kh1);
   std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
-  std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
+  std::fill(s.sums.begin(), s.sums.begin() + heads, splat(0.0f));
   for (int64_t start = 0; start < w.len; start += kTile) {
     const int n = w.tile(start);
-    tile_dots<kChunks, KV>(p, w.kbase, w.rows, n, kh1 - kh0, s);
+#if defined(__AVX512BF16__)
+    if constexpr (kDot)
+      tile_dots_bf16<kChunks>(p, w.kbase, w.rows, n, kh1 - kh0, s);
+    else
+#endif
+      tile_dots<kChunks, KV>(p, w.kbase, w.rows, n, kh1 - kh0, s);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
-      attend_tile<kChunks, KV>(p, w.vbase + kh * D, w.rows, n, kh * G, s);
+      attend_tile<kChunks, KV, kDot>(p, w.vbase + kh * D, w.rows, n, kh * G, s);
   }
   float* out = p.out + (b * p.num_heads + kh0 * G) * D;
   for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.0f / s.sum[h];
+    const float inv = 1.0f / _mm512_reduce_add_ps((__m512)s.sums[h]);
+    f32x16* acc = &s.acc[h * nc];
+    if constexpr (kPairOrder<KV>) from_pair_order(acc, nc);
     for (int64_t c = 0; c < nc; ++c)
-      *reinterpret_cast<f32x16*>(out + h * D + 16 * c) = s.acc[h * nc + c] * inv;
+      *reinterpret_cast<f32x16*>(out + h * D + 16 * c) = acc[c] * inv;
   }
 }
 
@@ -388,6 +495,14 @@ AttendFn pick(int64_t head_dim) {
 #endif
 }
 
+#if !defined(SERVELM_VEC16_HALVES)
+AttendFn pick_bf16_dot(int64_t head_dim) {
+  if (head_dim == 64) return attend<4, bf16, true>;
+  if (head_dim == 128) return attend<8, bf16, true>;
+  return attend<0, bf16, true>;
+}
+#endif
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
@@ -435,6 +550,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                              : k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D)
                                                                        : pick<float>(D);
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  const bool bf16_dot = kHaveBf16Dot && g_use_bf16_dot && q_bf16 &&
+                        k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0;
+#if !defined(SERVELM_VEC16_HALVES)
+  const AttendFn attend_item = bf16_dot ? pick_bf16_dot(D) : attend_kv;
+#else
+  const AttendFn attend_item = attend_kv;
+#endif
   // Whole sequences (all KV heads: contiguous slots) when there are enough to share out;
   // (sequence, KV head) items when few sequences must still keep every thread busy.
   const int64_t threads_wanted = at::get_num_threads();
@@ -448,15 +570,31 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
       const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
+#if !defined(SERVELM_VEC16_HALVES)
+      if (bf16_dot) {  // q as stored, 32 elements a vector; the scale goes on the scores
+        const at::BFloat16* src = q.data_ptr<at::BFloat16>() + b * q.stride(0) + h0 * q.stride(1);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t c = 0; c < D / 32; ++c)
+            s.qbf[h * (D / 32) + c] =
+                *reinterpret_cast<const u32x16*>(src + h * q.stride(1) + 32 * c);
+        s.dot_scale = float(scale);
+        attend_item(p, b, kh0, kh0 + kv_per_item, s);
+        continue;
+      }
+#endif
       if (q_bf16)
         load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
       else
         load_q<float>(q, b, h0, heads, float(scale), s);
       const int64_t nc = D / 16;
+#if !defined(SERVELM_VEC16_HALVES)
+      if (k_cache.scalar_type() == at::kBFloat16)
+        for (int64_t h = 0; h < heads; ++h) to_pair_order(&s.q[h * nc], nc);
+#endif
       if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t c = 0; c < nc; ++c) s.q[h * nc + c] *= ks[kh0 + h / p.group];
-      attend_kv(p, b, kh0, kh0 + kv_per_item, s);
+      attend_item(p, b, kh0, kh0 + kv_per_item, s);
       if (fp8) {  // ... and V's into the output
         float* o = p.out + (b * H + h0) * D;
         for (int64_t h = 0; h < heads; ++h)
@@ -467,9 +605,55 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// k, v [T, K, D] (rows contiguous, any other strides) into k_cache, v_cache [num_slots, K, D]
+// at slots [T]: index_copy_'s work for both in one call, without its per-call set-up
+// (about 40 us a call at a 64-sequence decode step, for 24 KB of rows).
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k.device().is_cpu(), "store_kv: CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "store_kv: k_cache and v_cache must be contiguous [num_slots, K, D]");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
+                  k.size(2) == k_cache.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv: k and v must be [T, K, D] with contiguous rows, K and D as the cache's");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "store_kv: k, v and the caches must have one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.size(0) == k.size(0),
+              "store_kv: slots must be int64 [T]");
+  const int64_t T = k.size(0), K = k.size(1), row = k.size(2) * k.element_size();
+  const int64_t num_slots = k_cache.size(0), slot_bytes = K * row;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "store_kv: slot ", sl[t], " out of range [0, ",
+                num_slots, ")");
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < K; ++h) {
+      std::memcpy(kc + sl[t] * slot_bytes + h * row, ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
+      std::memcpy(vc + sl[t] * slot_bytes + h * row, vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
+    }
+}
+
 }  // namespace
 
+// Whether bfloat16 decodes take vdpbf16ps: `use` is Python's word that the instruction ran
+// here; returns whether they now do (false where the build had no avx512_bf16).
+bool paged_decode_use_bf16_dot(bool use) {
+  g_use_bf16_dot = use && kHaveBf16Dot;
+  return g_use_bf16_dot;
+}
+
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
+  m.def("paged_decode_use_bf16_dot(bool use) -> bool", &paged_decode_use_bf16_dot);
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()",
+        &store_kv);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int block_size, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> Tensor",

@@ -35,6 +35,16 @@ from servelm.config import ModelConfig
 from servelm.quant.fp8 import FP8_DTYPE, quantize_fp8
 
 
+def _store_ops(cache: torch.Tensor):
+    """torch.ops.servelm_cpu where K/V rows may be written by its store_kv (a CPU cache,
+    kernels built and chosen for attention), else None."""
+    if cache.device.type != "cpu":
+        return None
+    from servelm import cpu_kernels
+
+    return cpu_kernels.ops_for_mode("attention")
+
+
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype KV blocks are stored in: the model's ('auto') or float8_e4m3fn ('fp8')."""
     if kv_cache_dtype == "auto":
@@ -111,8 +121,13 @@ class KVCache:
         k_cache, v_cache = self.layer(layer)
         if not self.is_fp8:
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-            k_cache.index_copy_(0, slots, k)
-            v_cache.index_copy_(0, slots, v)
+            ops = (_store_ops(k_cache) if k_cache.shape == v_cache.shape
+                   and k.stride(2) == 1 and v.stride(2) == 1 else None)
+            if ops is not None:  # both in one C++ call (cpu_kernels/paged_attention.cpp)
+                ops.store_kv(k_cache, v_cache, slots, k, v)
+            else:
+                k_cache.index_copy_(0, slots, k)
+                v_cache.index_copy_(0, slots, v)
             return k, v
         k_scale, v_scale = self.layer_scales(layer)
         kq = quantize_fp8(k, k_scale[:, None])

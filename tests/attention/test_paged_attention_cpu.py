@@ -119,6 +119,34 @@ def test_kernel_matches_reference(kernel, dtype, head_dim, num_heads, num_kv_hea
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2)])
+def test_bf16_dot_products_and_widened_rows_both_match_reference(kernel, head_dim, num_heads,
+                                                                 num_kv_heads):
+    """A bfloat16 q and cache: q . k on vdpbf16ps where the CPU runs it (the default there),
+    and on rows widened to float32 (elsewhere, and for D % 32 != 0)."""
+    from servelm.cpu_kernels import isa
+
+    ops = cpu_kernels.load()
+    usable = isa.usable("avx512_bf16")
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    lens = [1, 16, 33, 300, 47]
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(
+        gen, 5, num_heads, num_kv_heads, head_dim, 16, lens, torch.bfloat16)
+    scale = head_dim ** -0.5
+    ref = _reference(q, k_cache, v_cache, tables, seq_lens, 16, scale)
+    outs = {}
+    try:
+        for use in (False, True):
+            assert ops.paged_decode_use_bf16_dot(use) == (use and usable)
+            outs[use] = kernel(q, k_cache, v_cache, tables, seq_lens, 16, scale)
+            torch.testing.assert_close(outs[use].double(), ref, atol=2e-6, rtol=1e-5)
+    finally:
+        ops.paged_decode_use_bf16_dot(usable)
+    if usable and head_dim % 32 == 0:  # the two paths ran: sums in another order
+        assert not torch.equal(outs[True], outs[False])
+
+
 def test_kernel_block_sizes_and_odd_head_dim(kernel):
     """Block sizes other than 16 and a head dim with no specialised code path."""
     gen = torch.Generator().manual_seed(7)
@@ -174,6 +202,44 @@ def test_kernel_rejects_bad_inputs(kernel):
         gen, 2, 4, 2, 72, 16, [20, 3], torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    store = cpu_kernels.load().store_kv
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = (torch.randn(64, 3, 16, generator=gen).to(dtype) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(5, 9 + 3 + 3, 16, generator=gen).to(dtype)  # k, v: strided views
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([7, 0, 63, 20, 21])
+    store(k_cache, v_cache, slots, k, v)
+    want_k.index_copy_(0, slots, k)
+    want_v.index_copy_(0, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 64 out of range"):
+        store(k_cache, v_cache, torch.tensor([1, 2, 3, 4, 64]), k, v)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        store(k_cache, v_cache, slots, k.double(), v)
+    assert torch.equal(k_cache, want_k)  # a rejected call wrote nothing
+
+
+def test_kv_cache_store_uses_store_kv(monkeypatch):
+    ops = cpu_kernels.load()
+    calls = []
+    from servelm.runner import kv_cache as kv_module
+
+    class Spy:
+        def store_kv(self, *args):
+            calls.append(args[2])
+            ops.store_kv(*args)
+
+    monkeypatch.setattr(kv_module, "_store_ops", lambda cache: Spy())
+    cfg = ModelConfig("llama", 32, 64, 64, 1, 4, 2, 16, 64)
+    cache = KVCache(cfg, 4, 4, torch.float32, torch.device("cpu"))
+    k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    cache.store(0, torch.tensor([3, 9]), k, v)
+    assert len(calls) == 1 and torch.equal(cache.layer(0)[0][9], k[1])
 
 
 def _long(values):
