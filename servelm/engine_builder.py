@@ -83,7 +83,9 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
             can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"), _one_thread():
             if not (quant is None and dtype == torch.float32 and parallel is None
-                    and _pair_with_panels(model)):
+                    and _pair_with_panels(model)) and \
+                    not (quant is None and dtype == torch.bfloat16 and parallel is None
+                         and _pair_with_tiles(model)):
                 pack_linears(model)
     if parallel is not None:
         model = parallel_build.wrap_model(parallel, model)
@@ -124,6 +126,33 @@ def _pair_with_panels(model) -> bool:
     logger.info("float32 linears: steps of up to %d rows on the panel GEMM, oneDNN above "
                 "(%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
                 rows, num, extra >> 20)
+    return True
+
+
+def _pair_with_tiles(model) -> bool:
+    """--cpu-kernels gemm: bfloat16 linears packed for oneDNN and also for servelm's AMX tile
+    GEMM for steps of few rows (servelm/layers/linear.py, pair_with_tiles), where the probe
+    saw AMX-BF16 run here and the second copy of the weights fits in a quarter of the free
+    memory. False: not done (the caller packs for oneDNN alone)."""
+    from servelm.layers.amx_linear import amx_usable
+    from servelm.layers.linear import AMX_ROWS, float_weight_bytes, pair_with_tiles
+
+    chosen = cpu_kernels.mode("gemm")
+    if chosen == "torch" or cpu_kernels.ops_for_mode("gemm", chosen) is None:
+        return False
+    extra = float_weight_bytes(model)
+    if not amx_usable() or extra > available_memory_bytes(torch.device("cpu")) // 4:
+        why = ("AMX-BF16 does not run here" if not amx_usable() else
+               f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
+               f"quarter of the free memory")
+        if chosen == "kernel":
+            raise ValueError(f"cpu_kernels: gemm=kernel: the AMX tile GEMM does not apply: {why}")
+        logger.info("bfloat16 linears on oneDNN alone (--cpu-kernels gemm=%s): %s", chosen, why)
+        return False
+    num = pair_with_tiles(model, AMX_ROWS)
+    logger.info("bfloat16 linears: steps of up to %d rows on AMX tiles (servelm's GEMM), oneDNN "
+                "above (%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
+                AMX_ROWS, num, extra >> 20)
     return True
 
 

@@ -49,7 +49,8 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
            "ops_for_mode"]
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
-            "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp")
+            "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
+            "amx_gemm.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()

@@ -7,8 +7,9 @@ read from text. Parts:
     decode      the whole-model decode stack (servelm/runner/cpu_decode.py)
     layer_ops   fused RMSNorm, rotary, SiLU-and-mul (servelm/layers/fused_cpu.py)
     quant       int4/int8 matmuls on panels (servelm/quant/cpu_panels.py)
-    gemm        float32 linears of steps of few rows on servelm's panel GEMM, oneDNN above
-                (servelm/layers/linear.py, `pair_with_panels`)
+    gemm        float linears of steps of few rows on servelm's own GEMMs, oneDNN above: float32
+                on the panel GEMM, bfloat16 on AMX tiles where they run
+                (servelm/layers/linear.py, `pair_with_panels`, `pair_with_tiles`)
 
 and for each a mode: 'auto' (the kernels where they build, else torch), 'kernel' (the kernels,
 or an error), 'torch' (never). "torch" sets every part; "attention=torch,decode=kernel" sets

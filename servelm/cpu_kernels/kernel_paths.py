@@ -17,9 +17,11 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
                  device: torch.device) -> dict[str, str]:
     """{part: path}: attention kernel|rows|torch, decode stack|eager, layer_ops fused|torch,
     quant panels|aten|triton|... (none: no quantized linears), gemm (the float linears):
-    panels<=ROWS+onednn (paired by layers/linear.py's pair_with_panels) | onednn (packed) |
+    panels<=ROWS+onednn (paired by layers/linear.py's pair_with_panels) | amx<=ROWS+onednn
+    (bfloat16, paired by pair_with_tiles) | onednn (packed) |
     aten | det (deterministic mode, where attention=rows: every token one row of the paged
     kernel) | none."""
+    from servelm.layers.amx_linear import AmxLinear
     from servelm.layers.det_linear import DetLinear
     from servelm.layers.fused_cpu import fused_ops
     from servelm.layers.linear import PackedLinear
@@ -41,8 +43,12 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
              "quant": "+".join(quant) or "none"}
     panels = [m.max_rows for m in model.modules()
               if type(m) is MixedLinear and type(m.small) is DetLinear]
+    tiles = [m.max_rows for m in model.modules()
+             if type(m) is MixedLinear and type(m.small) is AmxLinear]
     if panels:
         paths["gemm"] = f"panels<={min(panels)}+onednn"
+    elif tiles:
+        paths["gemm"] = f"amx<={min(tiles)}+onednn"
     elif any(isinstance(m, DetLinear) for m in model.modules()):
         paths["gemm"] = "det"
     elif any(type(m) is PackedLinear for m in model.modules()):

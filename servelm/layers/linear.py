@@ -102,6 +102,28 @@ def pair_with_panels(model: nn.Module, max_rows: int) -> int:
     return _replace_float_linears(model, pair)
 
 
+# Rows up to which servelm's AMX tile GEMM (cpu_kernels/amx_gemm.cpp) beats oneDNN's packed
+# bfloat16 GEMM on the model's shapes: benchmarks/cpu/amx_linear_micro.py (docs/benchmarks.md)
+# on an AMX Xeon, weights in memory: 0.78-0.83x oneDNN's time at 1-16 rows, 0.85x at 64,
+# 1.05x at 256, 1.9x at 2048.
+AMX_ROWS = 64
+
+
+def pair_with_tiles(model: nn.Module, max_rows: int = AMX_ROWS) -> int:
+    """pack_linears for a bfloat16 model, and each packed layer (a tied head's copy too) also
+    gets the AMX tiles' form (AmxLinear) for steps of at most `max_rows` rows: a
+    MixedLinear(full=the PackedLinear, small=the AmxLinear). Costs a second copy of the
+    weights. Returns how many linears were paired. Both forms sum float32 products of the
+    same bfloat16 values, in different orders, then round once."""
+    from servelm.layers.amx_linear import AmxLinear
+    from servelm.quant.mixed_linear import MixedLinear
+
+    def pair(weight, bias):
+        return MixedLinear(PackedLinear(weight, bias), AmxLinear(weight, bias), max_rows)
+
+    return _replace_float_linears(model, pair)
+
+
 def float_weight_bytes(model: nn.Module) -> int:
     """Bytes of the float linears' weights pack_linears would pack (a tied head counted)."""
     n = sum(m.weight.numel() * m.weight.element_size()

@@ -43,6 +43,7 @@ PART = "decode"  # of CpuKernelChoice
 MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
 _KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED, _KIND_DET = 0, 1, 2, 3, 4
 _KIND_INT4_A8, _KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (quant_gemm_a8.cpp)
+_KIND_AMX = 7  # a bfloat16 AmxLinear (amx_gemm.cpp)
 
 
 class CpuDecodeStack:
@@ -181,6 +182,7 @@ def _form(m: nn.Module, form: str) -> nn.Module:
 
 
 def _linear_kind(m: nn.Module) -> int | None:
+    from servelm.layers.amx_linear import AmxLinear
     from servelm.layers.det_linear import DetLinear
     from servelm.layers.linear import PackedLinear
     from servelm.quant.int4_linear import Int4Linear
@@ -188,6 +190,8 @@ def _linear_kind(m: nn.Module) -> int | None:
 
     if type(m) is PackedLinear:
         return _KIND_PACKED
+    if type(m) is AmxLinear:
+        return _KIND_AMX
     if type(m) is DetLinear:
         return _KIND_DET
     if type(m) is nn.Linear:
@@ -210,6 +214,8 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
         return [m.weight.detach(), none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_DET:
         bias = none if m.bias is None else m.bias
+        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
+    if kind == _KIND_AMX:  # its float32 bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
         bias = none if m.bias is None else m.bias

@@ -36,7 +36,12 @@ def head_rows(model: nn.Module) -> torch.Tensor | None:
     """The output head's weight [V, hidden] where it is kept in a 16-bit dtype, else None."""
     from servelm.layers.linear import PackedLinear
 
+    from servelm.layers.amx_linear import AmxLinear
+    from servelm.quant.mixed_linear import MixedLinear
+
     head = getattr(model, "lm_head", "absent")
+    if type(head) is MixedLinear and type(head.small) is AmxLinear:  # the same rows twice
+        head = head.full
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if ((head is None or type(head) is PackedLinear and tied)  # a packed copy of the embedding
             and type(getattr(model, "embed_tokens", None)) is nn.Embedding):
