@@ -11,12 +11,16 @@ start-up log) and the defaults themselves:
                           wakes them again (slow); beside another busy process, a long spin
                           burns the time slice the awaited thread needs (much slower).
                           So the cores are sampled for about 0.15 s before torch loads: cores
-                          in use by others -> 1000, idle -> 10000. Measured (64 prompts x 128
-                          tokens, default model, 2 threads, Intel Xeon with AMX) output tok/s
-                          at 1000 / 10000 / 50000 / 300000 (libgomp's own default): quiet
-                          719 / 910 / 930 / 941; beside one busy process 468 / 311 / 149 / 82.
-                          10000 keeps 97% of the quiet best and 4x the default's speed when
-                          a busy process appears later.
+                          in use by others -> 1000, idle -> 10000. Measured (record
+                          benchmarks/results/spincount-20261204T200437Z: 64 prompts x 128
+                          tokens, default model, 2 threads, Intel Xeon with AMX), output
+                          tok/s at 1000 / 10000 / 50000 / 300000
+                          (libgomp's own default): quiet 856 / 964 / 956 / 952; beside one
+                          busy process 468 / 298 / 133 / 72. 10000 is the quiet best and keeps
+                          4x the default's speed when a busy process appears later; served
+                          (32 concurrent streams, front end and load generator on the same
+                          cores; spincount-serve-20261204T202706Z) 10000 gave 579-583 output
+                          tok/s against 515-544 for 1000.
 
 Never: runs at import (`import servelm` leaves the environment alone), or overrides a
 variable the user set. libgomp reads its variables when torch loads it, so the `servelm`
