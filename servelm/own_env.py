@@ -87,18 +87,27 @@ def choose_spincount(busy: float | None) -> tuple[str, str]:
     return SPIN_IDLE, f"cores idle at start ({busy:.2f} busy)"
 
 
+CHOICE_VAR = "SERVELM_ENV_CHOICE"  # the choice's log line, for child processes (engine core)
+
+
 def apply_defaults() -> dict[str, str]:
     """Set each default the environment does not have; returns OWN_ENV."""
     if "GOMP_SPINCOUNT" not in os.environ:
         value, why = choose_spincount(busy_cores())
         os.environ["GOMP_SPINCOUNT"] = OWN_ENV["GOMP_SPINCOUNT"] = value
         REASONS["GOMP_SPINCOUNT"] = why
+        os.environ[CHOICE_VAR] = OWN_ENV[CHOICE_VAR] = _line()
     return OWN_ENV
 
 
-def startup_line() -> str | None:
-    """One start-up log line naming what was set and why (None when nothing was)."""
-    if not OWN_ENV:
-        return None
+def _line() -> str:
     return "environment: " + "; ".join(f"{k}={v} ({REASONS.get(k, 'default')})"
-                                       for k, v in OWN_ENV.items())
+                                       for k, v in OWN_ENV.items() if k != CHOICE_VAR)
+
+
+def startup_line() -> str | None:
+    """One start-up log line naming what was set and why (None when nothing was): this
+    process's choice, or the one its parent (`servelm serve` for its engine core) passed on."""
+    if OWN_ENV:
+        return OWN_ENV[CHOICE_VAR]
+    return os.environ.get(CHOICE_VAR)

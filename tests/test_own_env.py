@@ -35,7 +35,7 @@ def _env_after(argv: list[str], **extra) -> str:
     code = ("import os, sys; from servelm import cli, own_env\n"
             "try: cli.main(sys.argv[1:])\nexcept SystemExit: pass\n"
             "print(os.environ.get('GOMP_SPINCOUNT'), own_env.startup_line(), sep='|')")
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", own_env.CHOICE_VAR)}
     env.update(extra)
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                          env=env, check=True)
@@ -51,3 +51,13 @@ def test_engine_commands_set_the_spincount_and_say_why():
 def test_commands_without_an_engine_and_the_users_setting_are_left_alone():
     assert _env_after(["plan", "--help"]) == "None|None"
     assert _env_after(["serve", "--help"], GOMP_SPINCOUNT="77") == "77|None"
+
+
+def test_a_child_process_logs_its_parents_choice():
+    code = ("import os, subprocess, sys; from servelm import own_env; own_env.apply_defaults(); "
+            "print(subprocess.run([sys.executable, '-c', 'from servelm import own_env; "
+            "print(own_env.startup_line())'], capture_output=True, text=True).stdout.strip())")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", own_env.CHOICE_VAR)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.strip()
+    assert out.startswith("environment: GOMP_SPINCOUNT=") and "SERVELM" not in out
