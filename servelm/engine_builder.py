@@ -105,54 +105,57 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
 def _pair_with_panels(model) -> bool:
     """--cpu-kernels gemm: float32 linears packed for oneDNN and also for servelm's panel
     GEMM for steps of few rows (servelm/layers/linear.py, pair_with_panels), where this CPU
-    has a measured row count for it and the second copy of the weights fits in a quarter of
-    the free memory. False: not done (the caller packs for oneDNN alone)."""
-    from servelm.layers.linear import float_weight_bytes, pair_with_panels, panel_rows
+    has a measured row count for it. False: not done (the caller packs for oneDNN alone)."""
+    from servelm.layers.linear import pair_with_panels, panel_rows
 
-    chosen = cpu_kernels.mode("gemm")
-    if chosen == "torch" or cpu_kernels.ops_for_mode("gemm", chosen) is None:
+    if _gemm_mode() is None:
         return False
     rows = panel_rows()
-    extra = float_weight_bytes(model)
-    if rows == 0 or extra > available_memory_bytes(torch.device("cpu")) // 4:
-        why = ("no AVX2 on this CPU" if rows == 0 else
-               f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
-               f"quarter of the free memory")
-        if chosen == "kernel":
-            raise ValueError(f"cpu_kernels: gemm=kernel: the panel GEMM does not apply: {why}")
-        logger.info("float32 linears on oneDNN alone (--cpu-kernels gemm=%s): %s", chosen, why)
-        return False
-    num = pair_with_panels(model, rows)
-    logger.info("float32 linears: steps of up to %d rows on the panel GEMM, oneDNN above "
-                "(%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
-                rows, num, extra >> 20)
-    return True
+    return _pair(model, "float32", "the panel GEMM", rows,
+                 "no AVX2 on this CPU" if rows == 0 else None, pair_with_panels)
 
 
 def _pair_with_tiles(model) -> bool:
     """--cpu-kernels gemm: bfloat16 linears packed for oneDNN and also for servelm's AMX tile
     GEMM for steps of few rows (servelm/layers/linear.py, pair_with_tiles), where the probe
-    saw AMX-BF16 run here and the second copy of the weights fits in a quarter of the free
-    memory. False: not done (the caller packs for oneDNN alone)."""
+    saw AMX-BF16 run here. False: not done (the caller packs for oneDNN alone)."""
     from servelm.layers.amx_linear import amx_usable
-    from servelm.layers.linear import AMX_ROWS, float_weight_bytes, pair_with_tiles
+    from servelm.layers.linear import AMX_ROWS, pair_with_tiles
 
+    if _gemm_mode() is None:
+        return False
+    return _pair(model, "bfloat16", "AMX tiles (servelm's GEMM)", AMX_ROWS,
+                 None if amx_usable() else "AMX-BF16 does not run here", pair_with_tiles)
+
+
+def _gemm_mode() -> str | None:
+    """The gemm part's mode where servelm's GEMMs may run ('auto' / 'kernel'), else None."""
     chosen = cpu_kernels.mode("gemm")
     if chosen == "torch" or cpu_kernels.ops_for_mode("gemm", chosen) is None:
-        return False
+        return None
+    return chosen
+
+
+def _pair(model, dtype: str, form: str, rows: int, why_not: str | None, pair) -> bool:
+    """pair(model, rows) unless `why_not` or the second copy of the weights would take more
+    than a quarter of the free memory: then oneDNN alone, logged (gemm=kernel: an error)."""
+    from servelm.layers.linear import float_weight_bytes
+
+    chosen = _gemm_mode()
     extra = float_weight_bytes(model)
-    if not amx_usable() or extra > available_memory_bytes(torch.device("cpu")) // 4:
-        why = ("AMX-BF16 does not run here" if not amx_usable() else
-               f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
-               f"quarter of the free memory")
+    if why_not is None and extra > available_memory_bytes(torch.device("cpu")) // 4:
+        why_not = (f"a second copy of the weights ({extra >> 20} MiB) would take more than a "
+                   f"quarter of the free memory")
+    if why_not is not None:
         if chosen == "kernel":
-            raise ValueError(f"cpu_kernels: gemm=kernel: the AMX tile GEMM does not apply: {why}")
-        logger.info("bfloat16 linears on oneDNN alone (--cpu-kernels gemm=%s): %s", chosen, why)
+            raise ValueError(f"cpu_kernels: gemm=kernel: {form} cannot be used: {why_not}")
+        logger.info("%s linears on oneDNN alone (--cpu-kernels gemm=%s): %s", dtype, chosen,
+                    why_not)
         return False
-    num = pair_with_tiles(model, AMX_ROWS)
-    logger.info("bfloat16 linears: steps of up to %d rows on AMX tiles (servelm's GEMM), oneDNN "
-                "above (%d linears, +%d MiB of weights; --cpu-kernels gemm=torch: oneDNN only)",
-                AMX_ROWS, num, extra >> 20)
+    num = pair(model, rows)
+    logger.info("%s linears: steps of up to %d rows on %s, oneDNN above (%d linears, +%d MiB "
+                "of weights; --cpu-kernels gemm=torch: oneDNN only)", dtype, rows, form, num,
+                extra >> 20)
     return True
 
 

@@ -185,22 +185,22 @@ inline void load_row(const KV* p, int64_t nc, f32x16* out) {
   }
 }
 
-// natural order <-> pair order, for each 32-dimension pair of chunks (x[c], x[c + 1])
-inline void to_pair_order(f32x16* x, int64_t nc) {
-  const i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+// x's pairs of chunks (x[c], x[c + 1]) -> (shuffle(x[c], x[c + 1], first), (..., second)).
+inline void shuffle_pairs(f32x16* x, int64_t nc, i32x16 first, i32x16 second) {
   for (int64_t c = 0; c + 1 < nc; c += 2) {
     const f32x16 a = x[c], b = x[c + 1];
-    x[c] = __builtin_shuffle(a, b, even);
-    x[c + 1] = __builtin_shuffle(a, b, even + 1);
+    x[c] = __builtin_shuffle(a, b, first);
+    x[c + 1] = __builtin_shuffle(a, b, second);
   }
+}
+// natural order <-> pair order, for each 32-dimension pair of chunks
+inline void to_pair_order(f32x16* x, int64_t nc) {
+  const i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  shuffle_pairs(x, nc, even, even + 1);
 }
 inline void from_pair_order(f32x16* x, int64_t nc) {
   const i32x16 lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-  for (int64_t c = 0; c + 1 < nc; c += 2) {
-    const f32x16 e = x[c], o = x[c + 1];
-    x[c] = __builtin_shuffle(e, o, lo);
-    x[c + 1] = __builtin_shuffle(e, o, lo + 8);
-  }
+  shuffle_pairs(x, nc, lo, lo + 8);
 }
 
 // dots[h][t] for the item's heads h over one tile of n <= 16 rows: lane-wise q * k products,
