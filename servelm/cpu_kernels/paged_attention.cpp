@@ -185,6 +185,22 @@ inline void load_row(const KV* p, int64_t nc, f32x16* out) {
   }
 }
 
+// A tile's max and a head's sum across lanes: AVX-512's shuffle trees, else lane by lane.
+inline float reduce_max16(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  return lane_max(v);
+#endif
+}
+inline float reduce_add16(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  return lane_sum(v);
+#endif
+}
+
 // x's pairs of chunks (x[c], x[c + 1]) -> (shuffle(x[c], x[c + 1], first), (..., second)).
 inline void shuffle_pairs(f32x16* x, int64_t nc, i32x16 first, i32x16 second) {
   for (int64_t c = 0; c + 1 < nc; c += 2) {
@@ -272,7 +288,7 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
     f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
     if (kDot) scores *= s.dot_scale;
     scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
-    const float mx = std::max(max, _mm512_reduce_max_ps((__m512)scores));
+    const float mx = std::max(max, reduce_max16(scores));
     f32x16 acc[kMaxChunks];
     for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
     if (mx > max) {  // rescale what came before to the new max
@@ -322,7 +338,7 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
   }
   float* out = p.out + (b * p.num_heads + kh0 * G) * D;
   for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.0f / _mm512_reduce_add_ps((__m512)s.sums[h]);
+    const float inv = 1.0f / reduce_add16(s.sums[h]);
     f32x16* acc = &s.acc[h * nc];
     if constexpr (kPairOrder<KV>) from_pair_order(acc, nc);
     for (int64_t c = 0; c < nc; ++c)
