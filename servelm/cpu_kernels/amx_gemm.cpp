@@ -130,14 +130,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
   // x as the tiles read it: its own rows where K is whole 32s, the last partial block of 16
   // rows from a zeroed copy (a copy of all of x where K is not).
+  const int64_t MB = (M + 15) / 16;  // row tiles of 16
   at::Tensor xs = x;
-  int64_t lda = x.stride(0);
+  int64_t lda = x.stride(0), full = M / 16;  // full: row tiles read from xs
   if (K % 32 != 0) {
-    xs = at::zeros({(M + 15) / 16 * 16, KB * 32}, x.options());
+    xs = at::zeros({MB * 16, KB * 32}, x.options());
     xs.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-    lda = KB * 32;
+    lda = KB * 32, full = MB;
   }
-  const int64_t full = xs.size(0) >= (M + 15) / 16 * 16 ? (M + 15) / 16 : M / 16;
   at::Tensor tail;
   if (full * 16 < M) {
     tail = at::zeros({16, lda}, x.options());
@@ -148,8 +148,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* xt = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr()) : nullptr;
   const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   c10::BFloat16* py = y.data_ptr<c10::BFloat16>();
-  const int64_t MB = (M + 15) / 16;  // row tiles of 16
-  const int64_t NP = (NB + 1) / 2;   // column pairs (32 columns)
+  const int64_t NP = (NB + 1) / 2;  // column pairs (32 columns)
   auto rows_of = [&](int64_t mb) { return mb < full ? xa + mb * 16 * lda : xt; };
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NP)));
 #pragma omp parallel num_threads(threads)

@@ -16,9 +16,11 @@
 // online per tile (running max and sum in fp32), and a head's accumulator stays in
 // registers while the tile's V rows stream. On a CPU without AVX-512 the same walk runs in
 // 8-lane AVX2 vectors (attend8, below): the 16-lane form does not fit 16 ymm registers.
+// A bfloat16 cache's rows are widened in "pair order" (load_row), and a bfloat16 q takes its
+// q . k from vdpbf16ps where the probe saw it run (tile_dots_bf16).
 // D must be a multiple of 16. Caches hold float32, bfloat16 or float8 e4m3 codes with a scale
 // per KV head (k_scale folded into q, v_scale into the output); q float32 or bfloat16; the
-// output is fp32.
+// output is fp32. store_kv writes a step's new K/V rows into the cache.
 // Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
 //
 // Keep this file small: it is compiled on first use (servelm/cpu_kernels/__init__.py).
@@ -56,13 +58,14 @@ struct Problem {
 };
 
 // Per-thread scratch, in 16-lane vectors: q (scaled), accumulators; per query head of the
-// work item: running max and sum. The 16-lane walk keeps one tile of partial dots; the AVX2
-// walk one tile's K and V rows of a KV head widened to float32, and a row of zeros.
+// work item: running max and sum (the 16-lane walk's sums are vectors). The 16-lane walk
+// keeps one tile of partial dots; the AVX2 walk one tile's K and V rows of a KV head widened
+// to float32, and a row of zeros.
 struct Scratch {
   std::vector<f32x16> q, acc;
-  std::vector<float> max, sum;
+  std::vector<float> max;
 #if defined(SERVELM_VEC16_HALVES)
-  std::vector<float> tile, zeros;
+  std::vector<float> sum, tile, zeros;
   Scratch(int64_t heads, int64_t chunks)
       : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads),
         tile(2 * kTile * 16 * chunks), zeros(16 * chunks) {}
@@ -72,7 +75,7 @@ struct Scratch {
   std::vector<u32x16> qbf;          // bfloat16 dot products: q as stored, 32 elements a vector
   float dot_scale = 1.0f;           // ... and the scale their scores still need
   Scratch(int64_t heads, int64_t chunks)
-      : q(heads * chunks), acc(heads * chunks), max(heads), sum(heads), dots(heads * kTile),
+      : q(heads * chunks), acc(heads * chunks), max(heads), dots(heads * kTile),
         vtile(kTile * chunks), sums(heads), qbf(heads * (chunks + 1) / 2) {}
 #endif
 };
@@ -652,12 +655,11 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
   const int64_t es = k.element_size();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < K; ++h) {
-      std::memcpy(kc + sl[t] * slot_bytes + h * row, ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
-      std::memcpy(vc + sl[t] * slot_bytes + h * row, vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
+      const int64_t dst = sl[t] * slot_bytes + h * row;
+      std::memcpy(kc + dst, ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
+      std::memcpy(vc + dst, vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
     }
 }
-
-}  // namespace
 
 // Whether bfloat16 decodes take vdpbf16ps: `use` is Python's word that the instruction ran
 // here; returns whether they now do (false where the build had no avx512_bf16).
@@ -665,6 +667,8 @@ bool paged_decode_use_bf16_dot(bool use) {
   g_use_bf16_dot = use && kHaveBf16Dot;
   return g_use_bf16_dot;
 }
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("paged_decode_use_bf16_dot(bool use) -> bool", &paged_decode_use_bf16_dot);

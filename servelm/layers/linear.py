@@ -103,9 +103,9 @@ def pair_with_panels(model: nn.Module, max_rows: int) -> int:
 
 
 # Rows up to which servelm's AMX tile GEMM (cpu_kernels/amx_gemm.cpp) beats oneDNN's packed
-# bfloat16 GEMM on the model's shapes: benchmarks/cpu/amx_linear_micro.py (docs/benchmarks.md)
-# on an AMX Xeon, weights in memory: 0.78-0.83x oneDNN's time at 1-16 rows, 0.85x at 64,
-# 1.05x at 256, 1.9x at 2048.
+# bfloat16 GEMM on the model's shapes: benchmarks/cpu/amx_linear_micro.py, record
+# amx-linear-micro-20261204T200424Z (docs/benchmarks.md), an AMX Xeon, weights in memory:
+# 0.79-0.85x oneDNN's time at 1-16 rows, 0.88x at 64, 1.08x at 256, 1.9x at 2048.
 AMX_ROWS = 64
 
 
