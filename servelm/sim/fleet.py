@@ -29,6 +29,7 @@ import copy
 import gc
 import heapq
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -316,13 +317,25 @@ def _simulate(requests: Iterable[SimRequest], num_replicas: int, spec: ReplicaSp
                      sum(r.num_mixed_steps for r in replicas), itl)
 
 
+PROGRESS_EVERY_S = 10.0  # wall seconds between a long run's progress lines (stderr)
+
+
+def _report_progress(num_arrived: int, sent: float, first: float, started: float) -> None:
+    wall = time.perf_counter() - started
+    print(f"[sim] {num_arrived:,} requests arrived, {sent - first:,.1f} simulated s, "
+          f"{wall:,.0f} s wall ({num_arrived / wall:,.0f} arrivals / wall s)",
+          file=sys.stderr, flush=True)
+
+
 def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
                 records: dict[str, RequestRecord], bulk: bool, itl: ITLSummary | None,
-                firsts: _FirstBlocks | None) -> tuple[float, float, int, int]:
+                firsts: _FirstBlocks | None, report: bool = True
+                ) -> tuple[float, float, int, int]:
     """Arrivals and steps in time order until every request is done: arrive(j, request,
     steps, order) routes and admits arrival j (its replica joins `steps`, the heap of each
     stepping replica's next step). Returns (the first arrival's send time, the last
-    finish, steps run, of them in bulk)."""
+    finish, steps run, of them in bulk). report: a progress line on stderr every
+    PROGRESS_EVERY_S of wall time (checked every 4,096 arrivals)."""
     arrivals = iter(requests)
     nxt = next(arrivals, None)
     first = nxt.arrival_s if nxt is not None else 0.0
@@ -331,6 +344,7 @@ def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
     num_steps = num_bulk = num_arrived = 0
     last_end = 0.0
     inf = float("inf")
+    started = last_report = time.perf_counter()
     while nxt is not None or steps:
         t_arrive = nxt.arrival_s + lag if nxt is not None else inf
         if t_arrive <= (steps[0][0] if steps else inf):  # same instant: arrival first
@@ -339,6 +353,10 @@ def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
             arrive(num_arrived, nxt, steps, order)
             num_arrived += 1
             sent, nxt = nxt.arrival_s, next(arrivals, None)
+            if report and not num_arrived & 4095 and (
+                    time.perf_counter() - last_report >= PROGRESS_EVERY_S):
+                last_report = time.perf_counter()
+                _report_progress(num_arrived, sent, first, started)
             if nxt is not None and nxt.arrival_s < sent:
                 raise ValueError(f"request {num_arrived} is sent at {nxt.arrival_s} s, "
                                  f"before the one ahead of it ({sent} s): a stream of "

@@ -246,7 +246,7 @@ def _run_shard(k: int, num_shards: int, board: _Board, requests: Iterable, num_r
             _admit(f"r{j}", req, replicas[at], records, steps, order, lag)
 
     first, last_end, num_steps, num_bulk = _event_loop(requests, arrive, lag, records, bulk,
-                                                       itl, firsts)
+                                                       itl, firsts, report=k == 0)
     for rep in replicas:
         finish_run(rep, records)
     reports = [replace(ReplicaReport.of(rep), index=i * num_shards + k)

@@ -239,3 +239,18 @@ def test_the_itl_summary_of_dropped_chunk_times_is_the_records_one(monkeypatch, 
         assert binned[q] == pytest.approx(exact[q], rel=1e-4)
     assert binned["mean"] == pytest.approx(exact["mean"], rel=1e-12)
     assert binned["max"] == exact["max"]
+
+
+def test_a_long_run_reports_its_progress_on_stderr(monkeypatch, capsys):
+    """Every 4,096 arrivals, once PROGRESS_EVERY_S of wall time has passed (0 here): a
+    line with the arrivals so far and the simulated time they span."""
+    import servelm.sim.fleet as fleet
+    monkeypatch.setattr(fleet, "PROGRESS_EVERY_S", 0.0)
+    rng = random.Random(3)
+    reqs = [SimRequest(i * 0.001, [rng.randrange(100, 1000) for _ in range(20)], 2)
+            for i in range(8192)]
+    simulate(reqs, 2, ReplicaSpec(num_blocks=4096, block_size=16), COST,
+             make_policy("least_loaded"), shards=1)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "requests arrived" in x]
+    assert [x.split(" requests")[0] for x in lines] == ["[sim] 4,096", "[sim] 8,192"]
+    assert "4.1 simulated s" in lines[0] and "8.2 simulated s" in lines[1]
