@@ -329,13 +329,18 @@ def _report_progress(num_arrived: int, sent: float, first: float, started: float
 
 def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
                 records: dict[str, RequestRecord], bulk: bool, itl: ITLSummary | None,
-                firsts: _FirstBlocks | None, report: bool = True
+                firsts: _FirstBlocks | None, report: bool = True, post=None
                 ) -> tuple[float, float, int, int]:
     """Arrivals and steps in time order until every request is done: arrive(j, request,
     steps, order) routes and admits arrival j (its replica joins `steps`, the heap of each
     stepping replica's next step). Returns (the first arrival's send time, the last
     finish, steps run, of them in bulk). report: a progress line on stderr every
-    PROGRESS_EVERY_S of wall time (checked every 4,096 arrivals)."""
+    PROGRESS_EVERY_S of wall time (checked every 4,096 arrivals).
+
+    post (a shard's loop, shards.py): post(j, request) is called before arrive(j, ...)
+    and returns the one replica that arrival j could go to here; the steps of every other
+    replica that start before arrival j + 1 (the ones the loop would run next anyway, with
+    the same bound) run between the two calls, since where j goes cannot change them."""
     arrivals = iter(requests)
     nxt = next(arrivals, None)
     first = nxt.arrival_s if nxt is not None else 0.0
@@ -350,17 +355,33 @@ def _event_loop(requests: Iterable[SimRequest], arrive, lag: float,
         if t_arrive <= (steps[0][0] if steps else inf):  # same instant: arrival first
             if firsts is not None and not firsts.admits(nxt.prompt_token_ids):
                 raise _CacheNeeded
-            arrive(num_arrived, nxt, steps, order)
+            req, sent, nxt = nxt, nxt.arrival_s, next(arrivals, None)
+            if nxt is not None and nxt.arrival_s < sent:
+                raise ValueError(f"request {num_arrived + 1} is sent at {nxt.arrival_s} s, "
+                                 f"before the one ahead of it ({sent} s): a stream of "
+                                 "requests must be in arrival order")
+            if post is not None:
+                only = post(num_arrived, req)
+                horizon = nxt.arrival_s + lag if nxt is not None else inf
+                held = None
+                while steps and steps[0][0] < horizon:
+                    if steps[0][2] is only:
+                        held = heapq.heappop(steps)
+                        continue
+                    n, b, fin = _next_step(steps, order, horizon, records, bulk, itl,
+                                           firsts is not None)
+                    num_steps += n
+                    num_bulk += b
+                    if fin is not None:
+                        last_end = max(last_end, fin)
+                if held is not None:
+                    heapq.heappush(steps, held)
+            arrive(num_arrived, req, steps, order)
             num_arrived += 1
-            sent, nxt = nxt.arrival_s, next(arrivals, None)
             if report and not num_arrived & 4095 and (
                     time.perf_counter() - last_report >= PROGRESS_EVERY_S):
                 last_report = time.perf_counter()
                 _report_progress(num_arrived, sent, first, started)
-            if nxt is not None and nxt.arrival_s < sent:
-                raise ValueError(f"request {num_arrived} is sent at {nxt.arrival_s} s, "
-                                 f"before the one ahead of it ({sent} s): a stream of "
-                                 "requests must be in arrival order")
             continue
         n, b, fin = _next_step(steps, order, t_arrive, records, bulk, itl, firsts is not None)
         num_steps += n

@@ -231,11 +231,21 @@ def _run_shard(k: int, num_shards: int, board: _Board, requests: Iterable, num_r
     others = [o for o in range(num_shards) if o != k]
     inf = float("inf")
 
-    def arrive(j: int, req, steps: list, order) -> None:
-        """Post this shard's least key for arrival j, read the others': the least admits."""
+    posted: list = [None, 0]  # this shard's key for the arrival in hand, and its replica
+
+    def post(j: int, req):
+        """Post this shard's least key for arrival j; its replica is the only one here
+        that j can change."""
         tokens, kv, at = route.least()
-        best = own = (float(tokens), kv, float(at * num_shards + k))
-        board.post(k, j, own)
+        key = (float(tokens), kv, float(at * num_shards + k))
+        posted[0], posted[1] = key, at
+        board.post(k, j, key)
+        return replicas[at]
+
+    def arrive(j: int, req, steps: list, order) -> None:
+        """Read the other shards' keys for arrival j: the least of all admits."""
+        best = own = posted[0]
+        at = posted[1]
         for o in others:
             key = board.read(o, j)
             if key < best:
@@ -246,7 +256,8 @@ def _run_shard(k: int, num_shards: int, board: _Board, requests: Iterable, num_r
             _admit(f"r{j}", req, replicas[at], records, steps, order, lag)
 
     first, last_end, num_steps, num_bulk = _event_loop(requests, arrive, lag, records, bulk,
-                                                       itl, firsts, report=k == 0)
+                                                       itl, firsts, report=k == 0,
+                                                       post=post)
     for rep in replicas:
         finish_run(rep, records)
     reports = [replace(ReplicaReport.of(rep), index=i * num_shards + k)

@@ -176,3 +176,39 @@ def test_the_cli_gives_the_same_result_sharded(tmp_path, capsys):
                  "least_loaded", "--request-rate", "1", "--num-prompts", "2",
                  "--shards", "0"]) == 2
     assert "--shards: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_post", [True, False])
+def test_between_posting_and_settling_an_arrival_a_shard_runs_its_other_replicas_steps(
+        with_post):
+    """_event_loop's `post` (the shards' loop): when arrival j is settled, no replica but
+    the one post named has a step left that starts before arrival j + 1; without `post`,
+    the loop leaves them for after (the check can fail)."""
+    from servelm.sim.fleet import _admit, _event_loop, _make_replica
+    replicas = [_make_replica(i, SPEC, COST) for i in range(3)]
+    records: dict = {}
+    rng = random.Random(5)
+    reqs = [SimRequest(0.02 * i, [rng.randrange(100, 1000) for _ in range(40)], 30)
+            for i in range(60)]
+    lag = 0.0
+    named: list = [None]
+    early: list[int] = []
+
+    def post(j, req):
+        named[0] = replicas[j % 3]
+        return named[0]
+
+    def arrive(j, req, steps, order):
+        horizon = reqs[j + 1].arrival_s + lag if j + 1 < len(reqs) else float("inf")
+        if any(t < horizon for t, _, rep in steps if rep is not named[0]):
+            early.append(j)
+        _admit(f"r{j}", req, replicas[j % 3], records, steps, order, lag)
+
+    if not with_post:
+        def arrive_named(j, req, steps, order):
+            named[0] = replicas[j % 3]
+            arrive(j, req, steps, order)
+    _event_loop(reqs, arrive if with_post else arrive_named, lag, records, True, None, None,
+                report=False, post=post if with_post else None)
+    assert len(records) == 60 and all(r.end_time is not None for r in records.values())
+    assert (early == []) if with_post else len(early) > 10
