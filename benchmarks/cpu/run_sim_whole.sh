@@ -37,8 +37,8 @@ print(f"{r['num_requests']:,} requests on {s['num_replicas']} replicas in {s['nu
       f"{'met' if s['wall_s'] <= 1800 else 'not met'}")
 print(f"TTFT p50 / p99 {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms, TPOT p50 / p99 "
       f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f} ms, goodput {r['goodput']:.1%}; "
-      f"peak memory {s['max_rss_mb'] / 1024:.2f} GiB (shards: "
-      f"{', '.join(f'{m / 1024:.2f}' for m in s.get('shard_max_rss_mb', []))} GiB); "
+      f"peak memory {s['max_rss_mb'] / 1024:.2f} GiB (the parent's and the shards' peaks "
+      f"summed); "
       f"machine {r['machine']['cpu']}, commit {r['commit'][:7]}")
 PYEOF
 echo "[sim-whole] wrote $OUT" >&2
