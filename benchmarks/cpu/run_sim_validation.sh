@@ -260,6 +260,7 @@ done
 # nearer the knee), TPOT mostly of the decode-only ones. The admission lag to compare with
 # arrival_s is the idle loop's: a busy loop's also holds the wait for the step in progress.
 "$PY" - "$OUT" "$RUNS_DIR" <<'EOF' | tee "$OUT/step-error.md"
+import json
 import sys
 from pathlib import Path
 import numpy as np
@@ -292,6 +293,45 @@ for path in sorted(runs.glob("measure-steps-*.jsonl")):
         print(f"| {name} | {row['n']} | {1e3 * row['measured_mean_s']:.1f} "
               f"| {row['error_p50']:+.1%} | {row['mean_abs_error']:.1%} "
               f"| {row['total_ratio']:.3f} | {own} |")
+    print()
+# Each measured run's own step speed against the model: one server serves the sweep and the
+# three runs minutes apart, and near the knee a few per cent of step speed from one run to
+# the next move the TTFT tail by tens of per cent (docs/benchmarks.md, the simulator's record).
+from datetime import datetime
+windows = []
+for name in ("sweep", "light", "knee", "overload"):
+    f = runs / f"serve-{name}.json"
+    if not f.is_file():
+        continue
+    rec = json.loads(f.read_text())
+    for run in rec.get("runs") or [rec]:
+        t0 = datetime.fromisoformat(run["started_at"]).timestamp()
+        rate = f"{run['load']['request_rate']:g} req/s"
+        windows.append((f"{name} {rate}", t0, t0 + run["elapsed_s"]))
+steps = []
+for path in sorted(runs.glob("measure-steps-*.jsonl")):
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "shape" in row:
+            steps.append(row)
+
+
+def ratio(rows):
+    y = sum(r["s"] for r in rows)
+    return f"{sum(model.predict(tuple(r['shape'])) for r in rows) / y:.3f}" if y else "-"
+
+
+if windows and steps:
+    print("Each measured run's steps against the model (total predicted / measured):\n")
+    print("| run | steps | decode-only: mean batch | all steps | decode-only "
+          "| with a prefill chunk |")
+    print("|---|---|---|---|---|---|")
+    for label, t0, t1 in windows:
+        sel = [r for r in steps if t0 <= r["t"] <= t1]
+        dec = [r for r in sel if r["shape"][3] == 0]
+        pre = [r for r in sel if r["shape"][3] > 0]
+        batch = f"{np.mean([r['shape'][0] for r in dec]):.1f}" if dec else "-"
+        print(f"| {label} | {len(sel)} | {batch} | {ratio(sel)} | {ratio(dec)} | {ratio(pre)} |")
     print()
 EOF
 for variant in "" "scaled-"; do
