@@ -23,10 +23,10 @@ The free list is a stack: a freed block is the next one handed out, and a block 
 has held yet is taken only when every freed one is in use. So the ids in use never spread
 past the most blocks ever held at once, however requests come and go. A first-in-first-out
 list walks the whole pool and, once requests finish in another order than they started,
-scatters each sequence over all of it: the KV reads then cross many more pages (a CPU
-server's decode ran 5-12% slower on a pool scrambled block by block than on a fresh one;
-docs/sim.md, "The measuring server's steps"). Which ids are taken changes nothing else: the
-scheduler counts blocks. (A heap, lowest id first, packs as well but cost the fleet
+scatters each sequence over all of it: the KV reads then cross many more pages (the default
+model's CPU decode: 4% slower on such a list aged by served traffic than on a fresh pool, 7%
+on a pool scrambled block by block, 2% on this stack aged alike; docs/sim.md, "The measuring
+server's steps"). Which ids are taken changes nothing else: the scheduler counts blocks. (A heap, lowest id first, packs as well but cost the fleet
 simulator 11-16% of its speed; the stack costs what the queue did.)
 
 Sliding window (every layer attends only its last W keys, `sliding_window` W): a block
