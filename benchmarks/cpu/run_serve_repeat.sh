@@ -7,8 +7,10 @@
 # than the runs are to each other.
 #
 #   RATE=4.5 RUNS=6 bash benchmarks/cpu/run_serve_repeat.sh       # ~5 min; run it ALONE
+#   RESTART=1 ...     # a new server for each run: a drift that restarts undo is the server's
 #
-# Writes OUT/serve-N.json (bench serve's record), OUT/steps.jsonl (the server's step trace),
+# Writes OUT/serve-N.json (bench serve's record), OUT/steps.jsonl (the server's step trace;
+# with RESTART=1 one per run, steps-N.jsonl),
 # OUT/runs.png (each run's percentiles), OUT/summary.md (per run: goodput, TTFT and TPOT p50/p90/p99, the server's memory after it,
 # and, with COST_MODEL=<a cost-model.json>, the run's decode-only steps against that model).
 set -euo pipefail
@@ -19,29 +21,41 @@ RATE=${RATE:-4.5}
 RUNS=${RUNS:-6}
 NUM_PROMPTS=${NUM_PROMPTS:-128}
 OUT=${OUT:-benchmarks/results/serve-repeat-$(date -u +%Y%m%dT%H%M%SZ)}
+RESTART=${RESTART:-0}
 mkdir -p "$OUT"
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL="http://127.0.0.1:$PORT"
-setsid "$PY" -m servelm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --threads 2 \
-  --max-num-seqs 64 --no-prefix-cache --no-log-requests --step-trace "$OUT/steps.jsonl" \
-  > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill -TERM -- -$SERVER 2>/dev/null || true' EXIT
-until curl -sf -o /dev/null "$URL/v1/models"; do
-  kill -0 "$SERVER" 2>/dev/null || { tail -20 "$OUT/server.log" >&2; exit 1; }
-  sleep 1
-done
+SERVER=""
+start_server() {  # NAME: the step trace's and the log's
+  setsid "$PY" -m servelm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --threads 2 \
+    --max-num-seqs 64 --no-prefix-cache --no-log-requests --step-trace "$OUT/$1.jsonl" \
+    > "$OUT/server-$1.log" 2>&1 &
+  SERVER=$!
+  until curl -sf -o /dev/null "$URL/v1/models"; do
+    kill -0 "$SERVER" 2>/dev/null || { tail -20 "$OUT/server-$1.log" >&2; exit 1; }
+    sleep 1
+  done
+}
+stop_server() {
+  [ -n "$SERVER" ] || return 0
+  kill -TERM -- -"$SERVER" 2>/dev/null || true
+  while pgrep -g "$SERVER" > /dev/null; do sleep 0.5; done
+  SERVER=""
+}
+trap stop_server EXIT
+[ "$RESTART" = 1 ] || start_server steps
 : > "$OUT/rss.txt"
 for i in $(seq "$RUNS"); do
+  [ "$RESTART" = 1 ] && start_server "steps-$i"
   "$PY" -m servelm.cli bench serve --base-url "$URL" --model "$MODEL" --label servelm \
     --prompt-format ids --input-len 130:500 --output-len 64:128 --slo-ttft-ms 2000 \
     --slo-tpot-ms 200 --goodput-target 0.9 --no-progress --out "$OUT/serve-$i.json" \
     --seed 0 --request-rate "$RATE" --num-prompts "$NUM_PROMPTS" --warmup 2 > /dev/null
   echo "$i $(ps -o rss= -g "$SERVER" | awk '{s += $1} END {print s / 1024}')" >> "$OUT/rss.txt"
   echo "[repeat] run $i of $RUNS done" >&2
+  [ "$RESTART" = 1 ] && stop_server
 done
-kill -TERM -- -"$SERVER"
-wait "$SERVER" 2>/dev/null || true
+stop_server
 "$PY" - "$OUT" "${COST_MODEL:-}" <<'EOF' | tee "$OUT/summary.md"
 import json, statistics, sys
 from datetime import datetime
@@ -51,8 +65,8 @@ model = None
 if model_path:
     from servelm.sim.cost_model import StepCostModel, StepShape
     model = StepCostModel.load(model_path)
-steps = [r for r in map(json.loads, (out / "steps.jsonl").read_text().splitlines())
-         if "shape" in r]
+steps = [r for f in sorted(out.glob("steps*.jsonl"))
+         for r in map(json.loads, f.read_text().splitlines()) if "shape" in r]
 rss = dict(line.split() for line in (out / "rss.txt").read_text().splitlines())
 rows = sorted(out.glob("serve-*.json"), key=lambda p: int(p.stem.split("-")[1]))
 print("| run | goodput | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) "
