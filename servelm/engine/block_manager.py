@@ -26,8 +26,9 @@ list walks the whole pool and, once requests finish in another order than they s
 scatters each sequence over all of it: the KV reads then cross many more pages (the default
 model's CPU decode: 4% slower on such a list aged by served traffic than on a fresh pool, 7%
 on a pool scrambled block by block, 2% on this stack aged alike; docs/sim.md, "The measuring
-server's steps"). Which ids are taken changes nothing else: the scheduler counts blocks. (A heap, lowest id first, packs as well but cost the fleet
-simulator 11-16% of its speed; the stack costs what the queue did.)
+server's steps"). Which ids are taken changes nothing else: the scheduler counts blocks.
+(A heap, lowest id first, packs as well but cost the fleet simulator 11-16% of its speed;
+the stack costs what the queue did.)
 
 Sliding window (every layer attends only its last W keys, `sliding_window` W): a block
 wholly below the window of a sequence's next query is never read again, so it goes back to

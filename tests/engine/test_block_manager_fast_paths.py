@@ -105,7 +105,6 @@ def test_a_double_free_is_still_an_error():
         bm.free(b)
 
 
-
 def test_the_blocks_in_use_never_spread_past_the_most_ever_held():
     """Whatever order requests finish in, a freed block is reused before a block nobody has
     held: after many sequences of random lengths have come and gone, every id ever taken lies
