@@ -4,6 +4,10 @@ Decodes (one query token each) are batched: their context slots are gathered int
 [B, C, K, D] tensor and masked; GQA needs no repeat, as the G query heads sharing a KV head
 ride in the query-length dimension. Prefill chunks run one sequence at a time: a chunk with no
 earlier context attends its own K/V causally; a later chunk gathers its context from the cache.
+On a CPU with avx512_bf16 and a bfloat16 cache, every prefill of a step instead goes to one
+call of the C++ prefill kernel (cpu_kernels/prefill_attention.cpp), which reads each chunk's
+context and its own K/V where they lie in the cache (3-5x torch's flash kernel per sequence
+at 40-256 tokens); variant layers (window, softcap) keep the per-sequence path.
 
 An fp8 cache (KVCache.is_fp8) holds e4m3 codes with a scale per KV head. Attention reads the
 codes as they are and folds the scales into q (K's) and into the output (V's): a scale per
@@ -30,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.attention.paged_attention_cpu import decode_kernel_for, mla_decode_kernel_for
+from servelm.attention.paged_attention_cpu import (decode_kernel_for, mla_decode_kernel_for,
+                                                  prefill_kernel_for)
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
 
@@ -46,6 +51,11 @@ class TorchAttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int64
     # Sliding-window masks, built on first use per window size: window -> (decode, prefills)
     window_masks: dict = field(default_factory=dict)
+    # With the C++ prefill kernel: every prefill of the step in one call (their tables,
+    # query rows from 0 and cached positions before each chunk)
+    prefill_tables: torch.Tensor | None = None  # [Bp, max_blocks]
+    prefill_query_start: torch.Tensor | None = None  # [Bp + 1] int64
+    prefill_context_lens: torch.Tensor | None = None  # [Bp] int64
     # Deterministic mode: one kernel row per query token (its table, positions + 1)
     row_tables: torch.Tensor | None = None  # [T, max_blocks]
     row_seq_lens: torch.Tensor | None = None  # [T] int64
@@ -74,6 +84,10 @@ class TorchAttentionBackend:
         self.split_prefill = (_FLASH_CPU is not None and kv_cache.k.device.type == "cpu"
                               and not kv_cache.is_mla)
         self.split_prefill_calls = 0  # chunks that took it (tests check it ran)
+        # CPU, bfloat16 cache, avx512_bf16: prompt chunks read the paged blocks in place (C++)
+        self.prefill_kernel = (None if kv_cache.is_mla
+                               else prefill_kernel_for(kv_cache.k, decode_kernel_mode))
+        self.prefill_kernel_calls = 0  # layers whose prefills took it (tests check it ran)
 
     def set_deterministic(self) -> None:
         """Every token through the per-row kernel from now on (see the module doc)."""
@@ -115,8 +129,16 @@ class TorchAttentionBackend:
                 continue
             q_pos = torch.arange(ctx, total, device=device)
             prefill_masks.append(pos[None, :] <= q_pos[:, None])
-        return TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks,
+        meta = TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks,
                                       decode_tables, decode_seq_lens)
+        if self.prefill_kernel is not None and batch.num_seqs > nd:
+            # (the per-sequence slots above stay for variant layers, which the kernel skips)
+            qsl = batch.query_start_loc
+            meta.prefill_tables = batch.block_tables[nd:batch.num_seqs]
+            meta.prefill_query_start = torch.tensor([x - qsl[nd] for x in qsl[nd:]],
+                                                    dtype=torch.long)
+            meta.prefill_context_lens = torch.tensor(batch.context_lens[nd:], dtype=torch.long)
+        return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -137,6 +159,12 @@ class TorchAttentionBackend:
         if nd:
             outs.append(self._decode(q[:nd], k_cache, v_cache, meta, *scales))
         qsl = batch.query_start_loc
+        if meta.prefill_query_start is not None and q.dtype == torch.bfloat16:
+            self.prefill_kernel_calls += 1
+            outs.append(self.prefill_kernel(
+                q[qsl[nd]:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_start,
+                meta.prefill_context_lens, self.kv_cache.block_size, self.scale).to(q.dtype))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         for j, i in enumerate(range(nd, batch.num_seqs)):
             s, e = qsl[i], qsl[i + 1]
             slots = meta.prefill_slots[j]

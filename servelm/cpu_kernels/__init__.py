@@ -1,6 +1,8 @@
 """servelm's C++ CPU kernels: one op library, `torch.ops.servelm_cpu`, built on first use.
 
     paged_attention.cpp   paged_decode: decode attention reading the paged K/V blocks in place
+    prefill_attention.cpp paged_prefill: prompt chunks' attention over the same blocks
+                          (bfloat16, avx512_bf16), every prefilling sequence of a step at once
     mla_attention.cpp     paged_decode_mla: the same for multi-head latent attention (one
                           [latent | rope key] entry per token, shared by every head)
     layer_ops.cpp         rms_norm, add_rms_norm, rotary_, silu_and_mul: fused float32 layer ops
@@ -50,7 +52,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
-            "amx_gemm.cpp")
+            "amx_gemm.cpp", "prefill_attention.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
@@ -116,6 +118,7 @@ def load():
             from servelm.cpu_kernels import isa
 
             ops.paged_decode_use_bf16_dot(isa.usable("avx512_bf16"))
+            ops.paged_prefill_use(isa.usable("avx512_bf16"))  # the same instruction
             _loaded = ops
         except Exception as exc:
             _error = exc
