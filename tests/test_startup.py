@@ -50,6 +50,22 @@ def test_kv_pool_is_zero_writable_and_lazily_backed():
     assert fp8.float().abs().sum() == 0
 
 
+def test_kv_pool_is_a_private_map():
+    """Private anonymous memory, not shared (/dev/zero): cheaper to fault in as blocks fill."""
+    from servelm.runner.kv_cache import _zeros
+
+    pool = _zeros((4 << 20,), torch.uint8, "cpu")
+    addr = pool.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            assert perms == "rw-p", line
+            break
+    else:
+        raise AssertionError("the pool's mapping is not in /proc/self/maps")
+
+
 def test_kernels_stage_says_whether_it_compiled(tmp_path, monkeypatch):
     from servelm import cpu_kernels
 
