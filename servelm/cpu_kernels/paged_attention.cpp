@@ -44,6 +44,12 @@ namespace {
 
 using namespace servelm_cpu;
 constexpr int kTile = 16;
+// The next tile's rows are prefetched one at a time, spread over this tile's work: one every
+// kDotsPerFetch rows of q . k (8 of the 16) and one every kValuesPerFetch (head, row) steps
+// of the weighted sum of V (the rest, at G = 3). Spread over the q . k loop alone the 16
+// came in bursts the miss queue could not take (record paged-decode-micro-20261206T033500Z).
+constexpr int kDotsPerFetch = 2;
+constexpr int kValuesPerFetch = 6;
 constexpr int kMaxChunks = 16;  // D <= 256
 
 struct Problem {
@@ -140,7 +146,7 @@ struct Walk {
   // Prefetch the next tile's rows `k` at a time, called through this tile's work: all of
   // them at once, at the tile's start, kept the core waiting on a full miss queue (record
   // paged-decode-micro-20261206T024203Z, Zen 5: from memory bfloat16 21.3 -> 15.0 ms a pass,
-  // float32 27.5 -> 21.5; in cache the same).
+  // float32 27.5 -> 21.5; in cache the same). Where: kDotsPerFetch, kValuesPerFetch.
   inline void prefetch(int k) {
     for (; k > 0 && fetched < n_next; --k, ++fetched)
       for (int64_t c = 0; c < row_bytes; c += 64) {
@@ -239,7 +245,7 @@ void tile_dots(const Problem& p, Walk<KV>& w, int n, int64_t num_kv, Scratch& s)
   const KV* kbase = w.kbase;
   const int64_t* rows = w.rows;
   for (int t = 0; t < kTile; ++t) {
-    w.prefetch(1);
+    if (t % kDotsPerFetch == 0) w.prefetch(1);
     if (t >= n) {
       for (int64_t h = 0; h < num_kv * G; ++h) s.dots[h * kTile + t] = splat(0.0f);
       continue;
@@ -267,7 +273,7 @@ void tile_dots_bf16(const Problem& p, Walk<bf16>& w, int n, int64_t num_kv, Scra
   const bf16* kbase = w.kbase;
   const int64_t* rows = w.rows;
   for (int t = 0; t < kTile; ++t) {
-    w.prefetch(1);
+    if (t % kDotsPerFetch == 0) w.prefetch(1);
     if (t >= n) {
       for (int64_t h = 0; h < num_kv * G; ++h) s.dots[h * kTile + t] = splat(0.0f);
       continue;
@@ -292,7 +298,7 @@ void tile_dots_bf16(const Problem& p, Walk<bf16>& w, int n, int64_t num_kv, Scra
 // A bfloat16 or fp8 tile's V rows are widened into scratch once, for all G heads.
 template <int kChunks, typename KV, bool kDot>
 void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, int64_t h,
-                 Scratch& s) {
+                 Scratch& s, Walk<KV>& walk) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group;
   if constexpr (!std::is_same_v<KV, float>)
     for (int t = 0; t < n; ++t) load_row(vbase + rows[t], nc, &s.vtile[t * nc]);
@@ -317,6 +323,7 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
     e = keep_first(e, n, 0.0f);
     sum += e;
     for (int t = 0; t < n; ++t) {
+      if ((g * kTile + t) % kValuesPerFetch == 0) walk.prefetch(1);
       const float w = e[t];
       if constexpr (std::is_same_v<KV, float>) {
         const float* vr = vbase + rows[t];
@@ -350,7 +357,7 @@ void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
 #endif
       tile_dots<kChunks, KV>(p, w, n, kh1 - kh0, s);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
-      attend_tile<kChunks, KV, kDot>(p, w.vbase + kh * D, w.rows, n, kh * G, s);
+      attend_tile<kChunks, KV, kDot>(p, w.vbase + kh * D, w.rows, n, kh * G, s, w);
   }
   float* out = p.out + (b * p.num_heads + kh0 * G) * D;
   for (int64_t h = 0; h < heads; ++h) {
