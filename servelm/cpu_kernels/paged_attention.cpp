@@ -295,6 +295,29 @@ void tile_dots_bf16(const Problem& p, Walk<bf16>& w, int n, int64_t num_kv, Scra
 }
 #endif
 
+// Query head `head`'s softmax weights over one tile of n rows, from its partial dots; its
+// running max and sum move on, and acc (its nc accumulators) is rescaled to a new max.
+// The running sum stays a vector (summed across lanes once, at the end) and the tile's max is
+// a shuffle tree: both were 16-step dependent scalar chains a head and a tile.
+template <bool kDot>
+inline f32x16 tile_weights(int n, int64_t head, f32x16* acc, int64_t nc, Scratch& s) {
+  float& max = s.max[head];
+  f32x16& sum = s.sums[head];
+  f32x16 scores = sum_lanes_16(&s.dots[head * kTile]);
+  if (kDot) scores *= s.dot_scale;
+  scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
+  const float mx = std::max(max, reduce_max16(scores));
+  if (mx > max) {  // rescale what came before to the new max
+    const float alpha = exp16(splat(max - mx))[0];
+    for (int64_t c = 0; c < nc; ++c) acc[c] *= alpha;
+    sum *= alpha;
+    max = mx;
+  }
+  const f32x16 e = keep_first(exp16(scores - mx), n, 0.0f);
+  sum += e;
+  return e;
+}
+
 // Softmax and values of one tile for the G query heads of one KV head: vbase points at that
 // head's part of slot 0; h is the item's index of the group's first head.
 // A bfloat16 or fp8 tile's V rows are widened into scratch once, for all G heads.
@@ -305,25 +328,9 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
   if constexpr (!std::is_same_v<KV, float>)
     for (int t = 0; t < n; ++t) load_row(vbase + rows[t], nc, &s.vtile[t * nc]);
   for (int64_t g = 0; g < G; ++g) {
-    // The running sum stays a vector (summed across lanes once, at the end) and the tile's
-    // max is a shuffle tree: both were 16-step dependent scalar chains a head and a tile.
-    float& max = s.max[h + g];
-    f32x16& sum = s.sums[h + g];
-    f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
-    if (kDot) scores *= s.dot_scale;
-    scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
-    const float mx = std::max(max, reduce_max16(scores));
     f32x16 acc[kMaxChunks];
     for (int64_t c = 0; c < nc; ++c) acc[c] = s.acc[(h + g) * nc + c];
-    if (mx > max) {  // rescale what came before to the new max
-      const float alpha = exp16(splat(max - mx))[0];
-      for (int64_t c = 0; c < nc; ++c) acc[c] *= alpha;
-      sum *= alpha;
-      max = mx;
-    }
-    f32x16 e = exp16(scores - mx);
-    e = keep_first(e, n, 0.0f);
-    sum += e;
+    const f32x16 e = tile_weights<kDot>(n, h + g, acc, nc, s);
     for (int t = 0; t < n; ++t) {
       if ((g * kTile + t) % kValuesPerFetch == 0) walk.prefetch(1);
       const float w = e[t];
@@ -345,28 +352,14 @@ void attend_tile(const Problem& p, const KV* vbase, const int64_t* rows, int n, 
 // the rows into scratch and reads them back once a head: 23% more instructions at G = 3,
 // D = 64). Each head's sums are added in attend_tile's order: the same bits.
 template <int kChunks, typename KV, bool kDot, int kG>
-void attend_tile_group(const Problem& p, const KV* vbase, const int64_t* rows, int n,
-                       int64_t h, Scratch& s, Walk<KV>& walk) {
+void attend_tile_group(const KV* vbase, const int64_t* rows, int n, int64_t h, Scratch& s,
+                       Walk<KV>& walk) {
   static_assert(kChunks > 0 && kG * kChunks <= 16, "accumulators must fit the registers");
   alignas(64) float weights[kG][kTile];
   f32x16 acc[kG][kChunks];
   for (int g = 0; g < kG; ++g) {
-    float& max = s.max[h + g];
-    f32x16& sum = s.sums[h + g];
-    f32x16 scores = sum_lanes_16(&s.dots[(h + g) * kTile]);
-    if (kDot) scores *= s.dot_scale;
-    scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
-    const float mx = std::max(max, reduce_max16(scores));
     for (int c = 0; c < kChunks; ++c) acc[g][c] = s.acc[(h + g) * kChunks + c];
-    if (mx > max) {  // rescale what came before to the new max
-      const float alpha = exp16(splat(max - mx))[0];
-      for (int c = 0; c < kChunks; ++c) acc[g][c] *= alpha;
-      sum *= alpha;
-      max = mx;
-    }
-    const f32x16 e = keep_first(exp16(scores - mx), n, 0.0f);
-    sum += e;
-    *reinterpret_cast<f32x16*>(weights[g]) = e;
+    *reinterpret_cast<f32x16*>(weights[g]) = tile_weights<kDot>(n, h + g, acc[g], kChunks, s);
   }
   for (int t = 0; t < n; ++t) {
     if (t % kRowsPerFetch == 0) walk.prefetch(1);
@@ -387,16 +380,16 @@ void attend_group(const Problem& p, const KV* vbase, const int64_t* rows, int n,
                   Scratch& s, Walk<KV>& walk) {
   if constexpr (kChunks == 4) {
     switch (p.group) {
-      case 1: return attend_tile_group<4, KV, kDot, 1>(p, vbase, rows, n, h, s, walk);
-      case 2: return attend_tile_group<4, KV, kDot, 2>(p, vbase, rows, n, h, s, walk);
-      case 3: return attend_tile_group<4, KV, kDot, 3>(p, vbase, rows, n, h, s, walk);
-      case 4: return attend_tile_group<4, KV, kDot, 4>(p, vbase, rows, n, h, s, walk);
+      case 1: return attend_tile_group<4, KV, kDot, 1>(vbase, rows, n, h, s, walk);
+      case 2: return attend_tile_group<4, KV, kDot, 2>(vbase, rows, n, h, s, walk);
+      case 3: return attend_tile_group<4, KV, kDot, 3>(vbase, rows, n, h, s, walk);
+      case 4: return attend_tile_group<4, KV, kDot, 4>(vbase, rows, n, h, s, walk);
       default: break;
     }
   } else if constexpr (kChunks == 8) {
     switch (p.group) {
-      case 1: return attend_tile_group<8, KV, kDot, 1>(p, vbase, rows, n, h, s, walk);
-      case 2: return attend_tile_group<8, KV, kDot, 2>(p, vbase, rows, n, h, s, walk);
+      case 1: return attend_tile_group<8, KV, kDot, 1>(vbase, rows, n, h, s, walk);
+      case 2: return attend_tile_group<8, KV, kDot, 2>(vbase, rows, n, h, s, walk);
       default: break;
     }
   }

@@ -41,12 +41,13 @@ namespace {
 using namespace servelm_cpu;
 
 bool g_prefill_enabled = false;
+constexpr int64_t kMaxHeadDim = 256;  // the item's scratch (attend_item) holds D <= this
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kBuilt = true;
 constexpr int kLanes = 16;  // query vectors per item
 constexpr int kTile = 16;   // keys per tile
-constexpr int kMaxD = 256;
+constexpr int kMaxD = int(kMaxHeadDim);
 
 struct Prefill {
   const bf16 *q, *k, *v;
@@ -184,7 +185,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), K = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && H % K == 0,
               "paged_prefill: head_dim differs or H is not a multiple of K");
-  TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill: head_dim must be a multiple of 32, at most 256");
+  TORCH_CHECK(D % 32 == 0 && D <= kMaxHeadDim,
+              "paged_prefill: head_dim must be a multiple of 32, at most ", kMaxHeadDim);
   TORCH_CHECK(query_start.scalar_type() == at::kLong && query_start.dim() == 1 &&
                   query_start.is_contiguous() && context_lens.scalar_type() == at::kLong &&
                   context_lens.is_contiguous() && query_start.numel() == context_lens.numel() + 1,

@@ -18,6 +18,7 @@ from servelm.llm import LLM
 from servelm.protocol import SamplingParams
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
+from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="module")
@@ -242,28 +243,12 @@ def test_kv_cache_store_uses_store_kv(monkeypatch):
     assert len(calls) == 1 and torch.equal(cache.layer(0)[0][9], k[1])
 
 
-def _long(values):
-    return torch.tensor(values, dtype=torch.long)
-
-
 def _mixed_batch(block_size: int) -> ForwardBatch:
     """3 decodes (contexts 6, 9 and 40: past a block edge), a fresh 5-token prompt, 4 new
     tokens after a 7-token prefix. Blocks are handed out in a scrambled order."""
     spans = [(5, 1), (8, 1), (39, 1), (0, 5), (7, 4)]  # (context, new tokens)
-    free = iter(torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist())
-    tables, slots, positions, qsl = [], [], [], [0]
-    for ctx, n in spans:
-        table = [next(free) for _ in range(-(-(ctx + n) // block_size))]
-        tables.append(table)
-        positions += range(ctx, ctx + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
-        qsl.append(qsl[-1] + n)
-    width = max(map(len, tables))
-    return ForwardBatch(
-        input_ids=_long([0] * qsl[-1]), positions=_long(positions), slot_mapping=_long(slots),
-        block_tables=_long([r + [0] * (width - len(r)) for r in tables]), query_start_loc=qsl,
-        context_lens=[c for c, _ in spans], seq_lens=[c + n for c, n in spans], num_decodes=3,
-        block_size=block_size, logits_indices=_long([0]))
+    free = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
+    return batch_from_spans(spans, block_size, free, num_decodes=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -18,6 +18,7 @@ from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
+from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 
 def _ops():
@@ -142,27 +143,10 @@ def test_kernel_rejects_bad_inputs():
         ops.paged_prefill(q.float(), k_cache, v_cache, tables, qs, ctx, 16, 0.125)
 
 
-def _long(x):
-    return torch.tensor(x, dtype=torch.long)
-
-
 def _mixed_batch(block_size: int) -> ForwardBatch:
     """Two decodes, a fresh 37-token prompt, a 9-token chunk after 20 cached positions."""
     spans = [(10, 1), (33, 1), (0, 37), (20, 9)]
-    free = iter(range(3, 200))
-    tables, positions, slots, qsl = [], [], [], [0]
-    for ctx, n in spans:
-        table = [next(free) for _ in range(-(-(ctx + n) // block_size))]
-        tables.append(table)
-        positions += range(ctx, ctx + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
-        qsl.append(qsl[-1] + n)
-    width = max(map(len, tables))
-    return ForwardBatch(
-        input_ids=_long([0] * qsl[-1]), positions=_long(positions), slot_mapping=_long(slots),
-        block_tables=_long([r + [0] * (width - len(r)) for r in tables]), query_start_loc=qsl,
-        context_lens=[c for c, _ in spans], seq_lens=[c + n for c, n in spans], num_decodes=2,
-        block_size=block_size, logits_indices=_long([0]))
+    return batch_from_spans(spans, block_size, range(3, 200), num_decodes=2)
 
 
 @needs_kernel
@@ -202,7 +186,7 @@ def test_backend_step_matches_torch_path():
 def test_bf16_engine_scores_prompts_through_the_kernel(tiny_hf, tiny_engine):
     """A bfloat16 tiny model (head dim 64) scores the same logits on either path, and its
     prefills took the kernel."""
-    from tests.tiny_models import prefill_logits
+    from tiny_models import prefill_logits
 
     hf = tiny_hf("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     prompt = [int(x) for x in torch.randint(0, 384, (45,), generator=torch.Generator()

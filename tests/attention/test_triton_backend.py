@@ -18,6 +18,7 @@ from servelm.llm import LLM
 from servelm.protocol import SamplingParams
 from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.kv_cache import KVCache
+from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 # Triton runs compiled on a GPU, interpreted on the CPU (conftest).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,28 +31,12 @@ def test_triton_is_imported_only_when_chosen():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _long(values):
-    return torch.tensor(values, dtype=torch.long, device=DEVICE)
-
-
 def _mixed_batch(block_size: int) -> ForwardBatch:
     """2 decodes (contexts 6 and 9), a fresh 5-token prompt, 4 new tokens after a 7-token
     prefix (mid-block for block_size 4). Blocks are handed out in a scrambled order."""
     spans = [(5, 1), (8, 1), (0, 5), (7, 4)]  # (context, new tokens)
-    free = iter([11, 3, 7, 0, 14, 2, 9, 5, 12, 1, 8, 6, 13])
-    tables, slots, positions, qsl = [], [], [], [0]
-    for ctx, n in spans:
-        table = [next(free) for _ in range(-(-(ctx + n) // block_size))]
-        tables.append(table)
-        positions += range(ctx, ctx + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
-        qsl.append(qsl[-1] + n)
-    width = max(map(len, tables))
-    return ForwardBatch(
-        input_ids=_long([0] * qsl[-1]), positions=_long(positions), slot_mapping=_long(slots),
-        block_tables=_long([r + [0] * (width - len(r)) for r in tables]), query_start_loc=qsl,
-        context_lens=[c for c, _ in spans], seq_lens=[c + n for c, n in spans], num_decodes=2,
-        block_size=block_size, logits_indices=_long([0]))
+    free = [11, 3, 7, 0, 14, 2, 9, 5, 12, 1, 8, 6, 13]
+    return batch_from_spans(spans, block_size, free, num_decodes=2)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
