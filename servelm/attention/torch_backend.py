@@ -44,8 +44,10 @@ from servelm.runner.kv_cache import KVCache
 class TorchAttentionMetadata:
     decode_slots: torch.Tensor | None  # [Bd, C] context slots of each decode, padded
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, C] True where a slot is real
-    prefill_slots: list[torch.Tensor | None]  # per prefill: context slots, None if fresh
-    prefill_masks: list[torch.Tensor | None]  # per prefill: [q, C] causal-with-offset mask
+    # per prefill: context slots (None if fresh) and a [q, C] causal-with-offset mask; None
+    # when the C++ prefill kernel takes the step's prefills (built on first use, if ever)
+    prefill_slots: list[torch.Tensor | None] | None
+    prefill_masks: list[torch.Tensor | None] | None
     # With the C++ decode kernel (paged_attention_cpu.py) instead of decode_slots/_mask:
     decode_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int64
@@ -115,8 +117,26 @@ class TorchAttentionBackend:
             lens = torch.tensor(batch.seq_lens[:nd], device=device)
             decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
             decode_slots = decode_slots.masked_fill(~decode_mask[:, 0, 0], 0)
+        meta = TorchAttentionMetadata(decode_slots, decode_mask, None, None, decode_tables,
+                                      decode_seq_lens)
+        if self.prefill_kernel is not None and batch.num_seqs > nd:
+            # one kernel call takes every prefill; a variant layer builds the per-sequence
+            # slots it needs on first use (_forward_variant)
+            qsl = batch.query_start_loc
+            meta.prefill_tables = batch.block_tables[nd:batch.num_seqs]
+            meta.prefill_query_start = torch.tensor([x - qsl[nd] for x in qsl[nd:]],
+                                                    dtype=torch.long)
+            meta.prefill_context_lens = torch.tensor(batch.context_lens[nd:], dtype=torch.long)
+        else:
+            meta.prefill_slots, meta.prefill_masks = self._prefill_contexts(batch)
+        return meta
+
+    def _prefill_contexts(self, batch: ForwardBatch):
+        """Per prefill: its context's slots (None for a fresh prompt) and its [Q, C] mask
+        (None where the chunk needs none: fresh, or split_prefill)."""
+        bs, device = batch.block_size, batch.slot_mapping.device
         prefill_slots, prefill_masks = [], []
-        for i in range(nd, batch.num_seqs):
+        for i in range(batch.num_decodes, batch.num_seqs):
             ctx, total = batch.context_lens[i], batch.seq_lens[i]
             if ctx == 0:
                 prefill_slots.append(None)
@@ -129,16 +149,7 @@ class TorchAttentionBackend:
                 continue
             q_pos = torch.arange(ctx, total, device=device)
             prefill_masks.append(pos[None, :] <= q_pos[:, None])
-        meta = TorchAttentionMetadata(decode_slots, decode_mask, prefill_slots, prefill_masks,
-                                      decode_tables, decode_seq_lens)
-        if self.prefill_kernel is not None and batch.num_seqs > nd:
-            # (the per-sequence slots above stay for variant layers, which the kernel skips)
-            qsl = batch.query_start_loc
-            meta.prefill_tables = batch.block_tables[nd:batch.num_seqs]
-            meta.prefill_query_start = torch.tensor([x - qsl[nd] for x in qsl[nd:]],
-                                                    dtype=torch.long)
-            meta.prefill_context_lens = torch.tensor(batch.context_lens[nd:], dtype=torch.long)
-        return meta
+        return prefill_slots, prefill_masks
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -159,7 +170,7 @@ class TorchAttentionBackend:
         if nd:
             outs.append(self._decode(q[:nd], k_cache, v_cache, meta, *scales))
         qsl = batch.query_start_loc
-        if meta.prefill_query_start is not None and q.dtype == torch.bfloat16:
+        if meta.prefill_query_start is not None:
             self.prefill_kernel_calls += 1
             outs.append(self.prefill_kernel(
                 q[qsl[nd]:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_start,
@@ -328,6 +339,8 @@ class TorchAttentionBackend:
         k, v = self.kv_cache.store(layer, batch.slot_mapping, k, v)
         k_scale, v_scale = self.kv_cache.layer_scales(layer)
         meta: TorchAttentionMetadata = batch.attn_metadata
+        if meta.prefill_slots is None:  # the prefill kernel's step: this layer needs them
+            meta.prefill_slots, meta.prefill_masks = self._prefill_contexts(batch)
         decode_masks, prefill_masks = self._variant_masks(batch, meta, window)
         nd = batch.num_decodes
         outs = []

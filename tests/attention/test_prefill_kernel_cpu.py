@@ -149,23 +149,28 @@ def _mixed_batch(block_size: int) -> ForwardBatch:
     return batch_from_spans(spans, block_size, range(3, 200), num_decodes=2)
 
 
-@needs_kernel
-def test_backend_step_matches_torch_path():
+def _backends_and_step(gen):
+    """A backend with the kernel and one without, over caches of the same random K/V, and
+    a mixed step's batch with its q, k, v."""
     config = ModelConfig("llama", 32, 576, 64, 1, 9, 3, 64, 64)
-    gen = torch.Generator().manual_seed(1)
     caches, backends = {}, {}
     for path in ("kernel", "torch"):
         caches[path] = KVCache(config, 60, 4, torch.bfloat16, torch.device("cpu"))
         backends[path] = TorchAttentionBackend(caches[path], 9, 0.125, decode_kernel_mode=path)
     assert backends["kernel"].prefill_kernel is not None
     assert backends["torch"].prefill_kernel is None
-    caches["kernel"].k.copy_(torch.randn(caches["kernel"].k.shape, generator=gen))
-    caches["kernel"].v.copy_(torch.randn(caches["kernel"].v.shape, generator=gen))
-    caches["torch"].k.copy_(caches["kernel"].k)
-    caches["torch"].v.copy_(caches["kernel"].v)
+    for name in ("k", "v"):
+        getattr(caches["kernel"], name).copy_(torch.randn(caches["kernel"].k.shape, generator=gen))
+        getattr(caches["torch"], name).copy_(getattr(caches["kernel"], name))
     batch = _mixed_batch(4)
     q, k, v = (torch.randn(batch.num_tokens, h, 64, generator=gen).bfloat16()
                for h in (9, 3, 3))
+    return caches, backends, batch, (q, k, v)
+
+
+@needs_kernel
+def test_backend_step_matches_torch_path():
+    caches, backends, batch, (q, k, v) = _backends_and_step(torch.Generator().manual_seed(1))
     outs, metas = {}, {}
     for path, backend in backends.items():
         batch.attn_metadata = metas[path] = backend.build_metadata(batch)
@@ -180,6 +185,21 @@ def test_backend_step_matches_torch_path():
     ref = _reference(q[rows], caches["kernel"].k[0], caches["kernel"].v[0], meta.prefill_tables,
                      meta.prefill_query_start, meta.prefill_context_lens, 4, 0.125)
     torch.testing.assert_close(outs["kernel"][rows].double(), ref, atol=1e-2, rtol=8e-3)
+
+
+@needs_kernel
+def test_a_window_layer_in_a_kernel_step_builds_its_slots_on_first_use():
+    """The kernel's step skips the per-sequence context slots; a sliding-window layer (which
+    the kernel does not take) builds them when it first runs, and matches the torch path."""
+    _, backends, batch, (q, k, v) = _backends_and_step(torch.Generator().manual_seed(2))
+    outs = {}
+    for path, backend in backends.items():
+        batch.attn_metadata = backend.build_metadata(batch)
+        assert (batch.attn_metadata.prefill_slots is None) == (path == "kernel")
+        outs[path] = backend.forward(0, q, k, v, batch, window=8)
+        assert batch.attn_metadata.prefill_slots is not None
+    assert backends["kernel"].prefill_kernel_calls == 0
+    torch.testing.assert_close(outs["kernel"], outs["torch"], atol=0, rtol=0)
 
 
 @needs_kernel
