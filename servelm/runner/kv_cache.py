@@ -61,8 +61,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 
     Private, not shared (Python's default for an anonymous map): a shared page costs more
     to fault in, and a 2048-token prefill step stores 1.5 MB of K/V a layer into fresh
-    blocks (store_kv 1.1 -> 0.7 ms a layer on an AMD EPYC, Zen 5). Transparent huge pages
-    (madvise) were tried and made it 4 ms a layer: each fault zeroes 2 MiB, and compacts.
+    blocks (docs/benchmarks.md, step-profile record). Transparent huge pages (madvise) were
+    tried and made those stores about 4x slower: each fault zeroes 2 MiB, and compacts.
     The pool is never shared with a forked process."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
