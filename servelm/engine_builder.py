@@ -82,10 +82,7 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype,
     if (quant is None or getattr(quant, "packs_float_layers", False)) and \
             can_pack(device, dtype) and not deterministic:  # DetLinear packs its own
         with timer.stage("weights_pack"), _one_thread():
-            if not (quant is None and dtype == torch.float32 and parallel is None
-                    and _pair_with_panels(model)) and \
-                    not (quant is None and dtype == torch.bfloat16 and parallel is None
-                         and _pair_with_tiles(model)):
+            if not _servelm_gemm(model, quant, dtype, parallel):
                 pack_linears(model)
     if parallel is not None:
         model = parallel_build.wrap_model(parallel, model)
@@ -100,6 +97,37 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
                                       args.quant_activations, args.deterministic)
     dtype_choice.log_choice(args.dtype, dtype, why)
     return dataclasses.replace(args, dtype=dtype)
+
+
+def _servelm_gemm(model, quant, dtype: torch.dtype, parallel) -> bool:
+    """--cpu-kernels gemm: whether servelm's own GEMMs took the float linears (True), else
+    the caller packs them for oneDNN alone. float32: the panel GEMM paired with oneDNN; a
+    bfloat16 model: the avx512_bf16 GEMM alone (quantized builds' float layers too), or AMX
+    tiles paired with oneDNN. Not under tensor parallelism."""
+    if parallel is not None:
+        return False
+    if dtype == torch.float32:
+        return quant is None and _pair_with_panels(model)
+    if dtype == torch.bfloat16:
+        return _pack_for_dots(model) or (quant is None and _pair_with_tiles(model))
+    return False
+
+
+def _pack_for_dots(model) -> bool:
+    """--cpu-kernels gemm: a bfloat16 model's float linears become DotLinears (servelm's
+    avx512_bf16 GEMM, every row count, one copy of the weights) where the probe saw vdpbf16ps
+    run here and AMX does not (AMX pairs with oneDNN instead: _pair_with_tiles). False: not
+    done."""
+    from servelm.layers.amx_linear import amx_usable
+    from servelm.layers.dot_linear import dot_usable
+    from servelm.layers.linear import pack_dot_linears
+
+    if _gemm_mode() is None or amx_usable() or not dot_usable():
+        return False
+    num = pack_dot_linears(model)
+    logger.info("bfloat16 linears on avx512_bf16 dot products (servelm's GEMM, %d linears; "
+                "--cpu-kernels gemm=torch: oneDNN)", num)
+    return True
 
 
 def _pair_with_panels(model) -> bool:

@@ -12,6 +12,9 @@
     quant_gemm_a8.cpp     int4_gemm_a8, int8_gemm_a8: the same weights times int8 activations
                           (avx512_vnni dot products, or AVX2's vpmaddubsw on CPUs
                           without AVX-512), int8_dot_probe, int8_dot_path
+    amx_gemm.cpp          amx_linear: bfloat16 linears on AMX tiles, weights packed as the tiles
+                          read them
+    dot_gemm.cpp          dot_linear: the same packed weights on avx512_bf16 dot products
     decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
     det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
                           deterministic mode (one fixed-order sum per output element)
@@ -52,7 +55,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
-            "amx_gemm.cpp", "prefill_attention.cpp")
+            "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
@@ -119,6 +122,7 @@ def load():
 
             ops.paged_decode_use_bf16_dot(isa.usable("avx512_bf16"))
             ops.paged_prefill_use(isa.usable("avx512_bf16"))  # the same instruction
+            ops.dot_linear_use(isa.usable("avx512_bf16"))  # and dot_gemm.cpp's linears
             _loaded = ops
         except Exception as exc:
             _error = exc

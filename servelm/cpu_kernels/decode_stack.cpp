@@ -66,6 +66,8 @@ struct Ops {
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int8_gemm_a8");
   c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> amx_linear =
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::amx_linear");
+  c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> dot_linear =
+      find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::dot_linear");
   c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> det_linear =
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::det_linear");
 };
@@ -74,9 +76,11 @@ struct Ops {
 // boxed: its schema's C++ types differ between torch versions. kDet: deterministic mode's
 // DetLinear (servelm/layers/det_linear.py, det_gemm.cpp). kInt4A8 / kInt8A8: the same
 // layers with int8 activations (quant_gemm_a8.cpp; the ops pad x to the codes' width).
-// kAmx: a bfloat16 model's AmxLinear (servelm/layers/amx_linear.py, amx_gemm.cpp).
+// kAmx: a bfloat16 model's AmxLinear (servelm/layers/amx_linear.py, amx_gemm.cpp); kDot: its
+// DotLinear (servelm/layers/dot_linear.py, dot_gemm.cpp), the same packed weight and bias.
 enum LinearKind : int64_t {
-  kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4, kInt4A8 = 5, kInt8A8 = 6, kAmx = 7
+  kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4, kInt4A8 = 5, kInt8A8 = 6, kAmx = 7,
+  kDot = 8
 };
 
 struct Linear {
@@ -120,7 +124,7 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int j = 0; j < 4; ++j) {
         Linear& l = *lins[j];
         l.kind = m[4 * j], l.n = m[4 * j + 1], l.group = m[4 * j + 2], l.k_padded = m[4 * j + 3];
-        TORCH_CHECK(l.kind >= kFloat && l.kind <= kAmx, "DecodeStack: unknown linear kind ",
+        TORCH_CHECK(l.kind >= kFloat && l.kind <= kDot, "DecodeStack: unknown linear kind ",
                     l.kind);
         if (l.kind == kPacked && !mkldnn_linear_)
           mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
@@ -202,10 +206,10 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   at::Tensor linear(const Linear& l, const at::Tensor& x) {
-    if (l.kind == kAmx)  // as AmxLinear.forward (amx_gemm.cpp); its bias is float32
-      return ops_.amx_linear.call(x.stride(1) == 1 ? x : x.contiguous(), l.a,
-                                  l.bias.defined() ? c10::optional<at::Tensor>(l.bias)
-                                                   : c10::nullopt, l.n);
+    if (l.kind == kAmx || l.kind == kDot)  // as AmxLinear / DotLinear.forward; bias float32
+      return (l.kind == kAmx ? ops_.amx_linear : ops_.dot_linear)
+          .call(x.stride(1) == 1 ? x : x.contiguous(), l.a,
+                l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, l.n);
     if (l.kind == kDet)
       return ops_.det_linear.call(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias)
                                                            : c10::nullopt, l.n);

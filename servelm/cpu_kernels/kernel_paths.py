@@ -18,11 +18,13 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
     """{part: path}: attention kernel|rows|torch, decode stack|eager, layer_ops fused|torch,
     quant panels|aten|triton|... (none: no quantized linears), gemm (the float linears):
     panels<=ROWS+onednn (paired by layers/linear.py's pair_with_panels) | amx<=ROWS+onednn
-    (bfloat16, paired by pair_with_tiles) | onednn (packed) |
+    (bfloat16, paired by pair_with_tiles) | dot (bfloat16 on avx512_bf16, pack_dot_linears) |
+    onednn (packed) |
     aten | det (deterministic mode, where attention=rows: every token one row of the paged
     kernel) | none."""
     from servelm.layers.amx_linear import AmxLinear
     from servelm.layers.det_linear import DetLinear
+    from servelm.layers.dot_linear import DotLinear
     from servelm.layers.fused_cpu import fused_ops
     from servelm.layers.linear import PackedLinear
     from servelm.quant.mixed_linear import MixedLinear
@@ -49,6 +51,8 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
         paths["gemm"] = f"panels<={min(panels)}+onednn"
     elif tiles:
         paths["gemm"] = f"amx<={min(tiles)}+onednn"
+    elif any(type(m) is DotLinear for m in model.modules()):
+        paths["gemm"] = "dot"
     elif any(isinstance(m, DetLinear) for m in model.modules()):
         paths["gemm"] = "det"
     elif any(type(m) is PackedLinear for m in model.modules()):

@@ -124,6 +124,15 @@ def pair_with_tiles(model: nn.Module, max_rows: int = AMX_ROWS) -> int:
     return _replace_float_linears(model, pair)
 
 
+def pack_dot_linears(model: nn.Module) -> int:
+    """Every float linear of a bfloat16 model (a tied head's copy too) becomes a DotLinear:
+    servelm's avx512_bf16 GEMM at every row count, in place of oneDNN's (one copy of the
+    weights). Returns how many."""
+    from servelm.layers.dot_linear import DotLinear
+
+    return _replace_float_linears(model, DotLinear)
+
+
 def float_weight_bytes(model: nn.Module) -> int:
     """Bytes of the float linears' weights pack_linears would pack (a tied head counted)."""
     n = sum(m.weight.numel() * m.weight.element_size()

@@ -44,6 +44,7 @@ MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 d
 _KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED, _KIND_DET = 0, 1, 2, 3, 4
 _KIND_INT4_A8, _KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (quant_gemm_a8.cpp)
 _KIND_AMX = 7  # a bfloat16 AmxLinear (amx_gemm.cpp)
+_KIND_DOT = 8  # a bfloat16 DotLinear (dot_gemm.cpp)
 
 
 class CpuDecodeStack:
@@ -149,7 +150,8 @@ def _applies(model, kv_cache, backend) -> bool:
         # MixedLinear's few-row form (its eager forward does the same)
         small_kinds = {_linear_kind(m.small) for m in linears if _is_mixed(m)}
         if embed.dtype != torch.float32 and set(kinds) - {
-                _KIND_FLOAT, _KIND_PACKED, _KIND_INT4_A8, _KIND_INT8_A8, *small_kinds}:
+                _KIND_FLOAT, _KIND_PACKED, _KIND_DOT, _KIND_INT4_A8, _KIND_INT8_A8,
+                *small_kinds}:
             return False
     return True
 
@@ -184,6 +186,7 @@ def _form(m: nn.Module, form: str) -> nn.Module:
 def _linear_kind(m: nn.Module) -> int | None:
     from servelm.layers.amx_linear import AmxLinear
     from servelm.layers.det_linear import DetLinear
+    from servelm.layers.dot_linear import DotLinear
     from servelm.layers.linear import PackedLinear
     from servelm.quant.int4_linear import Int4Linear
     from servelm.quant.int8_linear import Int8Linear
@@ -192,6 +195,8 @@ def _linear_kind(m: nn.Module) -> int | None:
         return _KIND_PACKED
     if type(m) is AmxLinear:
         return _KIND_AMX
+    if type(m) is DotLinear:
+        return _KIND_DOT
     if type(m) is DetLinear:
         return _KIND_DET
     if type(m) is nn.Linear:
@@ -215,7 +220,7 @@ def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     if kind == _KIND_DET:
         bias = none if m.bias is None else m.bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind == _KIND_AMX:  # its float32 bias
+    if kind in (_KIND_AMX, _KIND_DOT):  # its float32 bias
         return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
     if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
         bias = none if m.bias is None else m.bias

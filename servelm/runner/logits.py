@@ -37,13 +37,14 @@ def head_rows(model: nn.Module) -> torch.Tensor | None:
     from servelm.layers.linear import PackedLinear
 
     from servelm.layers.amx_linear import AmxLinear
+    from servelm.layers.dot_linear import DotLinear
     from servelm.quant.mixed_linear import MixedLinear
 
     head = getattr(model, "lm_head", "absent")
     if type(head) is MixedLinear and type(head.small) is AmxLinear:  # the same rows twice
         head = head.full
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if ((head is None or type(head) is PackedLinear and tied)  # a packed copy of the embedding
+    if ((head is None or type(head) in (PackedLinear, DotLinear) and tied)  # a packed copy
             and type(getattr(model, "embed_tokens", None)) is nn.Embedding):
         weight = model.embed_tokens.weight  # (a vocabulary-parallel one holds a shard)
     elif type(head) is nn.Linear:

@@ -78,9 +78,10 @@ def test_a_bf16_engine_decodes_on_the_tiles(tiny_hf, tiny_engine, caplog):
 def test_the_tile_pairing_steps_aside_or_refuses_where_it_does_not_apply(
         tiny_hf, tiny_engine, caplog, monkeypatch):
     from servelm import engine_builder
-    from servelm.layers import amx_linear
+    from servelm.layers import amx_linear, dot_linear
 
     monkeypatch.setattr(amx_linear, "amx_usable", lambda: False)
+    monkeypatch.setattr(dot_linear, "dot_usable", lambda: False)
     _, engine, log = _engine(tiny_hf, tiny_engine, caplog, "auto")
     assert log.endswith("gemm=onednn")
     with pytest.raises(ValueError, match=r"gemm=kernel: .*AMX-BF16 does not run here"):

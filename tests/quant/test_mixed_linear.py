@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from servelm.cpu_kernels import isa
+from servelm.layers.amx_linear import amx_usable
+from servelm.layers.dot_linear import dot_usable
 from servelm.llm import LLM
 from servelm.protocol import SamplingParams
 from servelm.quant.int4_linear import Int4Linear
@@ -58,7 +60,10 @@ def test_the_default_model_mixed_in_bfloat16_and_the_stack_matches_eager(
     layer = model.layers[0]
     assert type(layer.self_attn.qkv_proj) is MixedLinear
     assert type(layer.self_attn.qkv_proj.small) is Int4Linear
-    assert type(layer.self_attn.qkv_proj.full).__name__ == "PackedLinear"  # packed as usual
+    # packed as usual: servelm's avx512_bf16 GEMM where it runs (and AMX does not), else oneDNN
+    dots = dot_usable() and not amx_usable()
+    assert type(layer.self_attn.qkv_proj.full).__name__ == ("DotLinear" if dots
+                                                            else "PackedLinear")
     eager_llm = LLM("smollm2-135m-instruct", quantization="gguf-mixed",
                     cpu_kernels="decode=torch")
     one = [[1, 504, 3458, 282, 4649, 30]]
