@@ -10,7 +10,7 @@
 //   q, k, v = split(qkv_proj(h)); [q_norm, k_norm]; rotary_(q, k)
 //   store_kv(k_cache, v_cache, slots, k, v); a = paged_decode(q, caches, tables, seq_lens)
 //   h, residual = add_rms_norm(o_proj(a), residual)       post_attention_layernorm
-//   x = down_proj(silu_and_mul(gate_up_proj(h)))
+//   x = down_proj(silu_and_mul(gate_up_proj(h)))           (a DotLinear's gated form: one op)
 //   (tensor parallel: o_proj's and down_proj's outputs all-reduced, see set_all_reduce)
 //   ... final: add_rms_norm(x, residual, norm)
 //
@@ -68,6 +68,8 @@ struct Ops {
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::amx_linear");
   c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> dot_linear =
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::dot_linear");
+  c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> dot_linear_silu =
+      find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::dot_linear_silu");
   c10::TypedOperatorHandle<at::Tensor(T, T, OptT, int64_t)> det_linear =
       find_op<at::Tensor(T, T, OptT, int64_t)>("servelm_cpu::det_linear");
 };
@@ -197,7 +199,7 @@ class DecodeStack : public torch::CustomClassHolder {
       if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());  // fp32 out
       const at::Tensor o = all_reduce(linear(l.o, attn.view({B, q_size})));
       std::tie(h, residual) = ops_.add_rms_norm.call(o, residual, l.post_norm, eps_);
-      x = all_reduce(linear(l.down, ops_.silu_and_mul.call(linear(l.gate_up, h))));
+      x = all_reduce(linear(l.down, gate_up_silu(l.gate_up, h)));
     }
     if (!final_norm) return L == 0 ? x : x + residual;
     if (L == 0) return ops_.rms_norm.call(x, final_norm_, eps_);
@@ -205,6 +207,16 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // silu_and_mul(gate_up(x)): in one pass for a DotLinear of 2 I rows, I a multiple of 16, as
+  // its eager forward takes it (servelm/layers/activation.py, gate_up_silu).
+  at::Tensor gate_up_silu(const Linear& l, const at::Tensor& x) {
+    if (l.kind == kDot && l.n % 32 == 0)
+      return ops_.dot_linear_silu.call(
+          x.stride(1) == 1 ? x : x.contiguous(), l.a,
+          l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, l.n);
+    return ops_.silu_and_mul.call(linear(l, x));
+  }
+
   at::Tensor linear(const Linear& l, const at::Tensor& x) {
     if (l.kind == kAmx || l.kind == kDot)  // as AmxLinear / DotLinear.forward; bias float32
       return (l.kind == kAmx ? ops_.amx_linear : ops_.dot_linear)

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #include "vec16.h"
@@ -100,38 +101,65 @@ inline void write_out(const float* c, int64_t rows, int64_t cols, const float* b
     for (; j < cols; ++j) yr[j] = c10::BFloat16(cr[j] + (bias ? bias[n0 + j] : 0.0f));
   }
 }
+
+// The gated form: silu(gate) * up from the gate's sums c and the up's sums u (+ their biases
+// from columns n0 and I + n0), as silu_and_mul (layer_ops.cpp) computes it, rounded once.
+inline void write_silu(const float* c, const float* u, int64_t rows, int64_t cols,
+                       const float* bias, int64_t I, int64_t n0, c10::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *cr = c + r * kMaxBlocks * 16, *ur = u + r * kMaxBlocks * 16;
+    c10::BFloat16* yr = y + r * ldy + n0;
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      f32x16 g = load16(cr + j), v = load16(ur + j);
+      if (bias) g += load16(bias + n0 + j), v += load16(bias + I + n0 + j);
+      store16(yr + j, g / (1.0f + exp16(-g)) * v);
+    }
+    for (; j < cols; ++j) {
+      const float g = cr[j] + (bias ? bias[n0 + j] : 0.0f);
+      yr[j] = c10::BFloat16(g / (1.0f + std::exp(-g)) * (ur[j] + (bias ? bias[I + n0 + j] : 0.0f)));
+    }
+  }
+}
 #else
 constexpr bool kHaveDot = false;
 #endif
 
 bool g_dot_usable = false;  // set once Python has seen vdpbf16ps run here (isa.py)
 
-at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const c10::optional<at::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(kHaveDot, "dot_linear: servelm's kernels were built without avx512_bf16 here");
-  TORCH_CHECK(g_dot_usable, "dot_linear: avx512_bf16 was not seen to run on this machine "
+// Checks an op's arguments: x [M, K] bfloat16 rows, packed [NB, KB, 16, 32] holding an
+// [N, K] weight, bias float32 [N] or none; returns the bias's data or nullptr.
+const float* check(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(kHaveDot, op, ": servelm's kernels were built without avx512_bf16 here");
+  TORCH_CHECK(g_dot_usable, op, ": avx512_bf16 was not seen to run on this machine "
               "(servelm/cpu_kernels/isa.py)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.stride(1) == 1,
-              "dot_linear: x must be a bfloat16 CPU [M, K] with contiguous rows");
+              op, ": x must be a bfloat16 CPU [M, K] with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 32,
-              "dot_linear: packed must be contiguous bfloat16 [NB, KB, 16, 32]");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1);
+              op, ": packed must be contiguous bfloat16 [NB, KB, 16, 32]");
+  const int64_t K = x.size(1), NB = packed.size(0), KB = packed.size(1);
   TORCH_CHECK(N > 0 && (N + 15) / 16 == NB && (K + 31) / 32 == KB,
-              "dot_linear: packed [", NB, ", ", KB, ", 16, 32] does not hold a [", N, ", ", K,
+              op, ": packed [", NB, ", ", KB, ", 16, 32] does not hold a [", N, ", ", K,
               "] weight");
-  const float* pbias = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "dot_linear: bias must be float32 [N]");
-    pbias = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              op, ": bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// y = x @ W[:C]^T, or with kSilu (W = [gate; up], C = N / 2 each) silu(x @ gate^T) * (x @ up^T).
+template <bool kSilu>
+void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int64_t C,
+         at::Tensor& y) {
 #if defined(__AVX512BF16__)
+  const int64_t M = x.size(0), K = x.size(1), KB = packed.size(1);
+  const int64_t NB = (C + 15) / 16;  // column blocks of the output (of each half, gated)
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const uint16_t* pu = pw + NB * KB * 512;  // gated: the up half's blocks (C % 16 == 0)
   c10::BFloat16* py = y.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), KP = K / 2;
   const bool odd = K % 2;
@@ -145,35 +173,64 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed,
                             : std::min(row_blocks, (2 * threads + groups - 1) / groups);
   const int64_t part_rows = (row_blocks + parts - 1) / parts * kMaxRows;
   at::parallel_for(0, groups * parts, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float c[kMaxRows * kMaxBlocks * 16];
+    alignas(64) float c[kMaxRows * kMaxBlocks * 16], u[kSilu ? kMaxRows * kMaxBlocks * 16 : 1];
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t g = item / parts, r0 = item % parts * part_rows;
       const int64_t r1 = std::min(M, r0 + part_rows);
       const int64_t nb0 = g * kMaxBlocks, nv = std::min<int64_t>(kMaxBlocks, NB - nb0);
-      const uint16_t* w = pw + nb0 * KB * 512;
-      const int64_t n0 = nb0 * 16, cols = std::min<int64_t>(nv * 16, N - n0);
+      const uint16_t *w = pw + nb0 * KB * 512, *wu = pu + nb0 * KB * 512;
+      const int64_t n0 = nb0 * 16, cols = std::min<int64_t>(nv * 16, C - n0);
       // The next group's weights (contiguous), where this thread takes it next, are
       // prefetched a line a step of K, spread over this group's row blocks: the first touch
       // of each group's weights otherwise waits on memory (measured on an AMD EPYC, Zen 5:
       // the default model's 30 layers at 64 rows, weights in DRAM, 18.3 -> 14.6 ms).
-      const char* next = parts == 1 && item + 1 < i1
-                             ? reinterpret_cast<const char*>(w + nv * KB * 512) : nullptr;
-      const int64_t lines = next ? std::min<int64_t>(kMaxBlocks, NB - nb0 - nv) * KB * 16 : 0;
+      const bool ahead = parts == 1 && item + 1 < i1;
+      const char* next = ahead ? reinterpret_cast<const char*>(w + nv * KB * 512) : nullptr;
+      const char* next_up = ahead ? reinterpret_cast<const char*>(wu + nv * KB * 512) : nullptr;
+      const int64_t lines = ahead ? std::min<int64_t>(kMaxBlocks, NB - nb0 - nv) * KB * 16 : 0;
       const int64_t blocks = (r1 - r0 + kMaxRows - 1) / kMaxRows;
       const int64_t per = (lines + blocks - 1) / blocks;
       for (int64_t m0 = r0, i = 0; m0 < r1; m0 += kMaxRows, ++i) {
         const int64_t mr = std::min<int64_t>(kMaxRows, r1 - m0);
         const uint16_t* xr = xa + m0 * ldx;
-        const char* pf = next ? next + 64 * i * per : nullptr;
         const int64_t pl = std::max<int64_t>(0, std::min<int64_t>(per, lines - i * per));
-        if (nv == 3) rows_block<3>(mr, xr, ldx, w, KB, KP, odd, pf, pl, c);
-        else if (nv == 2) rows_block<2>(mr, xr, ldx, w, KB, KP, odd, pf, pl, c);
-        else rows_block<1>(mr, xr, ldx, w, KB, KP, odd, pf, pl, c);
-        write_out(c, mr, cols, pbias, n0, py + m0 * N, N);
+        const char* pf = pl ? next + 64 * i * per : nullptr;
+        const auto sums = [&](const uint16_t* wv, const char* f, float* out) {
+          if (nv == 3) rows_block<3>(mr, xr, ldx, wv, KB, KP, odd, f, pl, out);
+          else if (nv == 2) rows_block<2>(mr, xr, ldx, wv, KB, KP, odd, f, pl, out);
+          else rows_block<1>(mr, xr, ldx, wv, KB, KP, odd, f, pl, out);
+        };
+        sums(w, pf, c);
+        if constexpr (kSilu) {
+          sums(wu, pl ? next_up + 64 * i * per : nullptr, u);
+          write_silu(c, u, mr, cols, pbias, C, n0, py + m0 * C, C);
+        } else {
+          write_out(c, mr, cols, pbias, n0, py + m0 * C, C);
+        }
       }
     }
   });
 #endif
+}
+
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t N) {
+  const float* pbias = check("dot_linear", x, packed, bias, N);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) > 0) run<false>(x, packed, pbias, N, y);
+  return y;
+}
+
+// silu_and_mul(dot_linear(x, ...)) in one pass, without rounding the gate and up to bfloat16
+// first: packed holds [gate; up] (N = 2 I rows, I a multiple of 16); y is [M, I]. Saves
+// writing and reading back the [M, 2 I] product (a 2048-row prefill chunk's silu_and_mul was
+// ~1 ms a layer of the default model on an AMD EPYC, Zen 5).
+at::Tensor dot_linear_silu(const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias, int64_t N) {
+  const float* pbias = check("dot_linear_silu", x, packed, bias, N);
+  TORCH_CHECK(N % 32 == 0, "dot_linear_silu: n must be 2 I with I a multiple of 16, got ", N);
+  at::Tensor y = at::empty({x.size(0), N / 2}, x.options());
+  if (x.size(0) > 0) run<true>(x, packed, pbias, N / 2, y);
   return y;
 }
 
@@ -184,6 +241,8 @@ void dot_linear_use(bool use) { g_dot_usable = use && kHaveDot; }
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("dot_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &dot_linear);
+  m.def("dot_linear_silu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
+        &dot_linear_silu);
   m.def("dot_linear_built() -> bool", &dot_linear_built);
   m.def("dot_linear_use(bool use) -> ()", &dot_linear_use);
 }

@@ -15,6 +15,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_silu(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(gate_up(x)); in one pass where the layer (a MixedLinear's form for x's
+    rows) has a fused form (DotLinear, servelm/layers/dot_linear.py) and nothing hooks its
+    output (a LoRA batch's hooks add to the gate and up, servelm/lora/manager.py)."""
+    from servelm.quant.mixed_linear import MixedLinear
+
+    layer = gate_up.form(x) if type(gate_up) is MixedLinear else gate_up
+    fused = getattr(layer, "silu_and_mul", None)
+    if fused is not None and not any(m._forward_hooks or m._forward_pre_hooks
+                                     for m in (gate_up, layer)):
+        return fused(x)
+    return silu_and_mul(gate_up(x))
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] holding [gate | up] -> gelu_tanh(gate) * up: [T, I] (GeGLU, Gemma)."""
     gate, up = x.chunk(2, dim=-1)

@@ -51,3 +51,23 @@ class DotLinear(AmxLinear):
         y = torch.ops.servelm_cpu.dot_linear(x2, self.packed_weight, self.bias,
                                              self.out_features)
         return y.view(*shape[:-1], self.out_features)
+
+    @property
+    def gated(self) -> bool:
+        """Whether silu_and_mul can fuse: a [gate; up] layer of 2 I rows, I a multiple of 16."""
+        return self.out_features % 32 == 0
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(self(x)) for a [gate; up] layer in one pass (dot_gemm.cpp's gated
+        form: the gate and up stay float32 until the product is rounded once)."""
+        if not self.gated:
+            from servelm.layers.activation import silu_and_mul
+
+            return silu_and_mul(self(x))
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.ops.servelm_cpu.dot_linear_silu(x2, self.packed_weight, self.bias,
+                                                  self.out_features)
+        return y.view(*shape[:-1], self.out_features // 2)

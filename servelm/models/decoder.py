@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from servelm.config import ModelConfig
-from servelm.layers.activation import act_and_mul
+from servelm.layers.activation import act_and_mul, gate_up_silu, silu_and_mul
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.runner.forward_batch import ForwardBatch
@@ -305,6 +305,8 @@ class GatedMLP(nn.Module):
         self.act_and_mul = act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_and_mul is silu_and_mul:
+            return self.down_proj(gate_up_silu(self.gate_up_proj, x))
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from servelm.config import ModelConfig
-from servelm.layers.activation import silu_and_mul
+from servelm.layers.activation import gate_up_silu
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.quant import finalize_linears, make_linear
@@ -67,7 +67,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

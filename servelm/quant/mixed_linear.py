@@ -43,9 +43,13 @@ class MixedLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.small.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def form(self, x: torch.Tensor) -> nn.Module:
+        """The form a step of x's rows takes."""
         rows = x.numel() // max(1, x.shape[-1])
-        return (self.small if rows <= self.max_rows else self.full)(x)
+        return self.small if rows <= self.max_rows else self.full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.form(x)(x)
 
     def extra_repr(self) -> str:
         return f"max_rows={self.max_rows}"

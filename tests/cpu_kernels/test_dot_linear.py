@@ -2,12 +2,14 @@
 products: against a float64 reference on odd shapes (rows past a multiple of 8, column blocks
 past a multiple of 3, odd K, a bias), for any split of the rows and columns between threads;
 each output's sum runs in one fixed order, so a row's result does not depend on the other rows
-of its step. Where vdpbf16ps does not run, the op says why."""
+of its step. The gated form is silu_and_mul of the product, and steps aside for a layer that
+cannot fuse or whose output is hooked. Where vdpbf16ps does not run, the op says why."""
 
 import pytest
 import torch
 
 from servelm import cpu_kernels
+from servelm.layers.activation import gate_up_silu, silu_and_mul
 from servelm.layers.amx_linear import pack_weight
 from servelm.layers.dot_linear import DotLinear, dot_usable
 
@@ -80,3 +82,46 @@ def test_dot_linear_rejects_bad_inputs():
         ops.dot_linear(x, packed, torch.zeros(32).bfloat16(), 32)
     with pytest.raises(RuntimeError, match="packed must be"):
         ops.dot_linear(x, packed.view(2, 2, 16, 32)[:, :1], None, 32)
+
+
+@needs_dot
+@pytest.mark.parametrize("m", [1, 9, 64, 130])
+@pytest.mark.parametrize("i,k,bias", [(1536, 576, False), (48, 64, True), (16, 33, True),
+                                      (80, 32, False)])
+def test_the_gated_form_is_silu_and_mul_of_the_linear(m, i, k, bias):
+    x, w, b = _problem(m, 2 * i, k, bias, m + i + k)
+    layer = DotLinear(w, b)
+    assert layer.gated
+    y = layer.silu_and_mul(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, i)
+    gu = x.double() @ w.double().t() + (b.double() if bias else 0)
+    gate, up = gu[:, :i], gu[:, i:]
+    ref = gate * torch.sigmoid(gate) * up
+    # gate and up stay float32 (no bfloat16 rounding between the product and the activation)
+    torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2 ** -7)
+    two_step = silu_and_mul(layer(x))  # rounds gate and up to bfloat16 first
+    torch.testing.assert_close(y.float(), two_step.float(), atol=5e-2, rtol=2 ** -6)
+
+
+@needs_dot
+def test_a_layer_that_cannot_fuse_falls_back_and_the_op_refuses_it():
+    x, w, _ = _problem(4, 2 * 24, 32, False, 1)  # I = 24: not a multiple of 16
+    layer = DotLinear(w, None)
+    assert not layer.gated
+    assert torch.equal(layer.silu_and_mul(x), silu_and_mul(layer(x)))
+    with pytest.raises(RuntimeError, match="n must be 2 I with I a multiple of 16"):
+        torch.ops.servelm_cpu.dot_linear_silu(x, layer.packed_weight, None, 48)
+
+
+@needs_dot
+def test_gate_up_silu_leaves_a_hooked_layer_unfused():
+    x, w, _ = _problem(3, 64, 32, False, 2)
+    layer = DotLinear(w, None)
+    assert torch.equal(gate_up_silu(layer, x), layer.silu_and_mul(x))
+    seen = []
+    handle = layer.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    try:
+        assert torch.equal(gate_up_silu(layer, x), silu_and_mul(layer(x)))
+    finally:
+        handle.remove()
+    assert seen == [(3, 64), (3, 64)]  # the hook saw the product, both times

@@ -81,4 +81,5 @@ def test_a_bf16_engine_runs_its_linears_on_dot_products(tiny_hf, tiny_engine, ca
         dl.torch.ops.servelm_cpu.dot_linear = real
     assert 100 in calls
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
-    torch.testing.assert_close(got, prefill_logits(plain, prompt), rtol=0.02, atol=0.02)
+    # two bfloat16 paths: the dots keep the gate and up float32 into silu_and_mul
+    torch.testing.assert_close(got, prefill_logits(plain, prompt), rtol=0.03, atol=0.03)

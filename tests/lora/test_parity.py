@@ -9,6 +9,7 @@ from tiny_models import make_tiny_engine
 
 from servelm.core.runner_state import score_item
 from servelm.engine.sequence import Sequence
+from servelm.layers.dot_linear import DotLinear, dot_usable
 from servelm.llm import LLM
 from servelm.protocol import RequestTimings, SamplingParams
 from servelm.runner.model_runner import _Work, build_forward_batch
@@ -152,3 +153,21 @@ def test_adapters_ride_on_quantized_base_weights(base_hf, tmp_path):
     assert ref.abs().max() > 0.1
     assert (delta - ref).abs().max() < 0.1 * ref.abs().max()
     assert engine.runner.lora.num_lora_steps == 1
+
+
+@pytest.mark.skipif(not dot_usable(),
+                    reason="avx512_bf16 does not run here: no DotLinear, no fused gate_up")
+def test_a_gate_up_adapter_reaches_a_bf16_models_fused_mlp(base_hf, tmp_path):
+    """A bfloat16 model's gate_up takes silu_and_mul in one pass (DotLinear's gated form);
+    the adapter's hook on that layer must still add to the gate and up."""
+    peft_model = save_adapter(base_hf, tmp_path / "gu", seed=5, r=4,
+                              targets=["gate_proj", "up_proj"], alpha=8)
+    engine = make_tiny_engine(base_hf, dtype="bfloat16", lora_modules=(f"gu={tmp_path / 'gu'}",),
+                              max_lora_rank=16)
+    assert any(type(m) is DotLinear for m in engine.runner.model.modules())
+    ours = lora_logits(engine, PROMPT, "gu")
+    ref = hf_logits(peft_model, PROMPT)
+    base = hf_logits(base_hf, PROMPT)
+    assert (ref - base).abs().max() > 0.1
+    torch.testing.assert_close(ours, ref, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(lora_logits(engine, PROMPT, None), base, atol=0.05, rtol=0.05)
