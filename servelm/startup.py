@@ -14,8 +14,9 @@ Stages (seconds):
     tokenizer       the tokenizer
     weights_read    checkpoint tensors read, dequantized and placed in the model
                     (from the prepared-weights cache after one start)
-    weights_pack    float weights reordered for oneDNN's GEMM (PackedLinear), and float32
-                    ones for the panel GEMM too (layers/linear.py, pair_with_panels)
+    weights_pack    float weights reordered for oneDNN's GEMM (PackedLinear), float32 ones
+                    for the panel GEMM too, bfloat16 ones for the AMX tiles too or for the
+                    dot-product GEMM instead (layers/linear.py)
     weights_cache   writing the prepared-weights cache (first start only)
     kernels         loading servelm's C++ op library (building it: first start on a machine)
     kv_alloc        the KV cache's memory

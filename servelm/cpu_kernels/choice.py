@@ -7,9 +7,11 @@ read from text. Parts:
     decode      the whole-model decode stack (servelm/runner/cpu_decode.py)
     layer_ops   fused RMSNorm, rotary, SiLU-and-mul (servelm/layers/fused_cpu.py)
     quant       int4/int8 matmuls on panels (servelm/quant/cpu_panels.py)
-    gemm        float linears of steps of few rows on servelm's own GEMMs, oneDNN above: float32
-                on the panel GEMM, bfloat16 on AMX tiles where they run
-                (servelm/layers/linear.py, `pair_with_panels`, `pair_with_tiles`)
+    gemm        float linears on servelm's own GEMMs: float32 steps of few rows on the panel
+                GEMM, oneDNN above; bfloat16 steps of few rows on AMX tiles where they run,
+                oneDNN above; else bfloat16 at every row count on avx512_bf16 dot products
+                where they run (servelm/layers/linear.py, `pair_with_panels`,
+                `pair_with_tiles`, `pack_dot_linears`)
 
 and for each a mode: 'auto' (the kernels where they build, else torch), 'kernel' (the kernels,
 or an error), 'torch' (never). "torch" sets every part; "attention=torch,decode=kernel" sets
