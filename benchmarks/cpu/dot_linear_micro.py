@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,17 +29,13 @@ from servelm.bench.results import git_commit, machine_info
 from servelm.layers.dot_linear import DotLinear, dot_usable
 from servelm.layers.linear import PackedLinear
 
+sys.path.insert(0, str(Path(__file__).parent))
+from linear_rates_micro import _ms  # noqa: E402 - its timing loop
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
 ROWS = (1, 8, 16, 32, 64, 128, 256, 512, 2048)
 LAYERS = 30
-
-
-def _ms(fn, iters: int) -> float:
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t) / iters * 1e3
 
 
 def _ab(a, b, rounds: int, budget_ms: float = 60.0) -> tuple[float, float]:

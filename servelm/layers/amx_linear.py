@@ -55,14 +55,20 @@ class AmxLinear(nn.Module):
         self.register_buffer("packed_weight", pack_weight(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
+    op = "amx_linear"  # the servelm_cpu op forward calls (DotLinear: dot_linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(self.op, x, self.out_features)
+
+    def _call(self, op: str, x: torch.Tensor, width: int) -> torch.Tensor:
+        """servelm_cpu.<op> on x's rows (contiguous ones), shaped back with `width` outputs."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch.ops.servelm_cpu.amx_linear(x2, self.packed_weight, self.bias,
-                                             self.out_features)
-        return y.view(*shape[:-1], self.out_features)
+        y = getattr(torch.ops.servelm_cpu, op)(x2, self.packed_weight, self.bias,
+                                               self.out_features)
+        return y.view(*shape[:-1], width)
 
     def dense_weight(self) -> torch.Tensor:
         """The plain weight [N, K] (exact: the packing only moves values)."""

@@ -43,14 +43,7 @@ def dot_usable() -> bool:
 class DotLinear(AmxLinear):
     """AmxLinear's packed weight and bias, multiplied on avx512_bf16 dot products."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.ops.servelm_cpu.dot_linear(x2, self.packed_weight, self.bias,
-                                             self.out_features)
-        return y.view(*shape[:-1], self.out_features)
+    op = "dot_linear"
 
     @property
     def gated(self) -> bool:
@@ -64,10 +57,4 @@ class DotLinear(AmxLinear):
             from servelm.layers.activation import silu_and_mul
 
             return silu_and_mul(self(x))
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.ops.servelm_cpu.dot_linear_silu(x2, self.packed_weight, self.bias,
-                                                  self.out_features)
-        return y.view(*shape[:-1], self.out_features // 2)
+        return self._call("dot_linear_silu", x, self.out_features // 2)

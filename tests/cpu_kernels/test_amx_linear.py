@@ -4,6 +4,7 @@ packing round-trips; where AMX does not run, the layer is never chosen and the o
 
 import pytest
 import torch
+from bf16_linears import check_strided_rows_and_3d_input
 
 from servelm import cpu_kernels
 from servelm.layers.amx_linear import AmxLinear, amx_usable, pack_weight, unpack_weight
@@ -42,14 +43,7 @@ def test_amx_linear_matches_reference(m, n, k, bias):
 
 @needs_amx
 def test_amx_linear_takes_strided_rows_and_3d_input():
-    w = torch.randn(64, 96).bfloat16()
-    layer = AmxLinear(w, None)
-    big = torch.randn(3, 7, 200).bfloat16()
-    x = big[..., 10:106]  # rows 200 apart
-    want = (x.float() @ w.float().t()).bfloat16()
-    got = layer(x)
-    assert got.shape == (3, 7, 64)
-    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+    check_strided_rows_and_3d_input(AmxLinear)
 
 
 def test_amx_linear_rejects_bad_inputs():

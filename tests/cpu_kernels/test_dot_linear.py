@@ -7,6 +7,7 @@ cannot fuse or whose output is hooked. Where vdpbf16ps does not run, the op says
 
 import pytest
 import torch
+from bf16_linears import check_strided_rows_and_3d_input
 
 from servelm import cpu_kernels
 from servelm.layers.activation import gate_up_silu, silu_and_mul
@@ -56,14 +57,7 @@ def test_a_rows_result_does_not_depend_on_its_step_or_the_threads(n, k):
 
 @needs_dot
 def test_dot_linear_takes_strided_rows_and_3d_input():
-    w = torch.randn(64, 96).bfloat16()
-    layer = DotLinear(w, None)
-    big = torch.randn(3, 7, 200).bfloat16()
-    x = big[..., 10:106]  # rows 200 apart
-    want = (x.float() @ w.float().t()).bfloat16()
-    got = layer(x)
-    assert got.shape == (3, 7, 64)
-    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+    check_strided_rows_and_3d_input(DotLinear)
 
 
 def test_dot_linear_rejects_bad_inputs():

@@ -3,8 +3,6 @@ probe saw vdpbf16ps run and AMX does not, the engine makes every float linear (a
 copy too) a DotLinear at every row count, the decode stack takes them, and `--cpu-kernels
 gemm=torch` keeps oneDNN; the logits agree with the float32 model's and oneDNN's."""
 
-import logging
-
 import pytest
 import torch
 from torch import nn
@@ -12,24 +10,17 @@ from torch import nn
 from servelm.layers.amx_linear import amx_usable
 from servelm.layers.dot_linear import DotLinear, dot_usable
 from servelm.layers.linear import PackedLinear, pack_dot_linears
+from bf16_linears import TiedTiny, bf16_engine
 from tiny_models import greedy, prefill_logits
 
 needs_dot = pytest.mark.skipif(not dot_usable() or amx_usable(),
                                reason="avx512_bf16 does not run here, or AMX does (it pairs)")
 
 
-class _Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(50, 32).bfloat16()
-        self.proj = nn.Linear(32, 64).bfloat16()
-        self.lm_head = None  # tied to the embedding
-
-
 @needs_dot
 def test_every_bf16_linear_and_a_tied_head_become_dot_linears():
     torch.manual_seed(0)
-    model = _Tiny()
+    model = TiedTiny()
     w, b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
     assert pack_dot_linears(model) == 2
     assert type(model.proj) is DotLinear and type(model.lm_head) is DotLinear
@@ -39,23 +30,14 @@ def test_every_bf16_linear_and_a_tied_head_become_dot_linears():
     torch.testing.assert_close(model.proj(x).float(), want, rtol=2 ** -7, atol=1e-2)
 
 
-def _engine(tiny_hf, tiny_engine, caplog, option):
-    hf = tiny_hf("llama")
-    with caplog.at_level(logging.INFO, logger="servelm.engine_builder"):
-        engine = tiny_engine(hf, dtype="bfloat16", cpu_kernels=option)
-    paths = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels")]
-    caplog.clear()
-    return hf, engine, paths[0]
-
-
 @needs_dot
 def test_a_bf16_engine_runs_its_linears_on_dot_products(tiny_hf, tiny_engine, caplog):
-    hf, dots, log = _engine(tiny_hf, tiny_engine, caplog, "auto")
+    hf, dots, log = bf16_engine(tiny_hf, tiny_engine, caplog, "auto")
     assert log.endswith("gemm=dot")
     model = dots.runner.model
     assert sum(type(m) is DotLinear for m in model.modules()) == 2 * 4 + 1
     assert not any(type(m) in (PackedLinear, nn.Linear) for m in model.modules())
-    _, plain, log = _engine(tiny_hf, tiny_engine, caplog, "gemm=torch")
+    _, plain, log = bf16_engine(tiny_hf, tiny_engine, caplog, "gemm=torch")
     assert log.endswith("gemm=onednn")
     assert not any(type(m) is DotLinear for m in plain.runner.model.modules())
     prompt = [int(t) for t in torch.randint(0, 384, (100,), generator=torch.Generator()

@@ -4,15 +4,13 @@ compute the layer's matmul; the engine pairs a bfloat16 model's linears where AM
 (`--cpu-kernels gemm`), the decode stack takes the tile form, and the option turns it off or
 insists on it."""
 
-import logging
-
 import pytest
 import torch
-from torch import nn
 
 from servelm.layers.amx_linear import AmxLinear, amx_usable
 from servelm.layers.linear import AMX_ROWS, PackedLinear, can_pack, pair_with_tiles
 from servelm.quant.mixed_linear import MixedLinear
+from bf16_linears import TiedTiny, bf16_engine
 from tiny_models import greedy, prefill_logits
 
 needs_amx = pytest.mark.skipif(
@@ -20,18 +18,10 @@ needs_amx = pytest.mark.skipif(
     reason="AMX-BF16 does not run here, or oneDNN has no bfloat16 GEMM")
 
 
-class _Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(50, 32).bfloat16()
-        self.proj = nn.Linear(32, 64).bfloat16()
-        self.lm_head = None  # tied to the embedding
-
-
 @needs_amx
 def test_every_bf16_linear_and_a_tied_head_get_both_forms():
     torch.manual_seed(0)
-    model = _Tiny()
+    model = TiedTiny()
     assert pair_with_tiles(model, max_rows=8) == 2
     for layer in (model.proj, model.lm_head):
         assert type(layer) is MixedLinear and layer.max_rows == 8
@@ -43,22 +33,13 @@ def test_every_bf16_linear_and_a_tied_head_get_both_forms():
         torch.testing.assert_close(model.proj(x).float(), want, rtol=2 ** -7, atol=1e-2)
 
 
-def _engine(tiny_hf, tiny_engine, caplog, option):
-    hf = tiny_hf("llama")
-    with caplog.at_level(logging.INFO, logger="servelm.engine_builder"):
-        engine = tiny_engine(hf, dtype="bfloat16", cpu_kernels=option)
-    paths = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels")]
-    caplog.clear()
-    return hf, engine, paths[0]
-
-
 @needs_amx
 def test_a_bf16_engine_decodes_on_the_tiles(tiny_hf, tiny_engine, caplog):
-    hf, paired, log = _engine(tiny_hf, tiny_engine, caplog, "auto")
+    hf, paired, log = bf16_engine(tiny_hf, tiny_engine, caplog, "auto")
     assert log.endswith(f"gemm=amx<={AMX_ROWS}+onednn")
     mixed = [m for m in paired.runner.model.modules() if type(m) is MixedLinear]
     assert len(mixed) == 2 * 4 + 1 and all(type(m.small) is AmxLinear for m in mixed)
-    _, plain, log = _engine(tiny_hf, tiny_engine, caplog, "gemm=torch")
+    _, plain, log = bf16_engine(tiny_hf, tiny_engine, caplog, "gemm=torch")
     assert log.endswith("gemm=onednn")
     assert not any(type(m) is MixedLinear for m in plain.runner.model.modules())
     prompt = [int(t) for t in torch.randint(0, 384, (100,), generator=torch.Generator()
@@ -82,7 +63,7 @@ def test_the_tile_pairing_steps_aside_or_refuses_where_it_does_not_apply(
 
     monkeypatch.setattr(amx_linear, "amx_usable", lambda: False)
     monkeypatch.setattr(dot_linear, "dot_usable", lambda: False)
-    _, engine, log = _engine(tiny_hf, tiny_engine, caplog, "auto")
+    _, engine, log = bf16_engine(tiny_hf, tiny_engine, caplog, "auto")
     assert log.endswith("gemm=onednn")
     with pytest.raises(ValueError, match=r"gemm=kernel: .*AMX-BF16 does not run here"):
         tiny_engine(tiny_hf("llama"), dtype="bfloat16", cpu_kernels="gemm=kernel")
