@@ -165,7 +165,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
   const bool odd = K % 2;
   const int64_t groups = (NB + kMaxBlocks - 1) / kMaxBlocks;  // of 3 column blocks
   // Work items: a group of columns over a part of the rows. The rows are split only where
-  // the groups are too few to keep every thread busy (a narrow layer, a long prefill chunk).
+  // the groups are too few to keep every thread busy (a narrow layer).
   const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
   const int64_t threads = at::get_num_threads();
   const int64_t parts = groups >= 2 * threads
