@@ -20,6 +20,7 @@
                           deterministic mode (one fixed-order sum per output element)
     vec16.h               16-lane vectors, exp and fma shared by all
     paged_tables.h        the block-table checks of the two paged decode kernels
+    tile_linear.h         the argument checks and output rounding of amx_linear and dot_linear
 
 Owns: compiling the sources once per machine (torch.utils.cpp_extension: a C++ compiler and
 ninja, `-O3 -march=native`, OpenMP) into $SERVELM_HOME/torch_extensions, under a name that
@@ -56,7 +57,7 @@ _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
             "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp")
-_HEADERS = ("vec16.h", "paged_tables.h")
+_HEADERS = ("vec16.h", "paged_tables.h", "tile_linear.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _loaded = None  # torch.ops.servelm_cpu once built

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "tile_linear.h"
 #include "vec16.h"
 
 namespace {
@@ -83,25 +84,6 @@ inline void block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uin
   if (two_m && two_n) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// c's rows 0..rows-1 (32 float32 a row), columns 0..cols-1 (+ bias), rounded into y's rows
-// at column n0.
-inline void write_out(const float* c, int64_t rows, int64_t cols, const float* bias, int64_t n0,
-                      c10::BFloat16* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c + r * 32;
-    c10::BFloat16* yr = y + r * ldy + n0;
-    if (cols == 32 || cols == 16) {
-      for (int64_t h = 0; h < cols; h += 16) {
-        f32x16 v = load16(cr + h);
-        if (bias) v += load16(bias + n0 + h);
-        store16(yr + h, v);
-      }
-    } else {
-      for (int64_t j = 0; j < cols; ++j)
-        yr[j] = c10::BFloat16(cr[j] + (bias ? bias[n0 + j] : 0.0f));
-    }
-  }
-}
 #else
 constexpr bool kHaveAmx = false;
 #endif
@@ -109,22 +91,8 @@ constexpr bool kHaveAmx = false;
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(kHaveAmx, "amx_linear: servelm's kernels were built without AMX on this machine");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "amx_linear: x must be a bfloat16 CPU [M, K] with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 32,
-              "amx_linear: packed must be contiguous bfloat16 [NB, KB, 16, 32]");
+  const float* pbias = check_tile_linear("amx_linear", x, packed, bias, N);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1);
-  TORCH_CHECK(N > 0 && (N + 15) / 16 == NB && (K + 31) / 32 == KB,
-              "amx_linear: packed [", NB, ", ", KB, ", 16, 32] does not hold a [", N, ", ", K,
-              "] weight");
-  const float* pbias = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "amx_linear: bias must be float32 [N]");
-    pbias = bias->data_ptr<float>();
-  }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -173,7 +141,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
         else if (two_n) block<false, true>(a0, a1, lda, b0, b1, KB, c);
         else block<false, false>(a0, a1, lda, b0, b1, KB, c);
         const int64_t rows = std::min<int64_t>(two_m ? 32 : 16, M - mb * 16);
-        write_out(c, rows, cols, pbias, n0, py + mb * 16 * N, N);
+        write_rows(c, 32, rows, cols, pbias, n0, py + mb * 16 * N, N);
       }
     }
     _tile_release();

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tile_linear.h"
 #include "vec16.h"
 
 namespace {
@@ -85,23 +86,6 @@ void rows_block(int64_t mr, const uint16_t* x, int64_t ldx, const uint16_t* w, i
   }
 }
 
-// c's rows (kMaxBlocks * 16 float32 apart), columns 0..cols-1 (+ bias from column n0),
-// rounded to bfloat16 into y's rows at column n0.
-inline void write_out(const float* c, int64_t rows, int64_t cols, const float* bias, int64_t n0,
-                      c10::BFloat16* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c + r * kMaxBlocks * 16;
-    c10::BFloat16* yr = y + r * ldy + n0;
-    int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      f32x16 v = load16(cr + j);
-      if (bias) v += load16(bias + n0 + j);
-      store16(yr + j, v);
-    }
-    for (; j < cols; ++j) yr[j] = c10::BFloat16(cr[j] + (bias ? bias[n0 + j] : 0.0f));
-  }
-}
-
 // The gated form: silu(gate) * up from the gate's sums c and the up's sums u (+ their biases
 // from columns n0 and I + n0), as silu_and_mul (layer_ops.cpp) computes it, rounded once.
 inline void write_silu(const float* c, const float* u, int64_t rows, int64_t cols,
@@ -127,27 +111,14 @@ constexpr bool kHaveDot = false;
 
 bool g_dot_usable = false;  // set once Python has seen vdpbf16ps run here (isa.py)
 
-// Checks an op's arguments: x [M, K] bfloat16 rows, packed [NB, KB, 16, 32] holding an
-// [N, K] weight, bias float32 [N] or none; returns the bias's data or nullptr.
+// The op's arguments checked (tile_linear.h), once vdpbf16ps is known to run here; returns
+// the bias's data or nullptr.
 const float* check(const char* op, const at::Tensor& x, const at::Tensor& packed,
                    const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(kHaveDot, op, ": servelm's kernels were built without avx512_bf16 here");
   TORCH_CHECK(g_dot_usable, op, ": avx512_bf16 was not seen to run on this machine "
               "(servelm/cpu_kernels/isa.py)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              op, ": x must be a bfloat16 CPU [M, K] with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 32,
-              op, ": packed must be contiguous bfloat16 [NB, KB, 16, 32]");
-  const int64_t K = x.size(1), NB = packed.size(0), KB = packed.size(1);
-  TORCH_CHECK(N > 0 && (N + 15) / 16 == NB && (K + 31) / 32 == KB,
-              op, ": packed [", NB, ", ", KB, ", 16, 32] does not hold a [", N, ", ", K,
-              "] weight");
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-              op, ": bias must be float32 [N]");
-  return bias->data_ptr<float>();
+  return check_tile_linear(op, x, packed, bias, N);
 }
 
 // y = x @ W[:C]^T, or with kSilu (W = [gate; up], C = N / 2 each) silu(x @ gate^T) * (x @ up^T).
@@ -205,7 +176,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
           sums(wu, pl ? next_up + 64 * i * per : nullptr, u);
           write_silu(c, u, mr, cols, pbias, C, n0, py + m0 * C, C);
         } else {
-          write_out(c, mr, cols, pbias, n0, py + m0 * C, C);
+          write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0, py + m0 * C, C);
         }
       }
     }
