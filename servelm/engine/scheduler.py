@@ -126,9 +126,15 @@ class Scheduler:
                 # a waiting request that orders first takes this step's prompt tokens
                 self._pause_prefills = self.policy.waiting_first(
                     self.running, self.waiting, self.config.max_num_batched_tokens)
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        paused: list[Sequence] = []
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, paused)
         if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+            num_running = len(self.running)
+            budget = self._schedule_waiting(batch, budget)
+            if paused and len(self.running) == num_running:
+                # The head the prefills paused for was not admitted (no blocks or seat for
+                # it yet): they go on, or the step would idle with them holding the blocks.
+                self._resume_paused(batch, paused, budget)
         return batch
 
     def _take_prefill(self, num_new: int) -> int:
@@ -145,7 +151,8 @@ class Scheduler:
         self._prefill_left -= num_new
         return num_new
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int,
+                          paused: list[Sequence] | None = None) -> int:
         k_step = self._draft_len()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -154,6 +161,8 @@ class Scheduler:
             if self._prefill_left is not None or self._pause_prefills:
                 num_new = self._take_prefill(num_new)
             if num_new == 0:  # the policy's chunk cap is spent: this prefill waits a step
+                if self._pause_prefills and paused is not None:
+                    paused.append(seq)
                 i += 1
                 continue
             if seq.images:
@@ -176,6 +185,37 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _resume_paused(self, batch: ScheduledBatch, paused: list[Sequence],
+                       budget: int) -> None:
+        """Schedule the prefills paused for a waiting head that was not admitted, within
+        what is left of the budget and the policy's cap. One that needs blocks preempts as
+        the first pass does, the youngest first, but never a sequence this step already
+        carries."""
+        self._pause_prefills = False
+        carried = {id(s.seq) for s in batch.seqs}
+        for seq in paused:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted for an older one
+                continue
+            num_new = self._take_prefill(min(seq.num_uncomputed_tokens, budget))
+            if num_new and seq.images:
+                num_new = self.encoder_budget.fit(seq, seq.num_computed_tokens, num_new, False)
+            if num_new == 0:
+                continue
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = next(s for s in reversed(self.running) if id(s) not in carried)
+                self.running.remove(victim)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, num_new)
+                batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                carried.add(id(seq))
+                budget -= num_new
 
     def _draft_len(self) -> int:
         """k for this step, from the number of decodes that could speculate."""
@@ -202,19 +242,19 @@ class Scheduler:
         seq.num_computed_tokens = num_computed
         self.block_manager.trim(seq, num_computed)
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        """Admit waiting sequences in order; returns the budget left."""
         if self.loras is None and self.kv_tiers is None:
-            self._admit_waiting(batch, budget)
-            return
+            return self._admit_waiting(batch, budget)
         # their adapter has no slot this step, or their KV is being read: they keep places
         skipped: list[Sequence] = []
         try:
-            self._admit_waiting(batch, budget, skipped)
+            return self._admit_waiting(batch, budget, skipped)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int,
-                       skipped: list[Sequence] | None = None) -> None:
+                       skipped: list[Sequence] | None = None) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if skipped is not None and seq.lora_id is not None \
@@ -260,6 +300,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

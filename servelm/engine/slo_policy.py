@@ -37,7 +37,8 @@ step waits for it to end.
 
 Prefills under way pause (their blocks kept) for a waiting request that orders before all
 of them (`waiting_first`): a batch prompt half prefilled does not hold an interactive
-prompt that arrives behind it for the rest of its chunks.
+prompt that arrives behind it for the rest of its chunks. When the scheduler cannot admit
+that head in the step (no blocks or seat for it), the paused prefills go on in the step.
 
 Early refusal, at add time: the prompt tokens ahead of the new request (waiting work and
 prefills under way that order before it) plus its own, at the capped chunk per step, give its
