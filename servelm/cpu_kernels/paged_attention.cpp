@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -127,17 +128,37 @@ inline int locate(const int64_t* table, int64_t bs, int64_t slot_stride, int64_t
 // One work item's walk over its context, tile by tile: sequence b's slots for KV heads
 // kh0..kh1-1 (whole slots, contiguous in memory), the next tile's rows prefetched a row at a
 // time while this one computes (its blocks lie anywhere in the pool).
+// The work items, handed out in order (each thread takes its next one when it is free, as
+// OpenMP's dynamic schedule does): an item's walk claims its successor at the start of its
+// last tile, so that the successor's first tile is prefetched during that tile. Unclaimed,
+// each item's first tile was a full miss with nothing to overlap (64 sequences x 30 layers
+// of them in a decode step).
+struct Items {
+  std::atomic<int64_t> taken{0};
+  int64_t count, split, kv_per_item;
+  Items(int64_t count, int64_t split, int64_t kv_per_item)
+      : count(count), split(split), kv_per_item(kv_per_item) {}
+  int64_t claim() { return taken.fetch_add(1, std::memory_order_relaxed); }
+  int64_t seq(int64_t i) const { return i / split; }
+  int64_t kh0(int64_t i) const { return (i % split) * kv_per_item; }
+};
+
 template <typename KV>
 struct Walk {
   const KV *kbase, *vbase;  // KV head kh0's part of slot 0
   const int64_t* table;
   int64_t len, bs, slot_stride, row_bytes;
   int64_t rows[kTile], next[kTile];  // element offsets of this tile's and the next's slots
-  Walk(const Problem& p, int64_t b, int64_t kh0, int64_t kh1)
+  const KV *pk, *pv;  // the bases next[] counts from: this item's, or its successor's
+  const Problem& p;
+  Items* items;            // null: no successor is claimed
+  int64_t successor = -1;  // claimed at the last tile (>= items->count: none was left)
+  Walk(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Items* items)
       : kbase(static_cast<const KV*>(p.k) + kh0 * p.head_dim),
         vbase(static_cast<const KV*>(p.v) + kh0 * p.head_dim),
         table(p.tables + b * p.table_stride), len(p.seq_lens[b]), bs(p.block_size),
-        slot_stride(p.slot_stride), row_bytes((kh1 - kh0) * p.head_dim * int64_t(sizeof(KV))) {
+        slot_stride(p.slot_stride), row_bytes((kh1 - kh0) * p.head_dim * int64_t(sizeof(KV))),
+        pk(kbase), pv(vbase), p(p), items(items) {
     locate(table, bs, slot_stride, 0, len, next);
   }
   // The rows of the tile at `start` into rows[]; returns how many (<= kTile).
@@ -147,6 +168,15 @@ struct Walk {
     prefetch(kTile);  // any the last tile's work left
     std::copy(next, next + n, rows);
     n_next = locate(table, bs, slot_stride, start + kTile, len, next);
+    if (n_next == 0 && items != nullptr && successor < 0) {  // the last tile
+      successor = items->claim();
+      if (successor < items->count) {  // its first tile (an item's rows are row_bytes wide)
+        pk = static_cast<const KV*>(p.k) + items->kh0(successor) * p.head_dim;
+        pv = static_cast<const KV*>(p.v) + items->kh0(successor) * p.head_dim;
+        const int64_t b = items->seq(successor);
+        n_next = locate(p.tables + b * p.table_stride, bs, slot_stride, 0, p.seq_lens[b], next);
+      }
+    }
     fetched = 0;
     return n;
   }
@@ -157,8 +187,8 @@ struct Walk {
   inline void prefetch(int k) {
     for (; k > 0 && fetched < n_next; --k, ++fetched)
       for (int64_t c = 0; c < row_bytes; c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kbase + next[fetched]) + c, 0, 3);
-        __builtin_prefetch(reinterpret_cast<const char*>(vbase + next[fetched]) + c, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(pk + next[fetched]) + c, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(pv + next[fetched]) + c, 0, 3);
       }
   }
 };
@@ -405,10 +435,11 @@ void attend_group(const Problem& p, const KV* vbase, const int64_t* rows, int n,
 // Each tile is read for all the item's KV heads at once: whole slots, contiguous in memory.
 // kDot: q . k from tile_dots_bf16 (s.qbf holds q), else tile_dots (s.q).
 template <int kChunks, typename KV, bool kDot = false>
-[[gnu::flatten]] void attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
+[[gnu::flatten]] int64_t attend(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s,
+                                Items* items) {
   const int64_t nc = kChunks ? kChunks : p.head_dim / 16, G = p.group, D = p.head_dim;
   const int64_t heads = (kh1 - kh0) * G;
-  Walk<KV> w(p, b, kh0, kh1);
+  Walk<KV> w(p, b, kh0, kh1, items);
   std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
   std::fill(s.sums.begin(), s.sums.begin() + heads, splat(0.0f));
@@ -431,6 +462,7 @@ template <int kChunks, typename KV, bool kDot = false>
     for (int64_t c = 0; c < nc; ++c)
       *reinterpret_cast<f32x16*>(out + h * D + 16 * c) = acc[c] * inv;
   }
+  return w.successor;
 }
 
 #else
@@ -492,10 +524,10 @@ inline __m256 sum_lanes_8(const __m256* x) {
 
 // kH: D / 8 (8 for D = 64, 16 for 128), 0: runtime.
 template <int kH, typename KV>
-void attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) {
+int64_t attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s, Items* items) {
   const int64_t nh = kH ? kH : p.head_dim / 8, G = p.group, D = p.head_dim;
   const int64_t heads = (kh1 - kh0) * G;
-  Walk<KV> walk(p, b, kh0, kh1);
+  Walk<KV> walk(p, b, kh0, kh1, items);
   const KV *kbase = walk.kbase, *vbase = walk.vbase;
   const float* q = reinterpret_cast<const float*>(s.q.data());  // [heads][D], scaled
   float* accs = reinterpret_cast<float*>(s.acc.data());         // [heads][D]
@@ -581,10 +613,12 @@ void attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& s) 
     for (int64_t c = 0; c < nh; ++c)
       _mm256_storeu_ps(out + h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(accs + h * D + 8 * c), inv));
   }
+  return walk.successor;
 }
 #endif
 
-using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
+// Each returns the item its walk claimed as its successor (-1: none; see Items).
+using AttendFn = int64_t (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&, Items*);
 
 template <typename KV>
 AttendFn pick(int64_t head_dim) {
@@ -667,43 +701,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t split = B >= 4 * threads_wanted ? 1 : K;
   const int64_t kv_per_item = K / split, items = B * split;
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
+  // Item i into s; returns the successor its walk claimed (-1: none).
+  auto run_item = [&](int64_t i, Scratch& s, Items* work) -> int64_t {
+    const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
+    const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
+#if !defined(SERVELM_VEC16_HALVES)
+    if (bf16_dot) {  // q as stored, 32 elements a vector; the scale goes on the scores
+      const at::BFloat16* src = q.data_ptr<at::BFloat16>() + b * q.stride(0) + h0 * q.stride(1);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < D / 32; ++c)
+          s.qbf[h * (D / 32) + c] =
+              *reinterpret_cast<const u32x16*>(src + h * q.stride(1) + 32 * c);
+      s.dot_scale = float(scale);
+      return attend_item(p, b, kh0, kh0 + kv_per_item, s, work);
+    }
+#endif
+    if (q_bf16)
+      load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
+    else
+      load_q<float>(q, b, h0, heads, float(scale), s);
+    const int64_t nc = D / 16;
+#if !defined(SERVELM_VEC16_HALVES)
+    if (k_cache.scalar_type() == at::kBFloat16)
+      for (int64_t h = 0; h < heads; ++h) to_pair_order(&s.q[h * nc], nc);
+#endif
+    if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < nc; ++c) s.q[h * nc + c] *= ks[kh0 + h / p.group];
+    const int64_t successor = attend_item(p, b, kh0, kh0 + kv_per_item, s, work);
+    if (fp8) {  // ... and V's into the output
+      float* o = p.out + (b * H + h0) * D;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= vs[kh0 + h / p.group];
+    }
+    return successor;
+  };
+  Items work(items, split, kv_per_item);
 #pragma omp parallel num_threads(threads)
   {
     Scratch s(kv_per_item * p.group, D / 16);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) {
-      const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
-      const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
-#if !defined(SERVELM_VEC16_HALVES)
-      if (bf16_dot) {  // q as stored, 32 elements a vector; the scale goes on the scores
-        const at::BFloat16* src = q.data_ptr<at::BFloat16>() + b * q.stride(0) + h0 * q.stride(1);
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t c = 0; c < D / 32; ++c)
-            s.qbf[h * (D / 32) + c] =
-                *reinterpret_cast<const u32x16*>(src + h * q.stride(1) + 32 * c);
-        s.dot_scale = float(scale);
-        attend_item(p, b, kh0, kh0 + kv_per_item, s);
-        continue;
-      }
-#endif
-      if (q_bf16)
-        load_q<at::BFloat16>(q, b, h0, heads, float(scale), s);
-      else
-        load_q<float>(q, b, h0, heads, float(scale), s);
-      const int64_t nc = D / 16;
-#if !defined(SERVELM_VEC16_HALVES)
-      if (k_cache.scalar_type() == at::kBFloat16)
-        for (int64_t h = 0; h < heads; ++h) to_pair_order(&s.q[h * nc], nc);
-#endif
-      if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t c = 0; c < nc; ++c) s.q[h * nc + c] *= ks[kh0 + h / p.group];
-      attend_item(p, b, kh0, kh0 + kv_per_item, s);
-      if (fp8) {  // ... and V's into the output
-        float* o = p.out + (b * H + h0) * D;
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t d = 0; d < D; ++d) o[h * D + d] *= vs[kh0 + h / p.group];
-      }
+    // Each item's walk may claim the next one (Items): then that is this thread's next.
+    for (int64_t i = work.claim(); i < items;) {
+      const int64_t claimed = run_item(i, s, &work);
+      i = claimed >= 0 ? claimed : work.claim();
     }
   }
   return out;
