@@ -63,6 +63,25 @@ struct Item {
   int64_t seq, kv_head, first;  // first: index of the item's first (row, group head) vector
 };
 
+constexpr int kDims = 8;  // dimensions of V weighed at once (D % 32 == 0)
+
+// o[d] = o[d] * alpha + sum over the tile's n keys of p_t * v_t[d], for d in 0 .. D - 1;
+// kN: n at compile time (a full tile), 0: at run time. Each dimension's sum is added in key
+// order, kDims dimensions' chains interleaved.
+template <int kN>
+inline void weigh_values(float (*o)[kLanes], const float (*vt)[kMaxD], const __m512* p,
+                         __m512 alpha, int n, int64_t D) {
+  const int keys = kN ? kN : n;
+  for (int64_t d = 0; d < D; d += kDims) {
+    __m512 acc[kDims];
+    for (int j = 0; j < kDims; ++j) acc[j] = _mm512_mul_ps(_mm512_load_ps(o[d + j]), alpha);
+    for (int t = 0; t < keys; ++t)
+      for (int j = 0; j < kDims; ++j)
+        acc[j] = _mm512_fmadd_ps(p[t], _mm512_set1_ps(vt[t][d + j]), acc[j]);
+    for (int j = 0; j < kDims; ++j) _mm512_store_ps(o[d + j], acc[j]);
+  }
+}
+
 // kD: the head dim at compile time (64, 128), 0: at run time.
 template <int kD>
 void attend_item(const Prefill& p, const Item& it) {
@@ -132,22 +151,12 @@ void attend_item(const Prefill& p, const Item& it) {
     for (int t = 0; t < n; ++t)
       for (int64_t c = 0; c < D; c += 16)
         _mm512_store_ps(&vt[t][c], (__m512)load16(vrow[t] + c));
-    // o[d] = o[d] * alpha + sum_t p_t * v_t[d]
-    if (n == kTile) {
-      for (int64_t d = 0; d < D; ++d) {
-        __m512 acc = _mm512_mul_ps(_mm512_load_ps(o[d]), alpha);
-        for (int t = 0; t < kTile; ++t)
-          acc = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vt[t][d]), acc);
-        _mm512_store_ps(o[d], acc);
-      }
-    } else {
-      for (int64_t d = 0; d < D; ++d) {
-        __m512 acc = _mm512_mul_ps(_mm512_load_ps(o[d]), alpha);
-        for (int t = 0; t < n; ++t)
-          acc = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vt[t][d]), acc);
-        _mm512_store_ps(o[d], acc);
-      }
-    }
+    // o[d] = o[d] * alpha + sum_t p_t * v_t[d], kDims dimensions at a time: each is one
+    // chain of dependent adds over t, so one dimension alone waited on the FMA's latency.
+    if (n == kTile)
+      weigh_values<kTile>(o, vt, s, alpha, kTile, D);
+    else
+      weigh_values<0>(o, vt, s, alpha, n, D);
   }
   alignas(64) float inv[kLanes];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), run_sum));
