@@ -319,6 +319,16 @@ def test_a_request_that_cannot_meet_its_ttft_behind_the_queue_is_refused():
         fcfs.add_request(_req(f"i{k}", 40, "interactive", spec))
 
 
+def _drain(engine, clock, outputs: dict, max_steps: int) -> None:
+    """Step (10 ms apart, invariants checked) until nothing is left or max_steps ran."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished:
+            return
+        clock.now += 0.01
+        _collect(engine.step(), outputs)
+        engine.check_invariants()
+
+
 _SLO_SPEC = SLOSpec.from_dict(SPEC)
 _request = st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 3),
                      st.sampled_from(["interactive", "batch", None]))
@@ -362,12 +372,7 @@ def test_engine_bookkeeping_holds_under_the_slo_policy(ops, num_blocks, budget, 
         engine.check_invariants()
     # Everything drains: a step that schedules nothing while work is queued would loop
     # forever, so the drain is bounded (every step here computes at least one token).
-    for _ in range(20_000):
-        if not engine.has_unfinished:
-            break
-        clock.now += 0.01
-        _collect(engine.step(), outputs)
-        engine.check_invariants()
+    _drain(engine, clock, outputs, 20_000)
     bm = engine.block_manager
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert bm.num_free_blocks == bm.num_blocks
@@ -389,12 +394,7 @@ def test_prefills_paused_for_a_head_that_cannot_be_admitted_go_on():
                         arrival_time=0.0, slo=_SLO_SPEC.get("interactive").request_slo())
     engine.add_request(req)
     outputs = {}
-    for _ in range(40):
-        if not engine.has_unfinished:
-            break
-        clock.now += 0.01
-        _collect(engine.step(), outputs)
-        engine.check_invariants()
+    _drain(engine, clock, outputs, 40)
     assert "r" in outputs and not engine.has_unfinished
     assert engine.scheduler.num_preemptions >= 1  # the pool held two, not three
 
