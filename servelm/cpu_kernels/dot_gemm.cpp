@@ -1,5 +1,5 @@
 // bfloat16 linears on avx512_bf16's dot products: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// float32 sums rounded once to bfloat16. The weight is the AMX tile GEMM's packed form
+// float32 sums rounded once to bfloat16 (dot_linear_float: kept float32). The weight is the AMX tile GEMM's packed form
 // (amx_gemm.cpp, servelm/layers/amx_linear.py): [NB, KB, 16, 32], where column block nb's
 // pair p of inputs (2p, 2p + 1) is one 64-byte row of 16 columns x 2 -- the order VDPBF16PS
 // takes its second operand in, so a column block streams front to back.
@@ -121,8 +121,20 @@ const float* check(const char* op, const at::Tensor& x, const at::Tensor& packed
   return check_tile_linear(op, x, packed, bias, N);
 }
 
-// y = x @ W[:C]^T, or with kSilu (W = [gate; up], C = N / 2 each) silu(x @ gate^T) * (x @ up^T).
-template <bool kSilu>
+// c's rows (ldc apart), columns 0..cols-1 (+ bias from column n0), as float32 into y's rows
+// (ldy apart) at column n0.
+inline void write_float_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
+                             const float* bias, int64_t n0, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cr = c + r * ldc;
+    float* yr = y + r * ldy + n0;
+    for (int64_t j = 0; j < cols; ++j) yr[j] = cr[j] + (bias ? bias[n0 + j] : 0.0f);
+  }
+}
+
+// y = x @ W[:C]^T, or with kSilu (W = [gate; up], C = N / 2 each) silu(x @ gate^T) * (x @ up^T);
+// bfloat16 rows, or with kFloat the float32 sums themselves (a head's logits).
+template <bool kSilu, bool kFloat = false>
 void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int64_t C,
          at::Tensor& y) {
 #if defined(__AVX512BF16__)
@@ -131,7 +143,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const uint16_t* pu = pw + NB * KB * 512;  // gated: the up half's blocks (C % 16 == 0)
-  c10::BFloat16* py = y.data_ptr<c10::BFloat16>();
+  void* py = y.data_ptr();
   const int64_t ldx = x.stride(0), KP = K / 2;
   const bool odd = K % 2;
   const int64_t groups = (NB + kMaxBlocks - 1) / kMaxBlocks;  // of 3 column blocks
@@ -174,9 +186,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
         sums(w, pf, c);
         if constexpr (kSilu) {
           sums(wu, pl ? next_up + 64 * i * per : nullptr, u);
-          write_silu(c, u, mr, cols, pbias, C, n0, py + m0 * C, C);
+          write_silu(c, u, mr, cols, pbias, C, n0, static_cast<c10::BFloat16*>(py) + m0 * C, C);
+        } else if constexpr (kFloat) {
+          write_float_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0,
+                           static_cast<float*>(py) + m0 * C, C);
         } else {
-          write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0, py + m0 * C, C);
+          write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0,
+                     static_cast<c10::BFloat16*>(py) + m0 * C, C);
         }
       }
     }
@@ -189,6 +205,17 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* pbias = check("dot_linear", x, packed, bias, N);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) > 0) run<false>(x, packed, pbias, N, y);
+  return y;
+}
+
+// dot_linear with the float32 sums (+ bias) as the output, not rounded: a bfloat16 head's
+// logits, whose rounding to 8 significant bits made ties at the maximum that the runner
+// recomputed (servelm/runner/logits.py).
+at::Tensor dot_linear_float(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias, int64_t N) {
+  const float* pbias = check("dot_linear_float", x, packed, bias, N);
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  if (x.size(0) > 0) run<false, true>(x, packed, pbias, N, y);
   return y;
 }
 
@@ -214,6 +241,8 @@ TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("dot_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &dot_linear);
   m.def("dot_linear_silu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
         &dot_linear_silu);
+  m.def("dot_linear_float(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
+        &dot_linear_float);
   m.def("dot_linear_built() -> bool", &dot_linear_built);
   m.def("dot_linear_use(bool use) -> ()", &dot_linear_use);
 }

@@ -3,7 +3,7 @@
 The weight is laid out once, at load, as AmxLinear lays it out (servelm/layers/amx_linear.py:
 blocks of 16 output columns, each pair of inputs one 64-byte row), the order VDPBF16PS takes
 its second operand in; the bias is kept in float32 and added before the one rounding of each
-output to bfloat16. The threads split the output columns, each streaming its own columns of
+output to bfloat16 (a head's outputs stay float32: float_out). The threads split the output columns, each streaming its own columns of
 the weight once for every row of the step.
 
 Where it runs: a CPU whose avx512_bf16 the probe saw run (servelm/cpu_kernels/isa.py) and
@@ -49,6 +49,12 @@ class DotLinear(AmxLinear):
     def gated(self) -> bool:
         """Whether silu_and_mul can fuse: a [gate; up] layer of 2 I rows, I a multiple of 16."""
         return self.out_features % 32 == 0
+
+    def float_out(self) -> None:
+        """From now on the outputs are the float32 sums (+ bias), not rounded to bfloat16:
+        for a head, whose bfloat16 logits tied at the maximum where their float32 values do
+        not (servelm/runner/logits.py recomputed those; it has nothing to recompute now)."""
+        self.op = "dot_linear_float"
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(self(x)) for a [gate; up] layer in one pass (dot_gemm.cpp's gated

@@ -127,10 +127,16 @@ def pair_with_tiles(model: nn.Module, max_rows: int = AMX_ROWS) -> int:
 def pack_dot_linears(model: nn.Module) -> int:
     """Every float linear of a bfloat16 model (a tied head's copy too) becomes a DotLinear:
     servelm's avx512_bf16 GEMM at every row count, in place of oneDNN's (one copy of the
-    weights). Returns how many."""
+    weights). The output head keeps its float32 sums as the logits (DotLinear.float_out).
+    Returns how many."""
     from servelm.layers.dot_linear import DotLinear
 
-    return _replace_float_linears(model, DotLinear)
+    num = _replace_float_linears(model, DotLinear)
+    for module in model.modules():
+        head = getattr(module, "lm_head", None)
+        if type(head) is DotLinear:
+            head.float_out()
+    return num
 
 
 def float_weight_bytes(model: nn.Module) -> int:

@@ -19,8 +19,10 @@ logits within one step of the maximum, so only rows with a tie are recomputed an
 can take the argmax it already has (servelm/sampling/sampler.py).
 
 Owns: that refinement and finding the head's weight rows.
-Never: touches float32 models (nothing to refine) or a head whose rows are not kept (a packed
-untied head: its oneDNN layout has no rows to read), which keeps plain bfloat16 logits.
+Never: touches float32 logits (a float32 model's, or a bfloat16 head on servelm's avx512_bf16
+GEMM, which returns its float32 sums: layers/dot_linear.py, float_out) or a head whose rows are
+not kept (a packed untied head: its oneDNN layout has no rows to read), which keeps plain
+bfloat16 logits.
 """
 
 from __future__ import annotations

@@ -40,6 +40,21 @@ def test_dot_linear_matches_reference(m, n, k, bias):
 
 
 @needs_dot
+@pytest.mark.parametrize("m,n,k,bias", [(64, 49152 // 64, 576, False), (9, 50, 33, True),
+                                        (1, 112, 31, True)])
+def test_the_float_form_is_the_sums_the_bf16_form_rounds(m, n, k, bias):
+    x, w, b = _problem(m, n, k, bias, 11 * m + n)
+    layer = DotLinear(w, b)
+    rounded = layer(x)
+    layer.float_out()
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y.bfloat16(), rounded)  # the same float32 sums, rounded once
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_dot
 @pytest.mark.parametrize("n,k", [(960, 576), (16, 40)])  # many column groups; one (rows split)
 def test_a_rows_result_does_not_depend_on_its_step_or_the_threads(n, k):
     x, w, b = _problem(200, n, k, True, 7)
@@ -76,6 +91,8 @@ def test_dot_linear_rejects_bad_inputs():
         ops.dot_linear(x, packed, torch.zeros(32).bfloat16(), 32)
     with pytest.raises(RuntimeError, match="packed must be"):
         ops.dot_linear(x, packed.view(2, 2, 16, 32)[:, :1], None, 32)
+    with pytest.raises(RuntimeError, match="dot_linear_float: x must be a bfloat16"):
+        ops.dot_linear_float(torch.randn(2, 64), packed, None, 32)
 
 
 @needs_dot

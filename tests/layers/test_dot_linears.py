@@ -1,7 +1,8 @@
 """A bfloat16 model's linears on servelm's avx512_bf16 GEMM (layers/dot_linear.py): where the
 probe saw vdpbf16ps run and AMX does not, the engine makes every float linear (a tied head's
-copy too) a DotLinear at every row count, the decode stack takes them, and `--cpu-kernels
-gemm=torch` keeps oneDNN; the logits agree with the float32 model's and oneDNN's."""
+copy too) a DotLinear at every row count, the head's logits stay float32, the decode stack
+takes them, and `--cpu-kernels gemm=torch` keeps oneDNN; the logits agree with the float32
+model's and oneDNN's."""
 
 import pytest
 import torch
@@ -28,6 +29,11 @@ def test_every_bf16_linear_and_a_tied_head_become_dot_linears():
     x = torch.randn(5, 32).bfloat16()
     want = x.float() @ w.float().t() + b.float()
     torch.testing.assert_close(model.proj(x).float(), want, rtol=2 ** -7, atol=1e-2)
+    # the head's logits are its float32 sums: no bfloat16 ties at the maximum to refine
+    logits = model.lm_head(x)
+    assert logits.dtype == torch.float32 and model.proj(x).dtype == torch.bfloat16
+    want = x.double() @ model.embed_tokens.weight.double().t()
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_dot
