@@ -239,11 +239,15 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
     out = []
 
     # Queueing behind a burst: arrivals around this one, within about a median latency
-    # either side (a burst is what lands faster than the server turns requests around).
+    # either side (a burst is what lands faster than the server turns requests around), or
+    # a queue already standing when it came (a later arrival behind a burst's backlog).
     span = max(0.025, w.p50)
     arrivals = lambda r: w.arrivals_around(r, span)
     body_arrivals = w.body_median(arrivals)
-    burst = lambda r: arrivals(r) >= max(3, 3 * body_arrivals)
+    waiting = lambda r: r.num_waiting_at_arrival
+    body_waiting = w.body_median(waiting)
+    burst = lambda r: (arrivals(r) >= max(3, 3 * body_arrivals)
+                       or waiting(r) >= max(3, 3 * body_waiting))
     # Time queued while the KV pool was full is the pool's (preemption's), not the burst's.
     queue = lambda r: max(0.0, (r.queue_s or 0.0) - r.queue_kv_full_s)
     score, ts, bs = _explained(w, burst, queue)
@@ -252,7 +256,8 @@ def diagnose(records: list[RequestRecord], metric: str = "ttft", quantile: float
         f"{_pct(ts)} of {label} arrived with {w.tail_median(arrivals):.0f} others within "
         f"{_ms(span)} (body median {body_arrivals:.0f}) and queued "
         f"{_ms(w.tail_median(queue))} (body {_ms(w.body_median(queue))}); "
-        f"{w.tail_median(lambda r: r.num_waiting_at_arrival):.0f} were waiting when they arrived",
+        f"{w.tail_median(waiting):.0f} were waiting when they arrived (body "
+        f"{body_waiting:.0f})",
         "absorb bursts with more replicas or a higher --max-num-seqs (if the KV pool allows); "
         "bound the wait with --max-queue so the excess is refused (429) rather than queued"))
 
