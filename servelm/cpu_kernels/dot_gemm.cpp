@@ -1,8 +1,9 @@
 // bfloat16 linears on avx512_bf16's dot products: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// float32 sums rounded once to bfloat16 (dot_linear_float: kept float32). The weight is the AMX tile GEMM's packed form
-// (amx_gemm.cpp, servelm/layers/amx_linear.py): [NB, KB, 16, 32], where column block nb's
-// pair p of inputs (2p, 2p + 1) is one 64-byte row of 16 columns x 2 -- the order VDPBF16PS
-// takes its second operand in, so a column block streams front to back.
+// float32 sums rounded once to bfloat16 (dot_linear_float: kept float32). The weight is the
+// AMX tile GEMM's packed form (amx_gemm.cpp, servelm/layers/amx_linear.py): [NB, KB, 16, 32],
+// where column block nb's pair p of inputs (2p, 2p + 1) is one 64-byte row of 16 columns x 2
+// -- the order VDPBF16PS takes its second operand in, so a column block streams front to
+// back.
 //
 // Why: at a decode step's shapes (M = 64, K = 576..1536) oneDNN's bfloat16 GEMM on two
 // threads splits the rows between them and runs at ~71% of the dot products' peak, where one
@@ -121,17 +122,6 @@ const float* check(const char* op, const at::Tensor& x, const at::Tensor& packed
   return check_tile_linear(op, x, packed, bias, N);
 }
 
-// c's rows (ldc apart), columns 0..cols-1 (+ bias from column n0), as float32 into y's rows
-// (ldy apart) at column n0.
-inline void write_float_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
-                             const float* bias, int64_t n0, float* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c + r * ldc;
-    float* yr = y + r * ldy + n0;
-    for (int64_t j = 0; j < cols; ++j) yr[j] = cr[j] + (bias ? bias[n0 + j] : 0.0f);
-  }
-}
-
 // y = x @ W[:C]^T, or with kSilu (W = [gate; up], C = N / 2 each) silu(x @ gate^T) * (x @ up^T);
 // bfloat16 rows, or with kFloat the float32 sums themselves (a head's logits).
 template <bool kSilu, bool kFloat = false>
@@ -188,8 +178,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
           sums(wu, pl ? next_up + 64 * i * per : nullptr, u);
           write_silu(c, u, mr, cols, pbias, C, n0, static_cast<c10::BFloat16*>(py) + m0 * C, C);
         } else if constexpr (kFloat) {
-          write_float_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0,
-                           static_cast<float*>(py) + m0 * C, C);
+          write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0, static_cast<float*>(py) + m0 * C,
+                     C);
         } else {
           write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0,
                      static_cast<c10::BFloat16*>(py) + m0 * C, C);

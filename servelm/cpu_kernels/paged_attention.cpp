@@ -125,9 +125,6 @@ inline int locate(const int64_t* table, int64_t bs, int64_t slot_stride, int64_t
   return n;
 }
 
-// One work item's walk over its context, tile by tile: sequence b's slots for KV heads
-// kh0..kh1-1 (whole slots, contiguous in memory), the next tile's rows prefetched a row at a
-// time while this one computes (its blocks lie anywhere in the pool).
 // The work items, handed out in order (each thread takes its next one when it is free, as
 // OpenMP's dynamic schedule does): an item's walk claims its successor at the start of its
 // last tile, so that the successor's first tile is prefetched during that tile. Unclaimed,
@@ -143,6 +140,9 @@ struct Items {
   int64_t kh0(int64_t i) const { return (i % split) * kv_per_item; }
 };
 
+// One work item's walk over its context, tile by tile: sequence b's slots for KV heads
+// kh0..kh1-1 (whole slots, contiguous in memory), the next tile's rows prefetched a row at a
+// time while this one computes (its blocks lie anywhere in the pool).
 template <typename KV>
 struct Walk {
   const KV *kbase, *vbase;  // KV head kh0's part of slot 0
@@ -701,9 +701,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t split = B >= 4 * threads_wanted ? 1 : K;
   const int64_t kv_per_item = K / split, items = B * split;
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
+  Items work(items, split, kv_per_item);
   // Item i into s; returns the successor its walk claimed (-1: none).
-  auto run_item = [&](int64_t i, Scratch& s, Items* work) -> int64_t {
-    const int64_t b = i / split, kh0 = (i % split) * kv_per_item;
+  auto run_item = [&](int64_t i, Scratch& s) -> int64_t {
+    const int64_t b = work.seq(i), kh0 = work.kh0(i);
     const int64_t h0 = kh0 * p.group, heads = kv_per_item * p.group;
 #if !defined(SERVELM_VEC16_HALVES)
     if (bf16_dot) {  // q as stored, 32 elements a vector; the scale goes on the scores
@@ -713,7 +714,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           s.qbf[h * (D / 32) + c] =
               *reinterpret_cast<const u32x16*>(src + h * q.stride(1) + 32 * c);
       s.dot_scale = float(scale);
-      return attend_item(p, b, kh0, kh0 + kv_per_item, s, work);
+      return attend_item(p, b, kh0, kh0 + kv_per_item, s, &work);
     }
 #endif
     if (q_bf16)
@@ -728,7 +729,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     if (fp8)  // a scale per KV head commutes with q . k: fold K's into q
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t c = 0; c < nc; ++c) s.q[h * nc + c] *= ks[kh0 + h / p.group];
-    const int64_t successor = attend_item(p, b, kh0, kh0 + kv_per_item, s, work);
+    const int64_t successor = attend_item(p, b, kh0, kh0 + kv_per_item, s, &work);
     if (fp8) {  // ... and V's into the output
       float* o = p.out + (b * H + h0) * D;
       for (int64_t h = 0; h < heads; ++h)
@@ -736,13 +737,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
     return successor;
   };
-  Items work(items, split, kv_per_item);
 #pragma omp parallel num_threads(threads)
   {
     Scratch s(kv_per_item * p.group, D / 16);
     // Each item's walk may claim the next one (Items): then that is this thread's next.
     for (int64_t i = work.claim(); i < items;) {
-      const int64_t claimed = run_item(i, s, &work);
+      const int64_t claimed = run_item(i, s);
       i = claimed >= 0 ? claimed : work.claim();
     }
   }

@@ -1,6 +1,6 @@
 // What the two bfloat16 linears over the AMX tile layout share (amx_gemm.cpp on AMX tiles,
 // dot_gemm.cpp on avx512_bf16 dot products): their arguments' checks, and the rounding of a
-// block of float32 sums (+ bias) into bfloat16 output rows.
+// block of float32 sums (+ bias) into bfloat16 output rows (or float32 ones).
 //
 //   packed [NB, KB, 16, 32]: column block nb's pair p of inputs (2p, 2p + 1) at [nb][p / 16]
 //   [p % 16], 16 columns x 2 (servelm/layers/amx_linear.py, pack_weight).
@@ -49,6 +49,16 @@ inline void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
       store16(yr + j, v);
     }
     for (; j < cols; ++j) yr[j] = c10::BFloat16(cr[j] + (bias ? bias[n0 + j] : 0.0f));
+  }
+}
+
+// The same rows kept float32 (dot_linear_float: a head's logits).
+inline void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
+                       const float* bias, int64_t n0, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cr = c + r * ldc;
+    float* yr = y + r * ldy + n0;
+    for (int64_t j = 0; j < cols; ++j) yr[j] = cr[j] + (bias ? bias[n0 + j] : 0.0f);
   }
 }
 

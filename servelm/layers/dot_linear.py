@@ -3,8 +3,8 @@
 The weight is laid out once, at load, as AmxLinear lays it out (servelm/layers/amx_linear.py:
 blocks of 16 output columns, each pair of inputs one 64-byte row), the order VDPBF16PS takes
 its second operand in; the bias is kept in float32 and added before the one rounding of each
-output to bfloat16 (a head's outputs stay float32: float_out). The threads split the output columns, each streaming its own columns of
-the weight once for every row of the step.
+output to bfloat16 (a head's outputs stay float32: float_out). The threads split the output
+columns, each streaming its own columns of the weight once for every row of the step.
 
 Where it runs: a CPU whose avx512_bf16 the probe saw run (servelm/cpu_kernels/isa.py) and
 that has no usable AMX (there AmxLinear pairs with oneDNN instead). There it replaces oneDNN's
