@@ -51,4 +51,4 @@ def test_a_later_arrival_behind_the_bursts_backlog_is_queueings_too():
     assert top.name == "queueing", [s.to_dict() for s in d.suspects]
     assert d.num_tail == 5  # the three late ones and two of the burst
     assert top.tail_share == 1.0 and top.score > 0.8
-    assert "were waiting when they arrived" in top.evidence
+    assert "5 were waiting when they arrived (body 0)" in top.evidence  # the tail median
