@@ -25,7 +25,7 @@ from servelm.models import get_model_class
 from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
-from servelm.runner.kv_cache import KVCache, kv_storage_dtype
+from servelm.runner.kv_cache import PREFAULT_BYTES, KVCache, kv_storage_dtype
 from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
 
 logger = logging.getLogger(__name__)
@@ -328,6 +328,11 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
     with startup.timer().stage("kv_alloc"):
         kv_cache = KVCache(model_config, num_blocks, cache_config.block_size, kv_dtype, device)
+        # the blocks handed out first, mapped now: never more than max_num_seqs sequences of
+        # max_model_len tokens could hold (a small model's tests map next to nothing)
+        per_token = KVCache.bytes_per_block(model_config, cache_config.block_size,
+                                            kv_dtype) // cache_config.block_size
+        kv_cache.prefault(min(PREFAULT_BYTES, args.max_num_seqs * max_model_len * per_token))
     backend = get_backend_class(args.attention_backend)(kv_cache, model_config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
