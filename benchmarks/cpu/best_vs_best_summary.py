@@ -1,8 +1,9 @@
 """Summary of a benchmarks/cpu/run_best_vs_best.sh run -> summary.json, summary.md, summary.png.
 
-Owns: reading the run's per-system `bench offline` results (batch-*.json, single-*.json),
-the table of every system on both workloads, and the ratios the bar is stated in: servelm's
-default against each peer's best configuration on this CPU.
+Owns: reading the run's per-system `bench offline` results (batch-*.json, single-*.json;
+with ROUNDS=N, one file a system and round: batch-*.r<N>.json), the table of every system on
+both workloads (each system's median round), and the ratios the bar is stated in: servelm's
+default against each peer's best configuration on this CPU, and round by round.
 Never: runs a system (the shell script does, one at a time), or reads a figure from anywhere
 but the run's own folder.
 """
@@ -37,18 +38,43 @@ BARS = [("batch", ["default"], ["vllm", "vllm-bf16"], 1.5, "output_tok_s"),
 SIMD_FLAG = re.compile(r"^(sse4|avx|amx|fma|f16c|bmi|vnni)")
 
 
-def load_run(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
-    """{workload: {system key: result}}; a system that failed keeps its error."""
-    runs: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in WORKLOADS}
+METRIC = {"batch": "output_tok_s", "single": "decode_tok_s"}  # what a round is ranked by
+ROUND = re.compile(r"\.r(\d+)$")  # ROUNDS=N runs: <workload>-<system>.r<round>.json
+
+
+def load_rounds(folder: Path) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
+    """{workload: {system key: {round: result}}} (round 1 for a run of one round); a system
+    that failed keeps its error."""
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {w: {} for w in WORKLOADS}
+
+    def files(stem: str):
+        for path in sorted(folder.glob(f"{stem}*.json")):
+            rest = path.name[len(stem):-len(".json")]
+            match = ROUND.fullmatch(rest)
+            if rest == "" or match:
+                yield (int(match.group(1)) if match else 1), path
+
     for workload in WORKLOADS:
         for name in SERVELM_CONFIGS:
-            path = folder / f"{workload}-servelm-{name}.json"
-            if path.exists():
-                runs[workload][name] = json.loads(path.read_text())[0]
-        path = folder / f"{workload}-peers.json"
-        for result in json.loads(path.read_text()) if path.exists() else []:
-            runs[workload][result["system"]] = result
+            for rnd, path in files(f"{workload}-servelm-{name}"):
+                runs[workload].setdefault(name, {})[rnd] = json.loads(path.read_text())[0]
+        for rnd, path in files(f"{workload}-peers"):
+            for result in json.loads(path.read_text()):
+                runs[workload].setdefault(result["system"], {})[rnd] = result
     return runs
+
+
+def median_result(rounds: dict[int, dict[str, Any]], metric: str) -> dict[str, Any]:
+    """The round whose `metric` is the median of the rounds that ran (the lower middle one
+    of an even count); the first round's error where none ran."""
+    ran = sorted((r for r in rounds.values() if r.get(metric)), key=lambda r: r[metric])
+    return ran[(len(ran) - 1) // 2] if ran else rounds[min(rounds)]
+
+
+def medians(rounds: dict) -> dict[str, dict[str, dict[str, Any]]]:
+    """{workload: {system key: result}}: each system's median round (load_rounds' form in)."""
+    return {w: {key: median_result(rs, METRIC[w]) for key, rs in systems.items()}
+            for w, systems in rounds.items()}
 
 
 def label(key: str, runs: dict) -> str:
@@ -76,7 +102,23 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def ratio_entries(runs: dict) -> list[dict[str, Any]]:
+def round_ratios(rounds: dict, entry: dict) -> list[dict[str, Any]]:
+    """An entry's two systems round by round (the rounds both ran), in order."""
+    workload, key = entry["workload"], entry["metric"]
+    mine = rounds[workload].get(entry["servelm"], {})
+    theirs = rounds[workload].get(entry["peer"], {})
+    out = []
+    for rnd in sorted(set(mine) & set(theirs)):
+        a, b = mine[rnd].get(key), theirs[rnd].get(key)
+        if a and b:
+            out.append({"round": rnd, "servelm_value": round(a, 2), "peer_value": round(b, 2),
+                        "ratio": round(a / b, 3)})
+    return out
+
+
+def ratio_entries(runs: dict, rounds: dict | None = None) -> list[dict[str, Any]]:
+    """The bars on each system's median round; with `rounds`, each bar's pair round by
+    round too (`rounds` in the entry, where there was more than one)."""
     entries = []
     for workload, ours, theirs, bar, key in BARS:
         have = runs[workload]
@@ -94,6 +136,9 @@ def ratio_entries(runs: dict) -> list[dict[str, Any]]:
                         "servelm_value": round(mine[best_mine], 2), "peer": best_peer,
                         "peer_value": round(peers[best_peer], 2), "ratio": round(ratio, 3),
                         "bar": bar, "met": ratio >= bar})
+        by_round = round_ratios(rounds, entries[-1]) if rounds else []
+        if len(by_round) > 1:
+            entries[-1]["rounds"] = by_round
     return entries
 
 
@@ -130,7 +175,7 @@ def shape(workload: dict | None) -> str:
 
 
 def render_markdown(rows: list[dict], ratios: list[dict], machine: dict,
-                    workloads: dict) -> str:
+                    workloads: dict, rounds: int = 1) -> str:
     lines = [f"CPU: {machine.get('cpu')}, {machine.get('threads')} threads; flags: "
              f"{' '.join(machine.get('cpu_flags', []))}", "",
              f"| system | {shape(workloads['batch'])}: output tok/s | TTFT mean ms | peak MiB "
@@ -155,6 +200,13 @@ def render_markdown(rows: list[dict], ratios: list[dict], machine: dict,
                      f"{e['servelm_value']} / {LABELS[e['peer']]} {e['peer_value']} = "
                      f"**{e['ratio']:.2f}x** (bar {e['bar']}x: "
                      f"{'met' if e['met'] else 'not met'})")
+        if e.get("rounds"):
+            lines.append("  - round by round: " + ", ".join(
+                f"{r['servelm_value']:.1f} / {r['peer_value']:.1f} = {r['ratio']:.2f}x"
+                for r in e["rounds"]))
+    if rounds > 1:
+        lines.insert(2, f"Each figure: the median of {rounds} rounds, the systems run in turn "
+                        "in each round.\n")
     return "\n".join(lines) + "\n"
 
 
@@ -199,22 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--command", required=True, help="the command that made the run")
     args = p.parse_args(argv)
     folder = Path(args.folder)
-    runs = load_run(folder)
+    rounds = load_rounds(folder)
+    runs = medians(rounds)
+    num_rounds = max((len(rs) for systems in rounds.values() for rs in systems.values()),
+                     default=1)
     found = [r for w in runs.values() for r in w.values()]
     if not found:
         print(f"error: folder: no results in {folder}", file=sys.stderr)
         return 2
     machine = dict(next((r["machine"] for r in found if r.get("machine")), {}))
     machine["cpu_flags"] = cpu_flags()
-    rows, ratios = table_rows(runs), ratio_entries(runs)
+    rows, ratios = table_rows(runs), ratio_entries(runs, rounds)
     summary = {"kind": "best-vs-best", "command": args.command, "machine": machine,
                "commits": sorted({r["commit"] for r in found if r.get("commit")}),
                "summary_commit": git_commit(),
                "workloads": {w: next((r.get("workload") for r in runs[w].values()
                                       if r.get("workload")), None) for w in WORKLOADS},
-               "systems": rows, "ratios": ratios}
+               "rounds": num_rounds, "systems": rows, "ratios": ratios}
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    markdown = render_markdown(rows, ratios, machine, summary["workloads"])
+    markdown = render_markdown(rows, ratios, machine, summary["workloads"], num_rounds)
     (folder / "summary.md").write_text(markdown)
     has = lambda flag: "yes" if flag in machine["cpu_flags"] else "no"
     plot(rows, folder / "summary.png",

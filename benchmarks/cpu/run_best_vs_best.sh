@@ -18,6 +18,7 @@
 #   bash benchmarks/cpu/run_best_vs_best.sh          # the record, ~20 min on 2 quiet cores
 #   DRY=1 bash benchmarks/cpu/run_best_vs_best.sh    # tiny sizes, results in /tmp
 #   SERVELM_CONFIGS="default gguf" PEER_LIST=vllm-bf16 ...   # a subset
+#   ROUNDS=3 ...   # each system 3 times, in turn; the summary takes medians
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=${PEERS:-/work/peers}
@@ -35,6 +36,9 @@ else
 fi
 COMMON=(--threads 2 --seed 0 --max-num-seqs 64 --no-progress)
 PEER_LIST=${PEER_LIST-vllm,vllm-bf16,llama-server,llama.cpp}  # PEER_LIST= : none
+# ROUNDS=N: every system N times, in turn within each round; the summary takes each one's
+# median round (one system's runs moved by 10-25% on the shared machines of these records)
+ROUNDS=${ROUNDS:-1}
 PEER_ARGS=(--peers "$PEER_LIST"
            --peer-python "llama.cpp=$PEERS/llama/bin/python,vllm=$PEERS/vllm/bin/python"
            --peer-model "vllm=$PEERS/smollm2-hf"
@@ -70,12 +74,16 @@ run() {  # $1: workload (batch|single), $2: result name, rest: bench offline fla
       2> "$OUT/logs/$workload-$name.log" || echo "  $workload $name: exit $?" >&2
 }
 
-for workload in batch single; do
-  for config in $CONFIGS; do
-    # shellcheck disable=SC2086  # FLAGS holds several words
-    run "$workload" "servelm-$config" ${FLAGS[$config]}
+for round in $(seq 1 "$ROUNDS"); do
+  tag=""  # one round: <workload>-<system>.json; more: <workload>-<system>.r<round>.json
+  [ "$ROUNDS" -eq 1 ] || tag=".r$round"
+  for workload in batch single; do
+    for config in $CONFIGS; do
+      # shellcheck disable=SC2086  # FLAGS holds several words
+      run "$workload" "servelm-$config$tag" ${FLAGS[$config]}
+    done
+    [ -z "$PEER_LIST" ] || run "$workload" "peers$tag" --no-servelm "${PEER_ARGS[@]}"
   done
-  [ -z "$PEER_LIST" ] || run "$workload" peers --no-servelm "${PEER_ARGS[@]}"
 done
 echo "load after: $(cat /proc/loadavg); $(( $(date +%s) - START )) s" >&2
 "$PY" benchmarks/cpu/best_vs_best_summary.py "$OUT" \

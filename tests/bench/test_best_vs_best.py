@@ -98,6 +98,38 @@ def test_a_side_with_no_result_is_named_not_divided(tmp_path):
                                     "llama.cpp"]
 
 
+def test_rounds_take_each_systems_median_and_show_every_round(tmp_path):
+    # three rounds, the systems in turn: vLLM's middle round is 200, servelm's 300
+    for rnd, (ours, vllm_bf16) in enumerate([(310.0, 250.0), (300.0, 150.0), (250.0, 200.0)]):
+        write(tmp_path, f"batch-servelm-default.r{rnd + 1}", [result("servelm", ours, 5.0)])
+        write(tmp_path, f"batch-peers.r{rnd + 1}",
+              [result("vllm-bf16", vllm_bf16, 4.0), result("vllm", 90.0, 3.0)])
+    write(tmp_path, "batch-servelm-default.r3.old", [result("servelm", 1.0, 1.0)])  # not a round
+    summary = load_summary()
+    assert summary.main([str(tmp_path), "--command", "ROUNDS=3 bash x.sh"]) == 0
+    data = json.loads((tmp_path / "summary.json").read_text())
+    vs_vllm = data["ratios"][0]
+    assert data["rounds"] == 3
+    assert (vs_vllm["servelm_value"], vs_vllm["peer_value"], vs_vllm["ratio"]) == \
+        (300.0, 200.0, 1.5)
+    assert [r["ratio"] for r in vs_vllm["rounds"]] == [1.24, 2.0, 1.25]
+    rows = {r["key"]: r for r in data["systems"]}
+    assert rows["vllm-bf16"]["batch"]["output_tok_s"] == pytest.approx(200.0)
+    md = (tmp_path / "summary.md").read_text()
+    assert "the median of 3 rounds" in md
+    assert "round by round: 310.0 / 250.0 = 1.24x, 300.0 / 150.0 = 2.00x" in md
+
+
+def test_a_round_that_failed_is_not_a_median(tmp_path):
+    write(tmp_path, "batch-servelm-default.r1", [result("servelm", 0, 0, error="exit 1")])
+    write(tmp_path, "batch-servelm-default.r2", [result("servelm", 280.0, 5.0)])
+    write(tmp_path, "batch-servelm-float32.r1", [result("servelm", 0, 0, error="exit 9")])
+    summary = load_summary()
+    runs = summary.medians(summary.load_rounds(tmp_path))
+    assert runs["batch"]["default"]["output_tok_s"] == pytest.approx(280.0)
+    assert runs["batch"]["float32"]["error"] == "exit 9"
+
+
 def test_empty_folder_is_an_error(tmp_path, capsys):
     assert load_summary().main([str(tmp_path), "--command", "x"]) == 2
     assert "folder" in capsys.readouterr().err
