@@ -64,7 +64,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     Private, not shared (Python's default for an anonymous map): a shared page costs more
     to fault in, and a 2048-token prefill step stores 1.5 MB of K/V a layer into fresh
     blocks (docs/benchmarks.md, step-profile record). Transparent huge pages (madvise) were
-    tried and made those stores about 4x slower: each fault zeroes 2 MiB, and compacts.
+    tried twice and dropped: faulted lazily they made those stores about 4x slower (on the CI
+    machine's VM the host backs fresh guest memory on first touch, which a 2 MiB page meets
+    more often: 2.2 s for the first 512 MiB of them, 0.02 s once backed), and on the part
+    mapped at start-up they ran the default batch no faster than 4 KiB pages.
     The pool is never shared with a forked process. The blocks handed out first are mapped
     at start-up (KVCache.prefault)."""
     if torch.device(device).type != "cpu":
