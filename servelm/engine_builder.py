@@ -330,8 +330,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         kv_cache = KVCache(model_config, num_blocks, cache_config.block_size, kv_dtype, device)
         # the blocks handed out first, mapped now: never more than max_num_seqs sequences of
         # max_model_len tokens could hold (a small model's tests map next to nothing)
-        per_token = KVCache.bytes_per_block(model_config, cache_config.block_size,
-                                            kv_dtype) // cache_config.block_size
+        per_token = kv_cache.block_nbytes // cache_config.block_size
         kv_cache.prefault(min(PREFAULT_BYTES, args.max_num_seqs * max_model_len * per_token))
     backend = get_backend_class(args.attention_backend)(kv_cache, model_config.num_heads,
                                                         config.head_dim ** -0.5)

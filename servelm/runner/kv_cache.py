@@ -146,8 +146,7 @@ class KVCache:
         one by one. Returns the number of blocks mapped (0 off the CPU: nothing to do)."""
         if self.k.device.type != "cpu":
             return 0
-        per_block = sum(t[0, :self.block_size].numel() * t.element_size() * t.shape[0]
-                        for t in (self.k, self.v))
+        per_block = self.block_nbytes
         blocks = min(self.num_blocks, budget // per_block) if per_block else 0
         for pool in (self.k, self.v):
             for layer in pool:
