@@ -7,9 +7,10 @@
 // A decode step of 64 sequences over a 49,152-token vocabulary has 3.1M logits, and the
 // runner's eager path walked them six times (the float32 copy, max, >=, sum, argmax, and the
 // sampler's argmax again), each a parallel region over a row-major reduction. Here one
-// thread takes a row: it converts and stores it while keeping the running maximum, then
-// finds the maximum's first index and counts the near logits in the row it just wrote
-// (still in its L2). `near` is what servelm/runner/logits.py needs to know whether a 16-bit
+// thread takes a row: it converts and stores it while keeping each lane's running maximum
+// and where it first occurred (a scalar search for the maximum's first index afterwards
+// was ~10 us a row of this vocabulary), then counts the near logits in the row it just
+// wrote (still in its L2). `near` is what servelm/runner/logits.py needs to know whether a 16-bit
 // head left a tie to recompute in float32; a row with near == 1 has a clear maximum.
 //
 // Agrees with torch: argmax is the first index of the maximum, and a row holding a NaN has
@@ -57,25 +58,37 @@ template <typename T>
 std::pair<int64_t, int32_t> one_row(const T* x, float* out, int64_t V) {
   constexpr bool kCopy = !std::is_same<T, float>::value;
   const float lowest = -std::numeric_limits<float>::infinity();
+  // each lane's maximum and where it first occurs (a strictly greater value moves it)
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   f32x16 vmax = splat(lowest);
-  i32x16 vnan = i32x16{};
+  i32x16 vfirst = lane, vnan = i32x16{};
   int64_t i = 0;
   for (; i + 16 <= V; i += 16) {
     const f32x16 v = load_row16(x + i);
     if (kCopy) store16(out + i, v);
-    vmax = max16(v, vmax);
+    const i32x16 up = gt_mask16(v, vmax);
+    vmax = select16(up, v, vmax);
+    vfirst = select16(up, lane + int32_t(i), vfirst);
     vnan |= nan_mask16(v);
   }
+  // the row's maximum; its first index: the least of the first indices of the lanes that
+  // hold it (all -inf: index 0, as torch)
   float m = lowest;
   bool nan = false;
   for (int l = 0; l < 16; ++l) {
     m = vmax[l] > m ? vmax[l] : m;
     nan |= vnan[l] != 0;
   }
+  int64_t first = 0;
+  if (i > 0) {
+    first = V;
+    for (int l = 0; l < 16; ++l)
+      if (vmax[l] == m) first = std::min<int64_t>(first, vfirst[l]);
+  }
   for (; i < V; ++i) {
     const float v = float(x[i]);
     if (kCopy) out[i] = v;
-    m = v > m ? v : m;
+    if (v > m) m = v, first = i;
     nan |= v != v;
   }
   const float* row = kCopy ? out : reinterpret_cast<const float*>(x);
@@ -84,8 +97,6 @@ std::pair<int64_t, int32_t> one_row(const T* x, float* out, int64_t V) {
     while (!(row[j] != row[j])) ++j;
     return {j, 1};
   }
-  int64_t first = 0;
-  while (row[first] != m && first + 1 < V) ++first;  // all -inf: index 0, as torch
   if (!std::isfinite(m)) return {first, 1};
   int e = 0;
   std::frexp(m, &e);  // |m| = f * 2^e, f in [0.5, 1): floor(log2 |m|) = e - 1

@@ -4,8 +4,8 @@
 // Without AVX-512 GCC splits plain arithmetic into two 256-bit halves well, but turns a
 // 16-lane select (`a < b ? x : y`), a two-input shuffle, a float -> int conversion or a loop
 // over lanes into 16 scalar operations through the stack. The kernels therefore say those
-// through the functions here (keep_first, max16, nan_mask16, ge_mask16, clamp16, to_int16,
-// lane_sum, lane_max), which have AVX2 bodies of two 256-bit halves: the same lanes, except
+// through the functions here (keep_first, max16, gt_mask16, select16, nan_mask16, ge_mask16,
+// clamp16, to_int16, lane_sum, lane_max), which have AVX2 bodies of two 256-bit halves: the same lanes, except
 // that lane_sum adds in a tree instead of lane by lane (another rounding of the same sum).
 #pragma once
 
@@ -90,6 +90,38 @@ inline f32x16 max16(f32x16 a, f32x16 b) {
   return join8(_mm256_max_ps(half8(a, 0), half8(b, 0)), _mm256_max_ps(half8(a, 1), half8(b, 1)));
 #else
   return a > b ? a : b;
+#endif
+}
+
+// -1 in the lanes where a > b (false for NaN), else 0.
+inline i32x16 gt_mask16(f32x16 a, f32x16 b) {
+#if defined(SERVELM_VEC16_HALVES)
+  return join8(_mm256_castps_si256(_mm256_cmp_ps(half8(a, 0), half8(b, 0), _CMP_GT_OQ)),
+               _mm256_castps_si256(_mm256_cmp_ps(half8(a, 1), half8(b, 1), _CMP_GT_OQ)));
+#else
+  return a > b;
+#endif
+}
+
+// mask ? a : b, lane by lane (mask lanes -1 or 0).
+inline f32x16 select16(i32x16 mask, f32x16 a, f32x16 b) {
+#if defined(SERVELM_VEC16_HALVES)
+  return join8(_mm256_blendv_ps(half8(b, 0), half8(a, 0), _mm256_castsi256_ps(half8(mask, 0))),
+               _mm256_blendv_ps(half8(b, 1), half8(a, 1), _mm256_castsi256_ps(half8(mask, 1))));
+#else
+  return mask ? a : b;
+#endif
+}
+inline i32x16 select16(i32x16 mask, i32x16 a, i32x16 b) {
+#if defined(SERVELM_VEC16_HALVES)
+  const auto half = [&](int h) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(half8(b, h)),
+                                                _mm256_castsi256_ps(half8(a, h)),
+                                                _mm256_castsi256_ps(half8(mask, h))));
+  };
+  return join8(half(0), half(1));
+#else
+  return mask ? a : b;
 #endif
 }
 

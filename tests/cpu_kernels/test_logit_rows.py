@@ -33,6 +33,8 @@ def test_matches_torch(ops, dtype, vocab):
         x[4, vocab // 2] = float("nan")
         x[5, :] = float("-inf")
         x[6, 5] = float("inf")
+        x[0, 32] = x[0, 16] = x[0].max() + 1  # a tie in one lane of 16: the first
+        x[1, 17] = x[1, vocab - 1] = x[1].max() + 1  # ... and with the row's last logit
     out, argmax, near = ops.logit_rows(x)
     assert out.dtype == torch.float32 and torch.equal(out.nan_to_num(), x.float().nan_to_num())
     assert (out.data_ptr() == x.data_ptr()) == (dtype == torch.float32)  # float32: no copy
@@ -43,6 +45,7 @@ def test_matches_torch(ops, dtype, vocab):
     assert (near[~finite] == 1).all()
     if vocab > 16:
         assert argmax[2] == vocab // 3 and near[2] >= 2 and near[3] == vocab
+        assert argmax[0] == 16 and argmax[1] == 17
 
 
 def test_bad_input_is_named(ops):
