@@ -25,6 +25,8 @@ from servelm.runner.cpu_decode import CpuDecodeStack
 class TensorParallelDecodeStack(CpuDecodeStack):
     """A CpuDecodeStack over one rank's shard whose C++ stack all-reduces over `group`."""
 
+    row_split = False  # two slices' all-reduces would interleave on one group
+
     def __init__(self, model, kv_cache, backend, group):
         super().__init__(model, kv_cache, backend)
         self.group = group  # servelm.parallel.group.ParallelGroup

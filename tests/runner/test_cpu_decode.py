@@ -127,3 +127,56 @@ def test_draft_models_run_their_steps_in_a_stack(tmp_path, tiny_hf, tiny_engine,
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stack = engine.runner.proposer.stack
     assert stack is not None and stack.steps > 0
+
+
+def test_row_parts_cuts_plain_decode_steps_into_two_balanced_slices():
+    """Two slices of at least ROW_PART_MIN_ROWS rows each, only at two threads; the cut
+    balances rows (linears) and context (attention)."""
+    row_parts, least = cpu_decode.row_parts, cpu_decode.ROW_PART_MIN_ROWS
+    assert row_parts([150] * 64, 2) == [0, 32, 64]
+    assert row_parts([150] * (2 * least - 1), 2) == [0, 2 * least - 1]  # too few rows
+    assert row_parts([150] * 64, 1) == [0, 64] and row_parts([150] * 64, 4) == [0, 64]
+    # long contexts first: the first slice takes fewer rows
+    lens = [400] * 32 + [10] * 32
+    bounds = row_parts(lens, 2)
+    assert least < bounds[1] < 32
+    costs = [cpu_decode.ROW_COST_POSITIONS + n for n in lens]
+    first, second = sum(costs[:bounds[1]]), sum(costs[bounds[1]:])
+    assert 0 <= first - second < 2 * max(costs)  # the first row to reach half is the cut
+    # never fewer than the minimum rows in a slice, however skewed the contexts
+    assert row_parts([100_000] + [1] * (2 * least), 2)[1] == least
+
+
+needs_dot = pytest.mark.skipif(
+    "not __import__('servelm.layers.dot_linear', fromlist=['x']).dot_usable()"
+    " or __import__('servelm.layers.amx_linear', fromlist=['x']).amx_usable()",
+    reason="a bfloat16 model's linears are DotLinears only where avx512_bf16 runs and AMX "
+           "does not")
+
+
+@needs_dot
+def test_many_row_decode_steps_run_in_slices_with_the_eager_tokens(tiny_hf, tiny_engine):
+    """A bfloat16 model on DotLinears at two threads: decode steps of >= 2 x
+    ROW_PART_MIN_ROWS rows run as two slices of rows, a thread each (DecodeStack.run_parts),
+    with the eager model's tokens and logprobs, bit for bit."""
+    hf = tiny_hf("llama")
+    prompts = [[(7 * i + 3 * j) % 380 + 1 for j in range(2 + i % 13)] for i in range(56)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    kwargs = dict(dtype="bfloat16", max_num_seqs=64, num_blocks=1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = {}
+        for mode in ("kernel", "torch"):
+            engine = tiny_engine(hf, cpu_kernels=f"decode={mode}", **kwargs)
+            gen = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
+            outs[mode] = [o.outputs[0] for o in gen]
+            if mode == "kernel":
+                stack = engine.runner.cpu_stack
+                assert stack.split_steps >= 10 and stack.split_steps == stack.steps
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(outs["kernel"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
