@@ -168,13 +168,12 @@ class DecodeStack : public torch::CustomClassHolder {
   // the result is run()'s, bit for bit. Rows must be independent (plain decodes: no
   // sequence's verification rows in two slices) and there must be no all-reduce.
   //
-  // Why: run() splits each kernel's work between the threads, so both cores stream the KV
-  // cache at once in every layer's attention (memory-bound: ~38 GB/s from two cores, ~27 GB/s
-  // from one, random 6 KB blocks on an AMD EPYC, Zen 5) and meet at ~240 barriers a step.
-  // A slice a thread keeps the linears' rate (one thread with 32 rows does what two do with
-  // 64) and its attention overlaps the other's linears. servelm/runner/cpu_decode.py
-  // (row_parts) decides when: each slice must keep enough rows, or every slice streaming all
-  // the weights costs more than it saves.
+  // Why: run() splits each kernel's work between the threads, which meet at the end of
+  // every kernel (~240 barriers a step; 8% of two cores' time in OpenMP's spin-waits at a
+  // 64-row step on an AMD EPYC, Zen 5). A slice a thread keeps the linears' rate (one thread
+  // with 32 rows does what two do with 64) and meets the other once.
+  // servelm/runner/cpu_decode.py (row_parts) decides when: each slice must keep enough rows,
+  // or every slice streaming all the weights costs more than it saves.
   at::Tensor run_parts(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor tables,
                        at::Tensor seq_lens, int64_t layers, bool final_norm,
                        std::vector<int64_t> bounds) {

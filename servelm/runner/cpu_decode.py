@@ -40,14 +40,16 @@ from servelm import cpu_kernels
 from servelm.runner.forward_batch import ForwardBatch
 
 PART = "decode"  # of CpuKernelChoice
-# A plain decode step of many rows on a bfloat16 model's DotLinears runs as slices of rows, a
-# thread each (DecodeStack.run_parts): each thread's attention then streams its sequences'
-# KV cache while the other multiplies. Measured on an AMD EPYC (Zen 5), 2 threads, the
-# default model, one step re-run 40 times each way: 48 rows 20.2 -> 19.4 ms, 64 rows 25.6 ->
-# 25.1, 128 rows 50.0 -> 46.0; but 40 rows 16.6 -> 16.8 and 32 rows 14.8 -> 18.5 (a slice of
-# few rows streams all the weights for little work). Not measured with more threads (each
-# slice would stream the weights once more) nor on float32 linears (oneDNN's and the panel
-# GEMM: 64 rows 60.6 -> 62.5 ms slower), so neither is split.
+# A plain decode step of many rows on a bfloat16 model's DotLinears runs as two slices of
+# rows, a thread each (DecodeStack.run_parts): each core takes its rows through every layer,
+# meeting the other once a step instead of at every kernel (~240 barriers). Record
+# decode-row-split-20261206T135528Z (benchmarks/cpu/decode_row_split.py; AMD EPYC, Zen 5,
+# 2 threads, the default model; one step whole against in slices, medians of 40): 48 rows
+# 19.22 -> 17.63 ms, 64 rows 25.09 -> 24.66, 128 rows 48.44 -> 44.57; but 40 rows 16.64 ->
+# 16.63 and 32 rows 14.01 -> 17.67 (a slice streams all the weights: few rows pay memory for
+# little work). Not split: float32 linears (oneDNN's and the panel GEMM; 64 rows 60.6 -> 62.5
+# ms, measured ad hoc) and more threads (each further slice streams the weights once more;
+# not measured).
 ROW_PART_MIN_ROWS = 24  # rows each slice must keep
 ROW_PART_THREADS = 2  # the intra-op thread count it is measured at: two slices
 # A row's linears cost about what attention over this many context positions does (the
