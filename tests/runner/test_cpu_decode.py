@@ -131,18 +131,24 @@ def test_draft_models_run_their_steps_in_a_stack(tmp_path, tiny_hf, tiny_engine,
 
 def test_row_parts_cuts_plain_decode_steps_into_two_balanced_slices():
     """Two slices of at least ROW_PART_MIN_ROWS rows each, only at two threads; the cut
-    balances rows (linears) and context (attention)."""
+    balances whole row blocks of the linears and context (attention)."""
     row_parts, least = cpu_decode.row_parts, cpu_decode.ROW_PART_MIN_ROWS
+    block, row = cpu_decode.GEMM_ROW_BLOCK, cpu_decode.ROW_COST_POSITIONS
     assert row_parts([150] * 64, 2) == [0, 32, 64]
     assert row_parts([150] * (2 * least - 1), 2) == [0, 2 * least - 1]  # too few rows
     assert row_parts([150] * 64, 1) == [0, 64] and row_parts([150] * 64, 4) == [0, 64]
-    # long contexts first: the first slice takes fewer rows
+    # a little more context on one side does not move the cut off a row block ...
+    assert row_parts([160] * 32 + [150] * 32, 2) == [0, 32, 64]
+    # ... much more does, by whole blocks: the long contexts' slice takes fewer rows
     lens = [400] * 32 + [10] * 32
-    bounds = row_parts(lens, 2)
-    assert least < bounds[1] < 32
-    costs = [cpu_decode.ROW_COST_POSITIONS + n for n in lens]
-    first, second = sum(costs[:bounds[1]]), sum(costs[bounds[1]:])
-    assert 0 <= first - second < 2 * max(costs)  # the first row to reach half is the cut
+    cut = row_parts(lens, 2)[1]
+    assert least <= cut < 32 and cut % block == 0
+
+    def worst(c):  # the costlier slice at cut c, as row_parts prices it
+        blocks = lambda n: -(-n // block) * block * row  # noqa: E731
+        return max(blocks(c) + sum(lens[:c]), blocks(64 - c) + sum(lens[c:]))
+
+    assert worst(cut) == min(worst(c) for c in range(least, 64 - least + 1))
     # never fewer than the minimum rows in a slice, however skewed the contexts
     assert row_parts([100_000] + [1] * (2 * least), 2)[1] == least
 
