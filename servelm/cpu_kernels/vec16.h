@@ -5,8 +5,9 @@
 // 16-lane select (`a < b ? x : y`), a two-input shuffle, a float -> int conversion or a loop
 // over lanes into 16 scalar operations through the stack. The kernels therefore say those
 // through the functions here (keep_first, max16, gt_mask16, select16, nan_mask16, ge_mask16,
-// clamp16, to_int16, lane_sum, lane_max), which have AVX2 bodies of two 256-bit halves: the same lanes, except
-// that lane_sum adds in a tree instead of lane by lane (another rounding of the same sum).
+// clamp16, to_int16, lane_sum, lane_max), which have AVX2 bodies of two 256-bit halves: the
+// same lanes, except that lane_sum adds in a tree instead of lane by lane (another rounding
+// of the same sum).
 #pragma once
 
 #include <c10/util/BFloat16.h>
