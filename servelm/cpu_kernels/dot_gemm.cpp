@@ -38,6 +38,7 @@ using namespace servelm_cpu;
 #if defined(__AVX512BF16__)
 constexpr bool kHaveDot = true;
 constexpr int kMaxRows = 8, kMaxBlocks = 3;
+constexpr int64_t kStreamBytes = int64_t(4) << 20;
 
 // Rows r0..r0+MR-1 of x by column blocks nb0..nb0+NV-1; sums into c [MR][NV * 16].
 // KP: whole pairs of K; odd: K is odd (its last element pairs with zero).
@@ -145,6 +146,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
                             ? 1
                             : std::min(row_blocks, (2 * threads + groups - 1) / groups);
   const int64_t part_rows = (row_blocks + parts - 1) / parts * kMaxRows;
+  // A float32 output larger than both cores' L2 (a head's logits at a decode step: 64 rows x
+  // 49,152 = 12 MiB) is streamed to memory: the default model's head at 64 rows took 4.49 ->
+  // 4.18 ms, and a whole decode step's head and logit pass together 0.3 ms less (measured on
+  // an AMD EPYC, Zen 5).
+  const bool stream = kFloat && M * C * int64_t(sizeof(float)) >= kStreamBytes;
   at::parallel_for(0, groups * parts, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float c[kMaxRows * kMaxBlocks * 16], u[kSilu ? kMaxRows * kMaxBlocks * 16 : 1];
     for (int64_t item = i0; item < i1; ++item) {
@@ -179,13 +185,14 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
           write_silu(c, u, mr, cols, pbias, C, n0, static_cast<c10::BFloat16*>(py) + m0 * C, C);
         } else if constexpr (kFloat) {
           write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0, static_cast<float*>(py) + m0 * C,
-                     C);
+                     C, stream);
         } else {
           write_rows(c, kMaxBlocks * 16, mr, cols, pbias, n0,
                      static_cast<c10::BFloat16*>(py) + m0 * C, C);
         }
       }
     }
+    if (stream) _mm_sfence();  // the streamed rows visible before the op returns
   });
 #endif
 }

@@ -8,6 +8,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "vec16.h"
@@ -52,13 +54,26 @@ inline void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
   }
 }
 
-// The same rows kept float32 (dot_linear_float: a head's logits).
+// The same rows kept float32 (dot_linear_float: a head's logits). With `stream`, whole
+// 64-byte lines go straight to memory (non-temporal stores, no read of the line first; the
+// caller fences): for an output too big to stay in cache, whose reads for ownership cost
+// the GEMM memory time it needs for the weights.
 inline void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols,
-                       const float* bias, int64_t n0, float* y, int64_t ldy) {
+                       const float* bias, int64_t n0, float* y, int64_t ldy,
+                       bool stream = false) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* cr = c + r * ldc;
     float* yr = y + r * ldy + n0;
-    for (int64_t j = 0; j < cols; ++j) yr[j] = cr[j] + (bias ? bias[n0 + j] : 0.0f);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (stream && (reinterpret_cast<uintptr_t>(yr) & 63) == 0)
+      for (; j + 16 <= cols; j += 16) {
+        __m512 v = _mm512_loadu_ps(cr + j);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
+        _mm512_stream_ps(yr + j, v);
+      }
+#endif
+    for (; j < cols; ++j) yr[j] = cr[j] + (bias ? bias[n0 + j] : 0.0f);
   }
 }
 

@@ -41,7 +41,10 @@ def test_dot_linear_matches_reference(m, n, k, bias):
 
 @needs_dot
 @pytest.mark.parametrize("m,n,k,bias", [(64, 49152 // 64, 576, False), (9, 50, 33, True),
-                                        (1, 112, 31, True)])
+                                        (1, 112, 31, True),
+                                        # >= 4 MiB of output: streamed to memory, rows
+                                        # 64-byte aligned, then not (a scalar tail)
+                                        (64, 16400, 96, False), (40, 26237, 64, True)])
 def test_the_float_form_is_the_sums_the_bf16_form_rounds(m, n, k, bias):
     x, w, b = _problem(m, n, k, bias, 11 * m + n)
     layer = DotLinear(w, b)
