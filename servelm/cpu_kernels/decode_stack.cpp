@@ -180,6 +180,8 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t parts = int64_t(bounds.size()) - 1;
     TORCH_CHECK(parts >= 1 && bounds.front() == 0 && bounds.back() == x.size(0),
                 "DecodeStack.run_parts: bounds must run from 0 to the number of rows");
+    for (int64_t p = 0; p < parts; ++p)
+      TORCH_CHECK(bounds[p] < bounds[p + 1], "DecodeStack.run_parts: empty part ", p);
     TORCH_CHECK(reduce_group_.empty(), "DecodeStack.run_parts: not with an all-reduce");
     if (parts == 1) return run(x, positions, slots, tables, seq_lens, layers, final_norm);
     std::vector<at::Tensor> outs(parts);
@@ -188,7 +190,6 @@ class DecodeStack : public torch::CustomClassHolder {
       at::ThreadLocalStateGuard guard(tls);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t r0 = bounds[p], n = bounds[p + 1] - r0;
-        TORCH_CHECK(n > 0, "DecodeStack.run_parts: empty part");
         outs[p] = run(x.narrow(0, r0, n), positions.narrow(0, r0, n), slots.narrow(0, r0, n),
                       tables.narrow(0, r0, n), seq_lens.narrow(0, r0, n), layers, final_norm);
       }
