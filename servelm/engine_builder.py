@@ -230,6 +230,11 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
     source = resolve_model(args.model)
     with timer.stage("config"):
         config = load_model_config(source)
+    if source.kind == "gguf":
+        from servelm.loader.gguf_loader import gguf_reader
+
+        if gguf_reader(source.path).from_cache:  # the metadata parse skipped (gguf_index.py)
+            timer.note("config", "GGUF index cache")
     with timer.stage("tokenizer"):
         tokenizer = load_tokenizer(source)
     args = _resolve_dtype(args, source)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 
@@ -135,15 +134,36 @@ def test_engine_crash_fails_requests_and_marks_dead():
     assert run(main()) is False
 
 
+class _HoldingRunner(FakeRunner):
+    """A FakeRunner that, from step `hold_at` on, waits for `release` before each step: the
+    request it serves cannot finish before the test says so."""
+
+    def __init__(self, hold_at: int, **kwargs):
+        super().__init__(**kwargs)
+        self.hold_at = hold_at
+        self.release = threading.Event()
+
+    def execute(self, step):
+        if self.num_steps + 1 >= self.hold_at:
+            self.release.wait(60)
+        return super().execute(step)
+
+
 def test_stalled_sse_reader_is_dropped_after_the_write_timeout():
-    engine, _ = make_engine(step_s=0.005)
+    """The stalled reader is dropped by the write timeout while its request still runs (the
+    engine is held before the request's last steps until the drop), and the drop aborts the
+    request: it cannot have been its end that closed the stream."""
+    max_tokens = 200
+    runner = _HoldingRunner(hold_at=max_tokens - 20, vocab_size=57, step_s=0.005)
+    engine = fake_engine(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                         max_model_len=256, runner=runner)
 
     async def main():
         ae = AsyncEngine(engine)
         ae.start()
-        stream = ae.submit([req("s", max_tokens=200)])
+        stream = ae.submit([req("s", max_tokens=max_tokens)])
         await stream.admitted
-        dropped = []
+        dropped, unfinished_at_drop = [], []
 
         async def events():
             while True:
@@ -154,7 +174,9 @@ def test_stalled_sse_reader_is_dropped_after_the_write_timeout():
 
         def on_disconnect(why):
             dropped.append(why)
+            unfinished_at_drop.append("s" in stream._unfinished)
             ae.release(stream)  # what the server does: abort the request
+            runner.release.set()
 
         sent = []
 
@@ -166,19 +188,21 @@ def test_stalled_sse_reader_is_dropped_after_the_write_timeout():
         async def receive():
             await asyncio.Event().wait()
 
-        start = time.monotonic()
-        await SSEResponse(events(), write_timeout=0.2, on_disconnect=on_disconnect)(
-            {"type": "http"}, receive, send)
-        elapsed = time.monotonic() - start
-        await asyncio.sleep(0.05)
+        response = SSEResponse(events(), write_timeout=0.2, on_disconnect=on_disconnect)
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 60)
+        for _ in range(1000):  # the abort reaches the engine with its next command
+            if not engine.has_unfinished:
+                break
+            await asyncio.sleep(0.01)
         ae.stop()
-        return dropped, elapsed
+        return dropped, unfinished_at_drop
 
-    dropped, elapsed = run(main())
+    dropped, unfinished_at_drop = run(main())
     assert dropped == ["write_timeout"]
-    assert elapsed < 1.0
+    assert unfinished_at_drop == [True]
     assert engine.block_manager.num_free_blocks == 64
     assert not engine.has_unfinished
+    assert runner.num_steps < max_tokens  # aborted: the last tokens were never made
 
 
 def test_live_server_reports_an_engine_crash_mid_stream():

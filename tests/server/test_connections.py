@@ -5,6 +5,7 @@ cannot pile up until file descriptors run out."""
 
 from __future__ import annotations
 
+import selectors
 import socket
 import time
 
@@ -24,20 +25,45 @@ def server(engine):
     s.stop()
 
 
+WAIT_S = 60  # how long a test waits for the server to close a connection: a deadline on a
+# wait, far beyond every timeout here, so that only a connection left open fails it
+
+
 def _connect(server) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.settimeout(10)
+    sock.settimeout(WAIT_S)
     return sock
 
 
-def _read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
-    """Everything the server sends until it closes; (data, seconds it took)."""
-    start, data = time.monotonic(), b""
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes."""
+    data = b""
     while True:
         chunk = sock.recv(65536)
         if not chunk:
-            return data, time.monotonic() - start
+            return data
         data += chunk
+
+
+def _close_times(socks: list[socket.socket]) -> list[tuple[bytes, float]]:
+    """Read all of `socks` at once until the server closes each: (data, seconds from now to
+    its close) per socket, so that closes timed by the server can be compared."""
+    start = time.monotonic()
+    out: list[list] = [[b"", None] for _ in socks]
+    with selectors.DefaultSelector() as sel:
+        for i, sock in enumerate(socks):
+            sel.register(sock, selectors.EVENT_READ, i)
+        while any(seconds is None for _, seconds in out):
+            ready = sel.select(WAIT_S)
+            assert ready, "the server left a connection open"
+            for key, _ in ready:
+                chunk = key.fileobj.recv(65536)
+                if chunk:
+                    out[key.data][0] += chunk
+                else:
+                    out[key.data][1] = time.monotonic() - start
+                    sel.unregister(key.fileobj)
+    return [(data, seconds) for data, seconds in out]
 
 
 def _count(server, reason: str) -> float:
@@ -48,43 +74,46 @@ def test_half_a_request_line_is_closed_after_the_header_timeout(server):
     before = _count(server, "header_timeout")
     with _connect(server) as sock:
         sock.sendall(b"POST /v1/compl")
-        data, waited = _read_until_closed(sock)
+        data = _read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 408 "), data
     assert b'"code": "header_timeout"' in data
-    assert waited < HEADER_TIMEOUT + 3
+    # the configured deadline closed it, not the default one (10 s)
+    assert f"within {HEADER_TIMEOUT:g}s".encode() in data
     assert _count(server, "header_timeout") == before + 1
 
 
 def test_a_connection_that_sends_nothing_is_closed(server):
     with _connect(server) as sock:
-        data, waited = _read_until_closed(sock)
+        data = _read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 408 ")
-    assert waited < HEADER_TIMEOUT + 3
+    assert f"within {HEADER_TIMEOUT:g}s".encode() in data
 
 
 def test_trickled_headers_do_not_reset_the_deadline(server):
+    """A header byte every 0.1 s, a tenth of the deadline: a deadline that each byte reset
+    would never expire, so the connection's 408 shows that it was not reset."""
     with _connect(server) as sock:
-        start = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\n")
-        closed = False
-        for _ in range(40):  # a header byte every 0.1 s: never complete in time
+        closed, data = False, b""
+        deadline = time.monotonic() + WAIT_S
+        while not closed and time.monotonic() < deadline:
             try:
                 sock.sendall(b"X")
-            except OSError:
+            except OSError:  # the server has closed it and reset our late byte
                 closed = True
                 break
             time.sleep(0.1)
             sock.setblocking(False)
             try:
-                if sock.recv(65536) is not None:
-                    closed = True
-                    break
+                data, closed = sock.recv(65536), True
             except BlockingIOError:
                 pass
+            except OSError:
+                closed = True
             finally:
                 sock.setblocking(True)
         assert closed, "trickled headers kept the connection open"
-        assert time.monotonic() - start < HEADER_TIMEOUT + 3
+        assert not data or data.startswith(b"HTTP/1.1 408 "), data
 
 
 def test_headers_in_time_are_served_and_a_body_may_follow(server):
@@ -99,12 +128,16 @@ def test_headers_in_time_are_served_and_a_body_may_follow(server):
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
-    with _connect(server) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        data, waited = _read_until_closed(sock)
+    """An idle kept-alive connection closes after --keep-alive-timeout (1 s here), not after
+    uvicorn's default (5 s): timed against a silent connection opened with it, which the
+    header deadline (also 1 s) closes, so a loaded machine delays both alike."""
+    with _connect(server) as idle, _connect(server) as silent:
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        (data, idle_s), (silent_data, silent_s) = _close_times([idle, silent])
     assert data.startswith(b"HTTP/1.1 200 ")
     assert b"408" not in data  # closed quietly: idle between requests is keep-alive's
-    assert waited < 1.0 + 3
+    assert silent_data.startswith(b"HTTP/1.1 408 ")
+    assert idle_s < 2.5 * silent_s, (idle_s, silent_s)
 
 
 def test_connections_beyond_the_cap_get_503_and_are_closed(server):
@@ -113,9 +146,10 @@ def test_connections_beyond_the_cap_get_503_and_are_closed(server):
     try:
         time.sleep(0.1)
         with _connect(server) as extra:
-            data, waited = _read_until_closed(extra)
+            data = _read_until_closed(extra)
+        # answered at connect, not left to the header deadline (that would be a 408)
         assert data.startswith(b"HTTP/1.1 503 "), data
-        assert b"too_many_connections" in data and waited < 1.0
+        assert b"too_many_connections" in data
     finally:
         for s in held:
             s.close()
