@@ -1,4 +1,4 @@
-"""The `servelm` command: generate, chat, serve, models, bench, plan.
+"""The `servelm` command: generate, chat, serve, models, bench, plan, kernels.
 
 Each sub-package registers its own sub-command (`add_parser(subparsers)`); this file wires
 them and holds the two that drive the engine directly: `generate` and `chat`.
@@ -25,7 +25,7 @@ _SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
                 "plan": "servelm.planner.cli", "serve": "servelm.server.cli",
                 "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
                 "sim": "servelm.sim.cli", "router": "servelm.router.cli",
-                "doctor": "servelm.doctor.cli"}
+                "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli"}
 _SUBCOMMAND_MODULES = list(_SUBCOMMANDS.values())
 
 

@@ -292,12 +292,13 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     cpu_choice = args.cpu_kernel_choice()
     cpu_kernels.configure(cpu_choice)  # before the model: its layers read it as they build
     if torch.device(args.device).type == "cpu" and str(cpu_choice) != "torch":
-        built = cpu_kernels.is_built()
-        with startup.timer().stage("kernels", note=None if built else "compiled"):
+        with startup.timer().stage("kernels"):
             try:
                 cpu_kernels.load()  # built once per machine; a failure is reported where used
             except Exception:  # noqa: BLE001 - 'auto' falls back to torch, 'kernel' raises later
                 pass
+        if cpu_kernels.source():  # where the library came from: compiled now, prebuilt, ...
+            startup.timer().add("kernels", 0.0, note=cpu_kernels.source())
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()

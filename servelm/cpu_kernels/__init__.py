@@ -22,11 +22,12 @@
     paged_tables.h        the block-table checks of the two paged decode kernels
     tile_linear.h         the argument checks and output rounding of amx_linear and dot_linear
 
-Owns: compiling the sources once per machine (torch.utils.cpp_extension: a C++ compiler and
-ninja, `-O3 -march=native`, OpenMP) into $SERVELM_HOME/torch_extensions, under a name that
-hashes the sources, the torch version and the CPU's instruction sets, then loading them.
-A second process finds the build and only loads it; concurrent first builds take turns
-(cpp_extension's lock file).
+Owns: finding or making the library and loading it: this CPU's own build ($SERVELM_HOME/
+torch_extensions, under a name that hashes the sources, the torch version and the CPU's
+instruction sets; `-march=native`, OpenMP), else a prebuilt library for an instruction-set
+level this CPU runs (prebuilt.py: what a wheel carries), else building this CPU's now
+(build.py: an OS lock so one process builds and the others wait, saying so, and a builder
+that dies hands over at once; `make serve` and `make test` build it at install).
 
 Also owns the process's CpuKernelChoice (servelm/cpu_kernels/choice.py): the engine build
 sets it from EngineArgs.cpu_kernels with `configure()` before it builds the model, and each
@@ -42,8 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -59,9 +58,11 @@ _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_st
             "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h", "tile_linear.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+PREBUILT_DIR = _DIR / "prebuilt"  # where a wheel carries its prebuilt levels (prebuilt.py)
 _lock = threading.Lock()
 _loaded = None  # torch.ops.servelm_cpu once built
 _error: Exception | None = None
+_source = ""
 _warned = False
 _choice = CpuKernelChoice()
 
@@ -142,53 +143,40 @@ def _warn_once(exc: Exception) -> None:
 
 
 def _build() -> None:
-    from torch.utils import cpp_extension
+    """Load this CPU's own build, else a prebuilt level this CPU runs (a wheel's), else build
+    this CPU's (build.py: one builder at a time, progress while it runs)."""
+    import torch
 
-    _put_pip_ninja_on_path()
+    from servelm.cpu_kernels import build, prebuilt
+
+    global _source
+    spec = native_spec()
+    library = spec.library if spec.is_built else None
+    _source = "built for this CPU"
+    if library is None:
+        found = prebuilt.find(PREBUILT_DIR, _source_hash(), torch.__version__)
+        if found is not None:
+            library, level = found
+            _source = f"prebuilt ({level})"
+    if library is None:
+        library = build.ensure_built(spec)
+        _source = "built for this CPU (this run)"
+    torch.ops.load_library(str(library))
+
+
+def native_spec():
+    """The library built for this machine's CPU (-march=native) in $SERVELM_HOME."""
+    from servelm.cpu_kernels.build import BuildSpec
+
     build_dir = _build_dir()
-    name = build_dir.name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir)
-
-    def load() -> None:
-        cpp_extension.load(name, [str(_DIR / s) for s in _SOURCES], extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
-
-    try:
-        load()
-    except OSError:
-        # A process that waited on another's build takes the lock's going as the library's
-        # coming; when the builder was killed and its lock cleared, there is no library.
-        if (build_dir / f"{name}.so").is_file():
-            raise
-        logger.warning("servelm's C++ CPU kernels: the build this process waited for left "
-                       "no library (its builder stopped); building here")
-        load()
+    return BuildSpec(build_dir.name, tuple(str(_DIR / s) for s in _SOURCES), tuple(_CFLAGS),
+                     build_dir)
 
 
-_STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old lost its builder
-
-
-def _clear_stale_lock(build_dir: Path) -> None:
-    """cpp_extension's lock file marks a build in progress and other processes wait for it
-    to go, forever: a builder killed mid-build leaves it behind and every later start would
-    hang. One older than any build is removed, with the partial build beside it (a waiter
-    would otherwise load a library that was never linked)."""
-    import time
-
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age < _STALE_LOCK_S:
-        return
-    logger.warning("servelm's C++ CPU kernels: removing a build lock left %.0f s ago by a "
-                   "build that did not finish (%s); building again", age, lock)
-    for stale in build_dir.iterdir():
-        if stale.is_file():
-            stale.unlink(missing_ok=True)
+def source() -> str:
+    """Where the loaded library came from (for the start-up log): built for this CPU, built
+    for it by this process, or a prebuilt level; "" before a load."""
+    return _source
 
 
 def _build_dir() -> Path:
@@ -200,8 +188,7 @@ def _build_dir() -> Path:
 def is_built() -> bool:
     """Whether this machine already has the library for these sources, torch and CPU (then
     `load()` only loads it; otherwise it compiles first, about a minute on the CI machine)."""
-    d = _build_dir()
-    return (d / f"{d.name}.so").is_file()
+    return native_spec().is_built
 
 
 def _build_key() -> str:
@@ -212,9 +199,16 @@ def _build_key() -> str:
     import torch
 
     h = hashlib.sha256(str(_DIR.resolve()).encode())
+    h.update(_source_hash().encode())
+    h.update(" ".join([torch.__version__, *_CFLAGS, _cpu_flags()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _source_hash() -> str:
+    """The sources' and headers' bytes: a prebuilt library is for exactly these."""
+    h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_DIR / name).read_bytes())
-    h.update(" ".join([torch.__version__, *_CFLAGS, _cpu_flags()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -228,15 +222,3 @@ def _cpu_flags() -> str:
     import platform
 
     return platform.processor() or platform.machine()
-
-
-def _put_pip_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; the PyPI `ninja` package (a dependency) puts it
-    in the venv's bin/, which is not on PATH when servelm runs without activating the venv."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

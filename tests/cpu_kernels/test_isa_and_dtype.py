@@ -1,15 +1,13 @@
-"""The instruction-set probe (cpu_kernels/isa.py), `--dtype auto` (dtype_choice.py) and the
-kernels' stale build lock."""
+"""The instruction-set probe (cpu_kernels/isa.py) and `--dtype auto` (dtype_choice.py); the
+kernels' build lock is tested in test_build.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import time
 
 import pytest
 
-from servelm import cpu_kernels, dtype_choice
+from servelm import dtype_choice
 from servelm.cpu_kernels import isa
 from servelm.loader import ModelSource
 
@@ -78,45 +76,3 @@ def test_auto_dtype_follows_the_cpu_and_the_checkpoint(tmp_path, monkeypatch):
 def test_the_default_gguf_is_stored_quantized(default_model_path):
     source = ModelSource("gguf", default_model_path, "smollm2-135m-instruct")
     assert dtype_choice.stored_dtype(source) == "Q4_1"
-
-
-def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
-    (tmp_path / "lock").write_text("")
-    (tmp_path / "half_built.o").write_text("")
-    cpu_kernels._clear_stale_lock(tmp_path)
-    assert (tmp_path / "lock").exists()  # young: a build may be running
-    old = time.time() - cpu_kernels._STALE_LOCK_S - 60
-    os.utime(tmp_path / "lock", (old, old))
-    cpu_kernels._clear_stale_lock(tmp_path)
-    assert not list(tmp_path.iterdir())
-
-
-def test_a_waited_for_build_that_left_no_library_is_built_here(tmp_path, monkeypatch):
-    """A process that waited on a build whose builder was killed (and its lock cleared) is
-    told the build is done, finds no library, and builds it itself."""
-    from torch.utils import cpp_extension
-
-    monkeypatch.setattr(cpu_kernels, "_build_dir", lambda: tmp_path / "kernels_x")
-    calls = []
-
-    def fake_load(name, sources, build_directory, **kw):
-        calls.append(name)
-        if len(calls) == 1:  # the waiter's load: the lock went, no library came
-            raise OSError(f"Could not load this library: {build_directory}/{name}.so")
-        (tmp_path / "kernels_x" / f"{name}.so").write_text("")  # this process's own build
-
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
-    cpu_kernels._build()
-    assert calls == ["kernels_x", "kernels_x"]
-    assert (tmp_path / "kernels_x" / "kernels_x.so").exists()
-
-    calls.clear()  # a library that exists but does not load is an error, not a rebuild loop
-
-    def broken_load(name, sources, build_directory, **kw):
-        calls.append(name)
-        raise OSError("undefined symbol")
-
-    monkeypatch.setattr(cpp_extension, "load", broken_load)
-    with pytest.raises(OSError, match="undefined symbol"):
-        cpu_kernels._build()
-    assert calls == ["kernels_x"]
