@@ -18,20 +18,31 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
+
+
+def _levels() -> str | None:
+    """The levels to prebuild ('all' or a list), or None: none asked for, or no torch here."""
+    levels = os.environ.get("SERVELM_KERNEL_LEVELS", "all")
+    if levels == "none":
+        return None
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    return levels
 
 
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
-        levels = os.environ.get("SERVELM_KERNEL_LEVELS", "all")
-        if getattr(self, "editable_mode", False) or levels == "none":
+        levels = _levels()
+        if getattr(self, "editable_mode", False):
             return
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            print("servelm: torch is not importable in this build environment: the wheel "
-                  "carries no prebuilt kernels (build with --no-isolation to include them)")
+        if levels is None:
+            print("servelm: no prebuilt kernels in this wheel (SERVELM_KERNEL_LEVELS=none, or "
+                  "torch not importable here: build with --no-isolation to include them)")
             return
         out = Path(self.build_lib) / "servelm" / "cpu_kernels" / "prebuilt"
         env = dict(os.environ, PYTHONPATH=str(Path(self.build_lib).resolve()))
@@ -39,4 +50,17 @@ class BuildPyWithKernels(build_py):
                         "--levels", levels, "--out", str(out)], check=True, env=env)
 
 
-setup(cmdclass={"build_py": BuildPyWithKernels})
+class KernelWheel(bdist_wheel):
+    """A wheel with prebuilt libraries is for one platform (x86-64 Linux), any Python 3: the
+    libraries are torch ops, not Python extension modules."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = _levels() is None
+
+    def get_tag(self):
+        python, abi, platform = super().get_tag()
+        return ("py3", "none", platform) if not self.root_is_pure else (python, abi, platform)
+
+
+setup(cmdclass={"build_py": BuildPyWithKernels, "bdist_wheel": KernelWheel})
