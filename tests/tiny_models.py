@@ -38,6 +38,19 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_checkpoint(hf_model, path):
+    """`hf_model` as a Hugging Face folder servelm can load by path: its safetensors and a
+    word-level tokenizer.json with one word per id of its vocabulary. Returns `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"w{i}": i for i in range(hf_model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
 def make_tiny_engine(hf_model, **engine_kwargs):
     """A servelm engine holding the same weights as `hf_model` (no tokenizer: ids only)."""
     from servelm.config import EngineArgs, ModelConfig

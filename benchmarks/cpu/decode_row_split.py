@@ -36,7 +36,7 @@ def measure(rows: int, reps: int) -> dict:
     from servelm.runner import cpu_decode
 
     llm = LLM(MODEL, max_num_seqs=max(64, rows), seed=0)
-    _generate(llm, warmup_requests(49152, 0), progress=False)
+    _generate(llm, warmup_requests(llm.engine.vocab_size, 0), progress=False)
     stack = llm.engine.runner.cpu_stack
     kept, seen = {}, [0]
     run = cpu_decode.CpuDecodeStack.maybe_run
@@ -50,7 +50,8 @@ def measure(rows: int, reps: int) -> dict:
 
     cpu_decode.CpuDecodeStack.maybe_run = keep
     try:
-        _generate(llm, random_lengths(rows, (32, 256), (128, 128), 49152, 0), progress=False)
+        _generate(llm, random_lengths(rows, (32, 256), (128, 128), llm.engine.vocab_size, 0),
+                  progress=False)
     finally:
         cpu_decode.CpuDecodeStack.maybe_run = run
     fb, policy = kept["fb"], cpu_decode.row_parts

@@ -37,9 +37,11 @@ def hit_rate_bounds(workload: dict, block_size: int = 16, trials: int = 200) -> 
     def full(n: int) -> int:
         return (n - 1) // block_size * block_size
 
+    # the bounds depend on the lengths alone; runs recorded before the result kept its
+    # vocabulary drew from the default model's
     convs = multi_turn(workload["num_conversations"], workload["system_prompt_len"],
                        workload["user_len"], workload["output_len"], workload["turns"],
-                       seed=workload["seed"])
+                       vocab_size=workload.get("vocab_size", 49152), seed=workload["seed"])
     system = full(workload["system_prompt_len"] + 1)
     total = sum(len(t.prompt_token_ids) for c in convs for t in c.turns)
     ideal = sum(system if k == 0 else full(len(c.turns[k - 1].prompt_token_ids) + 1)

@@ -35,7 +35,7 @@ def profile(steps: set[int], threads: int) -> dict:
 
     torch.set_num_threads(threads)
     llm = LLM(MODEL, max_num_seqs=64, seed=0)
-    _generate(llm, warmup_requests(49152, 0), progress=False)
+    _generate(llm, warmup_requests(llm.engine.vocab_size, 0), progress=False)
     runner = llm.engine.runner
     execute, walls, profiled = runner.execute, [], {}
 
@@ -57,7 +57,8 @@ def profile(steps: set[int], threads: int) -> dict:
 
     runner.execute = timed
     t0 = time.perf_counter()
-    _generate(llm, random_lengths(64, (32, 256), (128, 128), 49152, 0), progress=False)
+    _generate(llm, random_lengths(64, (32, 256), (128, 128), llm.engine.vocab_size, 0),
+              progress=False)
     elapsed = time.perf_counter() - t0
     decode = [w["ms"] for w in walls if w["tokens"] == w["seqs"]]
     return {"elapsed_s": elapsed, "steps": walls, "profiled": profiled,

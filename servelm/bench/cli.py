@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from servelm.bench.results import render_table
+from servelm.bench.vocab import workload_vocab_size
 from servelm.bench.workloads import (RangeError, Request, format_range, parse_range,
                                      random_lengths, shared_prefix)
 from servelm.loader.model_cache import DEFAULT_MODEL
@@ -214,7 +215,6 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise FlagError("--step-trace", "traces the steps of a serving engine's loop "
                         "(`servelm serve --step-trace FILE`); bench offline steps the engine "
                         "itself, so nothing would be written")
-    requests = workload_from_args(args)
     peers = parse_peers(args.peers)
     pythons = parse_mapping(args.peer_python, "--peer-python")
     models = parse_mapping(args.peer_model, "--peer-model")
@@ -236,6 +236,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise FlagError("--peer-model", f"no model given for {peer}")
         if peer_backend(peer) == "llama-server" and peer not in bins:
             raise FlagError("--peer-bin", f"no binary given for {peer}")
+    try:  # every system gets ids inside the model's vocabulary (the peers are told it too)
+        args.vocab_size = workload_vocab_size(args.model, args.vocab_size)
+    except RangeError as e:
+        raise FlagError(e.param, str(e)) from None
+    requests = workload_from_args(args)
     info = workload_info(args, requests)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="servelm-bench-") as tmp:
@@ -351,8 +356,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input-len", default="32:256", help="prompt tokens: A or A:B")
     p.add_argument("--output-len", default="128", help="new tokens (EOS ignored): A or A:B")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--vocab-size", type=int, default=49152,
-                   help="prompt token ids are drawn from [100, vocab-size - 100)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [100, vocab-size - 100) (default: "
+                        "the model's vocabulary, from its config)")
     p.add_argument("--out", default=None, help="result JSON (default: "
                    "benchmarks/results/offline-<UTC time>.json); the PNG goes next to it")
     p.add_argument("--peers", default="", help=f"comma-separated, of {', '.join(PEERS)}")

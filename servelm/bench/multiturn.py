@@ -42,7 +42,9 @@ from servelm.bench.loadgen import EndpointConfig, LoopLagSampler, make_client, s
 from servelm.bench.metrics import RequestRecord, build_serve_result, render_serve_table, \
     summarize
 from servelm.bench.results import SCHEMA_VERSION, git_commit, machine_info
-from servelm.bench.workloads import SPECIAL_MARGIN, RangeError, Request, parse_range
+from servelm.bench.vocab import workload_vocab_size
+from servelm.bench.workloads import (SPECIAL_MARGIN, RangeError, Request, check_vocab_size,
+                                     parse_range)
 from servelm.loader.model_cache import DEFAULT_MODEL
 
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
@@ -57,11 +59,11 @@ class Conversation:
 def multi_turn(num_conversations: int, system_len: int = 512,
                user_len: tuple[int, int] | str = (32, 128),
                output_len: tuple[int, int] | str = (32, 64),
-               turns: tuple[int, int] | str = (3, 6), vocab_size: int = 49152,
+               turns: tuple[int, int] | str = (3, 6), *, vocab_size: int,
                seed: int = 0, max_prompt_len: int = 4096) -> list[Conversation]:
     """Seeded conversations: one system prompt shared by all, uniform user/answer lengths and
-    turn counts in the given inclusive ranges; a turn that would pass `max_prompt_len` ends
-    its conversation."""
+    turn counts in the given inclusive ranges, ids from the model's vocabulary of
+    `vocab_size`; a turn that would pass `max_prompt_len` ends its conversation."""
     if num_conversations < 1:
         raise RangeError(f"num_conversations must be >= 1, got {num_conversations}",
                          "num_conversations")
@@ -70,6 +72,7 @@ def multi_turn(num_conversations: int, system_len: int = 512,
     u_lo, u_hi = parse_range(user_len, "user_len")
     o_lo, o_hi = parse_range(output_len, "output_len")
     t_lo, t_hi = parse_range(turns, "turns")
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
@@ -213,7 +216,8 @@ def wait_counters_settled(cfg: EndpointConfig, num_prompt_tokens: int, timeout: 
 
 def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
     convs = multi_turn(args.num_conversations, args.system_prompt_len, args.user_len,
-                       args.output_len, args.turns, args.vocab_size, args.seed)
+                       args.output_len, args.turns, vocab_size=args.vocab_size,
+                       seed=args.seed)
     cfg = EndpointConfig(args.base_url, args.model,
                          args.api_key or os.environ.get("OPENAI_API_KEY") or None,
                          timeout_s=args.timeout)
@@ -240,6 +244,7 @@ def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
                      "output_len": args.output_len, "turns": args.turns,
                      "conversation_rate": args.conversation_rate,
                      "think_time_s": args.think_time, "seed": args.seed,
+                     "vocab_size": args.vocab_size,
                      "num_input_tokens": sum(len(r.prompt_token_ids) for c in convs
                                              for r in c.turns)},
         **build_serve_result(records, elapsed, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
@@ -281,7 +286,9 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
                 raise RangeError(f"must be positive, got {getattr(args, flag)}", flag)
         if args.think_time < 0:
             raise RangeError(f"must be >= 0, got {args.think_time}", "think_time")
-        multi_turn(1, args.system_prompt_len, args.user_len, args.output_len, args.turns)
+        args.vocab_size = workload_vocab_size(args.model, args.vocab_size)
+        multi_turn(1, args.system_prompt_len, args.user_len, args.output_len, args.turns,
+                   vocab_size=args.vocab_size)
     except RangeError as e:
         flag = "--" + e.param.replace("_", "-").lstrip("-")
         print(f"servelm bench multiturn: error: {flag}: {e}", file=sys.stderr)
@@ -319,7 +326,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="new conversations per second (Poisson)")
     g.add_argument("--think-time", type=float, default=3.0,
                    help="mean seconds between a reply's end and the next turn (exponential)")
-    g.add_argument("--vocab-size", type=int, default=49152)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [100, vocab-size - 100) (default: "
+                        "--model's vocabulary, from its config)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)

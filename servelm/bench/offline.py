@@ -83,10 +83,11 @@ def model_dtype(llm) -> str | None:
 
 def run_offline(model: str, workload: Sequence[Request],
                 engine_kwargs: dict[str, Any] | None = None, *, threads: int | None = None,
-                seed: int = 0, vocab_size: int = 49152, progress: bool = True,
+                seed: int = 0, vocab_size: int | None = None, progress: bool = True,
                 warmup: bool = True, command: str | list[str] | None = None) -> dict[str, Any]:
     """Load `model`, generate `workload` once (greedy, exactly max_tokens each) and return
-    the result dict. Model loading and one small warm-up request are outside the clock."""
+    the result dict. Model loading and one small warm-up request are outside the clock.
+    vocab_size: the warm-up's (the peers' warm-up is drawn the same); None: the model's."""
     import torch
 
     from servelm import LLM
@@ -97,7 +98,8 @@ def run_offline(model: str, workload: Sequence[Request],
     with MemorySampler() as mem:
         llm = LLM(model, **engine_kwargs)
         if warmup:
-            _generate(llm, warmup_requests(vocab_size, seed), progress=False)
+            _generate(llm, warmup_requests(vocab_size or llm.engine.vocab_size, seed),
+                      progress=False)
         stats = llm.engine.stats
         computed_before = stats.num_computed_prompt_tokens
         t0 = time.monotonic()

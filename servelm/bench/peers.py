@@ -497,7 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=1)
     p.add_argument("--input-len", default="128")
     p.add_argument("--output-len", default="128")
-    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="the model's vocabulary (servelm bench passes it): prompt ids and "
+                        "the warm-up's are drawn below it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64,

@@ -20,6 +20,7 @@ from servelm.bench.loadgen import ARRIVALS, EndpointConfig, LoadSpec, run_load
 from servelm.bench.metrics import build_serve_result, render_serve_table
 from servelm.slo import goodput_by_class
 from servelm.bench.results import SCHEMA_VERSION, git_commit, machine_info
+from servelm.bench.vocab import workload_vocab_size
 from servelm.bench.workloads import (RangeError, Request, conversation, documents,
                                      format_range, parse_range, random_lengths)
 from servelm.loader.model_cache import DEFAULT_MODEL
@@ -141,6 +142,10 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     if getattr(args, "record_requests", None) and args.sweep_rates:
         raise FlagError("--record-requests", "records one run: give --request-rate or "
                                              "--concurrency, not --sweep-rates")
+    try:  # last: the other flags are checked without reading the model's config
+        args.vocab_size = workload_vocab_size(args.model, args.vocab_size)
+    except RangeError as e:
+        raise FlagError(e.param, str(e)) from None
 
 
 def endpoint_from_args(args: argparse.Namespace) -> EndpointConfig:
@@ -398,7 +403,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--input-len", default=None,
                    help="prompt tokens A or A:B (default by workload)")
     g.add_argument("--output-len", default=None, help="output tokens A or A:B")
-    g.add_argument("--vocab-size", type=int, default=49152)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [100, vocab-size - 100) (default: "
+                        "--model's vocabulary, from its config: a registry name or a path "
+                        "this machine can read)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)

@@ -1,6 +1,8 @@
 """Seeded offline workloads: prompts as token-id lists, so every system does the same work.
 
-Owns: Request, parse_range, random_lengths (and RandomPrompts, the same drawn lazily).
+Owns: Request, parse_range, random_lengths (and RandomPrompts, the same drawn lazily), the
+online workloads. Every generator takes the vocabulary its ids are drawn from: the served
+model's (servelm/bench/vocab.py finds it), never a default that fits one model only.
 Never: imports torch or the servelm engine. Peer benchmark scripts run in other virtual
 environments and load this file by path, so it may use only the standard library and numpy.
 """
@@ -22,11 +24,20 @@ class Request(NamedTuple):
 
 
 class RangeError(ValueError):
-    """A bad "A:B" range. `param` names the flag or argument at fault."""
+    """A bad "A:B" range, count or vocabulary size. `param` names the flag or argument at
+    fault."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+def check_vocab_size(vocab_size: int, param: str = "vocab_size") -> None:
+    """Ids are drawn from [SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN): that must hold one."""
+    if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
+            or vocab_size <= 2 * SPECIAL_MARGIN:
+        raise RangeError(f"{param} must be an integer above {2 * SPECIAL_MARGIN}, got "
+                         f"{vocab_size!r}", param)
 
 
 def parse_range(text: str | int | tuple[int, int], param: str = "range") -> tuple[int, int]:
@@ -58,10 +69,11 @@ def format_range(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}:{r[1]}"
 
 
-def random_lengths(num_prompts: int, input_len: tuple[int, int] | str = (128, 128),
-                   output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+def random_lengths(num_prompts: int, input_len: tuple[int, int] | str,
+                   output_len: tuple[int, int] | str, vocab_size: int,
                    seed: int = 0) -> list[Request]:
-    """`num_prompts` prompts of random token ids with lengths uniform in the given ranges.
+    """`num_prompts` prompts of random token ids with lengths uniform in the given ranges,
+    drawn from the model's vocabulary of `vocab_size` ids (less SPECIAL_MARGIN at each end).
 
     The same arguments give the same requests on every machine (numpy's PCG64).
     """
@@ -80,18 +92,16 @@ class RandomPrompts:
     not 36) and costs a slice to make, not a draw (servelm sim's random workload: the same
     timings as random_lengths' prompts give, tests/sim/test_speed.py)."""
 
-    def __init__(self, num_prompts: int, input_len: tuple[int, int] | str = (128, 128),
-                 output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
-                 seed: int = 0, windows: bool = False):
+    def __init__(self, num_prompts: int, input_len: tuple[int, int] | str,
+                 output_len: tuple[int, int] | str, vocab_size: int, seed: int = 0,
+                 windows: bool = False):
         if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) \
                 or num_prompts < 1:
             raise RangeError(f"num_prompts must be a positive integer, got {num_prompts!r}",
                              "num_prompts")
         self.input_len = parse_range(input_len, "input_len")
         self.output_len = parse_range(output_len, "output_len")
-        if vocab_size <= 2 * SPECIAL_MARGIN:
-            raise RangeError(f"vocab_size must exceed {2 * SPECIAL_MARGIN}, got {vocab_size}",
-                             "vocab_size")
+        check_vocab_size(vocab_size)
         self.num_prompts, self.vocab_size, self.seed = num_prompts, vocab_size, seed
         self.windows = windows
 
@@ -123,9 +133,9 @@ def _lognormal_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, media
     return np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=n)), lo, hi).astype(int)
 
 
-def conversation(num_prompts: int, input_len: tuple[int, int] | str = (16, 1024),
-                 output_len: tuple[int, int] | str = (16, 512), vocab_size: int = 49152,
-                 seed: int = 0, *, turns: tuple[int, int] = (1, 6), input_median: float = 96,
+def conversation(num_prompts: int, input_len: tuple[int, int] | str,
+                 output_len: tuple[int, int] | str, vocab_size: int, seed: int = 0, *,
+                 turns: tuple[int, int] = (1, 6), input_median: float = 96,
                  output_median: float = 128, sigma: float = 1.0,
                  max_prompt_len: int = 4096) -> list[Request]:
     """`num_prompts` chat turns: long-tailed user and assistant lengths (lognormal, clipped
@@ -144,6 +154,7 @@ def conversation(num_prompts: int, input_len: tuple[int, int] | str = (16, 1024)
     in_lo, in_hi = parse_range(input_len, "input_len")
     out_lo, out_hi = parse_range(output_len, "output_len")
     t_lo, t_hi = parse_range(turns, "turns")
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
 
     def draw_ids(n: int) -> list[int]:
@@ -173,8 +184,8 @@ def conversation(num_prompts: int, input_len: tuple[int, int] | str = (16, 1024)
     return requests
 
 
-def documents(num_prompts: int = 100, input_len: tuple[int, int] | str = (1000, 2000),
-              output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+def documents(num_prompts: int, input_len: tuple[int, int] | str,
+              output_len: tuple[int, int] | str, vocab_size: int,
               seed: int = 0) -> list[Request]:
     """A document batch: `num_prompts` documents of `input_len` tokens, each followed by the
     same short instruction (a shared suffix, not a shared prefix: no cache help), summarised
@@ -208,8 +219,8 @@ def prompt_text(token_ids: list[int]) -> str:
     return " ".join(word_of(t) for t in token_ids)
 
 
-def shared_prefix(num_prompts: int, prefix_len: int = 2000, suffix_len: int = 100,
-                  output_len: tuple[int, int] | str = (128, 128), vocab_size: int = 49152,
+def shared_prefix(num_prompts: int, prefix_len: int, suffix_len: int,
+                  output_len: tuple[int, int] | str, vocab_size: int,
                   seed: int = 0) -> list[Request]:
     """`num_prompts` requests = one common prefix of `prefix_len` tokens (a long system
     prompt) + a unique suffix of `suffix_len` tokens. With a prefix cache the prefix is
@@ -221,6 +232,7 @@ def shared_prefix(num_prompts: int, prefix_len: int = 2000, suffix_len: int = 10
         if not isinstance(value, int) or value < 0:
             raise RangeError(f"{name} must be a non-negative integer, got {value!r}", name)
     out_lo, out_hi = parse_range(output_len, "output_len")
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
     draw = lambda n: [int(t) for t in rng.integers(SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN,  # noqa: E731
                                                    size=n)]

@@ -33,6 +33,7 @@ __all__ = [
     "list_cached",
     "load_model_config",
     "load_tokenizer",
+    "model_vocab_size",
     "pull",
     "resolve_model",
 ]
@@ -108,6 +109,13 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
         return dummy_model_config(source.name)
     raise ValueError(f"unknown model source kind {source.kind!r}")
+
+
+def model_vocab_size(model: str) -> int:
+    """The vocabulary size of `model` (a registry name, .gguf file or HF directory): its
+    ModelConfig's, the bound the engine checks prompt ids against. Reads the config only
+    (a GGUF file's index), never the weights; raises ModelNotFoundError like resolve_model."""
+    return load_model_config(resolve_model(model)).vocab_size
 
 
 def iter_weights(source: ModelSource, config: ModelConfig,

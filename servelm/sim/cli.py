@@ -129,7 +129,8 @@ def replica_spec(args: argparse.Namespace, cost: StepCostModel) -> ReplicaSpec:
     if args.no_prefix_cache:
         engine["enable_prefix_caching"] = False
     engine["scheduling_policy"] = getattr(args, "scheduling_policy", "fcfs")
-    engine["vocab_size"] = engine.get("vocab_size", args.vocab_size)
+    if engine.get("vocab_size", args.vocab_size) is not None:  # else ReplicaSpec's default
+        engine["vocab_size"] = engine.get("vocab_size", args.vocab_size)
     return ReplicaSpec(**engine)
 
 
@@ -451,6 +452,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if args.cost_scale != 1.0:
             cost = ScaledCost(cost, args.cost_scale)
         spec = replica_spec(args, cost)
+        if args.vocab_size is None:  # the workload draws from the simulated model's vocabulary
+            args.vocab_size = spec.vocab_size
         make_policy(args.policy)
         rates = check_load_flags(args)
         search = check_fleet_flags(args)
@@ -580,7 +583,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=int, default=200)
     g.add_argument("--input-len", default="128")
     g.add_argument("--output-len", default="128")
-    g.add_argument("--vocab-size", type=int, default=49152)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [100, vocab-size - 100) (default: "
+                        "the vocabulary of the engine the cost model was fitted on)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)

@@ -12,9 +12,12 @@ from servelm.bench.results import RequestTiming, build_result
 
 
 def parse(argv):
+    """`bench offline` flags; the models named here do not exist, so their vocabulary is
+    given unless the test gives one."""
     parser = argparse.ArgumentParser(prog="servelm")
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "offline"] + argv)
+    vocab = [] if "--vocab-size" in argv else ["--vocab-size", "1000"]
+    return parser.parse_args(["bench", "offline"] + argv + vocab)
 
 
 @pytest.mark.parametrize("flag,value", [("--input-len", "8:2"), ("--output-len", "x"),
@@ -127,6 +130,40 @@ def test_servelm_failure_does_not_hide_peers(monkeypatch, tmp_path):
     assert results[0] == {**results[0], "system": "servelm",
                           "error": "RuntimeError: engine not ready"}
     assert results[1]["output_tok_s"] > 0
+
+
+def test_a_small_vocabulary_model_gets_prompts_inside_its_vocabulary(monkeypatch, tmp_path,
+                                                                     tiny_hf):
+    """No --vocab-size: the ids come from the model's own vocabulary (384 here, not the
+    default model's 49,152), and servelm generates the whole workload."""
+    from tiny_models import save_tiny_checkpoint
+
+    model_dir = save_tiny_checkpoint(tiny_hf("llama", vocab_size=384), tmp_path / "tiny")
+    drawn = []
+    real = cli.run_servelm
+
+    def recording(args, requests):
+        drawn.extend(requests)
+        return real(args, requests)
+
+    monkeypatch.setattr(cli, "run_servelm", recording)
+    out = tmp_path / "r.json"
+    rc = cli.main(["offline", str(model_dir), "--num-prompts", "4", "--input-len", "8:24",
+                   "--output-len", "3", "--no-progress", "--no-prepared-weights-cache",
+                   "--out", str(out)])
+    (result,) = json.loads(out.read_text())
+    assert rc == 0 and "error" not in result, result.get("error")
+    assert result["workload"]["vocab_size"] == 384
+    assert len(drawn) == 4 and max(t for r in drawn for t in r.prompt_token_ids) < 384
+    assert result["num_output_tokens"] == 4 * 3
+
+
+def test_a_model_whose_vocabulary_cannot_be_read_asks_for_the_flag(capsys, tmp_path):
+    rc = cli.main(["offline", str(tmp_path / "missing.gguf"), "--no-servelm", "--out",
+                   str(tmp_path / "r.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--vocab-size" in err and "missing.gguf" in err
 
 
 def test_default_out_path_is_timestamped_under_benchmarks_results():

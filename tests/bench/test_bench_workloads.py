@@ -42,7 +42,7 @@ def test_token_ids_avoid_special_tokens_at_both_ends():
 
 
 def test_fixed_length_string():
-    reqs = random_lengths(3, "128", "128", seed=0)
+    reqs = random_lengths(3, "128", "128", 1000, seed=0)
     assert [len(r.prompt_token_ids) for r in reqs] == [128, 128, 128]
     assert [r.max_tokens for r in reqs] == [128, 128, 128]
 
@@ -63,10 +63,10 @@ def test_parse_range_rejects_bad_input_naming_the_flag(text):
 
 def test_random_lengths_errors_name_the_parameter():
     with pytest.raises(RangeError) as info:
-        random_lengths(0, 4, 4)
+        random_lengths(0, 4, 4, 1000)
     assert info.value.param == "num_prompts"
     with pytest.raises(RangeError) as info:
-        random_lengths(1, "8:2", 4)
+        random_lengths(1, "8:2", 4, 1000)
     assert info.value.param == "input_len"
     with pytest.raises(RangeError) as info:
         random_lengths(1, 4, 4, vocab_size=150)
@@ -85,7 +85,7 @@ def test_loadable_by_path_without_servelm_or_torch():
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('w', {str(path)!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "assert len(m.random_lengths(2, '3:4', '2')) == 2\n"
+        "assert len(m.random_lengths(2, '3:4', '2', 1000)) == 2\n"
         "assert 'torch' not in sys.modules and 'servelm' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
@@ -94,8 +94,10 @@ def test_loadable_by_path_without_servelm_or_torch():
 def test_shared_prefix_requests_share_exactly_the_prefix():
     from servelm.bench.workloads import shared_prefix
 
-    reqs = shared_prefix(5, prefix_len=50, suffix_len=7, output_len=(3, 3), seed=1)
+    reqs = shared_prefix(5, prefix_len=50, suffix_len=7, output_len=(3, 3), vocab_size=1000,
+                         seed=1)
     assert len(reqs) == 5 and all(len(r.prompt_token_ids) == 57 for r in reqs)
     assert len({tuple(r.prompt_token_ids[:50]) for r in reqs}) == 1
     assert len({tuple(r.prompt_token_ids[50:]) for r in reqs}) == 5
-    assert reqs == shared_prefix(5, prefix_len=50, suffix_len=7, output_len=(3, 3), seed=1)
+    assert reqs == shared_prefix(5, prefix_len=50, suffix_len=7, output_len=(3, 3),
+                                 vocab_size=1000, seed=1)

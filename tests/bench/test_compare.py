@@ -20,7 +20,7 @@ DOCS = ["--workload", "documents", "--num-prompts", "8", "--input-len", "8:16",
 
 def _bench(server, label, flags, out):
     assert main(["serve", "--base-url", server.url, "--model", "fake", "--label", label,
-                 *flags, "--out", str(out)]) == 0
+                 "--vocab-size", "1000", *flags, "--out", str(out)]) == 0
     return str(out)
 
 

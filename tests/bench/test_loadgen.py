@@ -60,7 +60,7 @@ def test_constant_burst_and_batch_arrivals():
 
 
 def _requests(n, out_len, seed=0):
-    return random_lengths(n, (8, 16), (out_len, out_len), seed=seed)
+    return random_lengths(n, (8, 16), (out_len, out_len), 1000, seed=seed)
 
 
 def test_measured_ttft_and_tpot_match_the_injected_delays():

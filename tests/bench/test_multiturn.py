@@ -18,7 +18,7 @@ from servelm.bench.workloads import RangeError
 
 def test_turns_share_the_system_prompt_and_extend_their_history():
     convs = multi_turn(6, system_len=40, user_len=(5, 9), output_len=(3, 4), turns=(2, 4),
-                       seed=3)
+                       vocab_size=1000, seed=3)
     assert len(convs) == 6 and len({c.session for c in convs}) == 6
     system = convs[0].turns[0].prompt_token_ids[:40]
     for c in convs:
@@ -34,20 +34,21 @@ def test_turns_share_the_system_prompt_and_extend_their_history():
             prev = t
     # Conversations differ after the system prompt; the same seed gives the same workload.
     assert convs[0].turns[0].prompt_token_ids != convs[1].turns[0].prompt_token_ids
-    assert multi_turn(6, 40, (5, 9), (3, 4), (2, 4), seed=3) == convs
+    assert multi_turn(6, 40, (5, 9), (3, 4), (2, 4), vocab_size=1000, seed=3) == convs
 
 
 def test_bad_workload_arguments_name_the_parameter():
     with pytest.raises(RangeError) as e:
-        multi_turn(0)
+        multi_turn(0, vocab_size=1000)
     assert e.value.param == "num_conversations"
     with pytest.raises(RangeError) as e:
-        multi_turn(2, turns="4:2")
+        multi_turn(2, turns="4:2", vocab_size=1000)
     assert e.value.param == "turns"
 
 
 def test_next_turn_waits_for_the_reply_and_the_think_time():
-    convs = multi_turn(3, system_len=8, user_len=4, output_len=3, turns=3, seed=0)
+    convs = multi_turn(3, system_len=8, user_len=4, output_len=3, turns=3, vocab_size=1000,
+                       seed=0)
     behaviour = FakeBehaviour(ttft_s=0.05, tpot_s=0.01)
     with FakeServer(behaviour) as srv:
         cfg = EndpointConfig(srv.url, "m")

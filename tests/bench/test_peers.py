@@ -23,11 +23,12 @@ def bench_args(argv):
 
     parser = argparse.ArgumentParser(prog="servelm")
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "offline"] + argv)
+    # the models named here do not exist: their vocabulary is given
+    return parser.parse_args(["bench", "offline"] + argv + ["--vocab-size", "1000"])
 
 
 def peer_args(argv):
-    return peers.build_parser().parse_args(argv)
+    return peers.build_parser().parse_args(["--vocab-size", "49152"] + argv)
 
 
 # --- command lines -----------------------------------------------------------------------
@@ -179,7 +180,8 @@ def run_peer_script(tmp_path, server, extra_env=None, num_prompts=5):
     env = dict(os.environ, FAKE_DIR=str(tmp_path), **(extra_env or {}))
     proc = subprocess.run(
         [sys.executable, str(cli.PEERS_SCRIPT), "--backend", "llama-server", "--server-bin",
-         str(server), "--model", "m.gguf", "--num-prompts", str(num_prompts),
+         str(server), "--model", "m.gguf", "--vocab-size", "1000",
+         "--num-prompts", str(num_prompts),
          "--input-len", "4:12", "--output-len", "6", "--no-progress", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=120)
     return proc, out
@@ -230,6 +232,7 @@ def test_real_llama_server_produces_exact_lengths(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(cli.PEERS_SCRIPT), "--backend", "llama-server", "--server-bin",
          str(PEERS_DIR / "llama.cpp/bin/llama-server"), "--model", str(gguf),
+         "--vocab-size", "49152",
          "--num-prompts", "3", "--input-len", "8:24", "--output-len", "5", "--no-progress",
          "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

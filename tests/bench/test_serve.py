@@ -40,7 +40,8 @@ def test_cli_report_against_the_fake_server(tmp_path, capsys):
     out = tmp_path / "r.json"
     with FakeServer(FakeBehaviour(ttft_s=0.05, tpot_s=0.01, fail_every=5)) as server:
         rc = main(["serve", "--base-url", server.url, "--model", "fake", "--request-rate", "50",
-                   "--num-prompts", "12", "--warmup", "1", "--output-len", "6",
+                   "--vocab-size", "1000", "--num-prompts", "12", "--warmup", "1",
+                   "--output-len", "6",
                    "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--out", str(out),
                    "--no-progress"])
     assert rc == 0
@@ -60,7 +61,8 @@ def test_sweep_draws_the_curve_and_finds_where_goodput_drops(tmp_path, capsys):
     # Two slots, ~0.1 s per request: ~20 req/s capacity; 60 req/s queues up.
     with FakeServer(FakeBehaviour(ttft_s=0.02, tpot_s=0.01, capacity=2)) as server:
         rc = main(["serve", "--base-url", server.url, "--sweep-rates", "5,60",
-                   "--num-prompts", "12", "--warmup", "0", "--output-len", "10",
+                   "--vocab-size", "1000", "--num-prompts", "12", "--warmup", "0",
+                   "--output-len", "10",
                    "--slo-ttft-ms", "150", "--slo-tpot-ms", "50", "--out", str(out),
                    "--no-progress"])
     assert rc == 0
@@ -169,7 +171,8 @@ def test_document_batch_is_submitted_at_once(tmp_path):
     out = tmp_path / "docs.json"
     with FakeServer(FakeBehaviour(ttft_s=0.05, tpot_s=0.01, capacity=2)) as server:
         rc = main(["serve", "--base-url", server.url, "--workload", "documents",
-                   "--num-prompts", "6", "--input-len", "40:60", "--output-len", "5",
+                   "--vocab-size", "1000", "--num-prompts", "6", "--input-len", "40:60",
+                   "--output-len", "5",
                    "--warmup", "0", "--out", str(out), "--no-progress"])
     assert rc == 0
     res = json.loads(out.read_text())

@@ -25,8 +25,8 @@ def test_conversation_is_seeded_long_tailed_and_shares_history():
 
 
 def test_documents_are_a_batch_of_long_prompts():
-    docs = documents(20, (1000, 2000), (128, 128), seed=0)
-    assert len(docs) == 20 and docs == documents(20, (1000, 2000), (128, 128), seed=0)
+    docs = documents(20, (1000, 2000), (128, 128), 1000, seed=0)
+    assert len(docs) == 20 and docs == documents(20, (1000, 2000), (128, 128), 1000, seed=0)
     assert all(1000 + 16 <= len(d.prompt_token_ids) <= 2000 + 16 for d in docs)
     assert all(d.max_tokens == 128 for d in docs)
     assert len({tuple(d.prompt_token_ids[-16:]) for d in docs}) == 1  # one instruction
@@ -34,10 +34,10 @@ def test_documents_are_a_batch_of_long_prompts():
 
 def test_bad_workload_arguments_name_the_parameter():
     with pytest.raises(RangeError) as e:
-        conversation(0)
+        conversation(0, 4, 4, 1000)
     assert e.value.param == "num_prompts"
     with pytest.raises(RangeError) as e:
-        conversation(5, (10, 5))
+        conversation(5, (10, 5), 4, 1000)
     assert e.value.param == "input_len"
 
 

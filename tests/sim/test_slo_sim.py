@@ -86,7 +86,8 @@ def test_bench_serve_sends_the_classes_the_simulator_simulates(files, tmp_path):
     out = tmp_path / "serve.json"
     with FakeServer(FakeBehaviour(ttft_s=0.01, tpot_s=0.001)) as server:
         rc = bench_main(["serve", "--base-url", server.url, "--model", "fake",
-                         "--request-rate", "200", "--num-prompts", "20", "--warmup", "0",
+                         "--vocab-size", "49152", "--request-rate", "200",
+                         "--num-prompts", "20", "--warmup", "0",
                          "--slo-spec", str(spec_path), *MIX, "--out", str(out),
                          "--no-progress"])
     assert rc == 0
