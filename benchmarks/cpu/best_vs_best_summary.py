@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from servelm.bench.results import cpu_flags
+
 SERVELM_CONFIGS = ["default", "float32", "float32-onednn", "bfloat16", "gguf", "gguf-a8",
                    "gguf-mixed", "gguf-mixed-a8"]
 PEERS = ["vllm", "vllm-bf16", "llama-server", "llama.cpp"]
@@ -35,7 +37,6 @@ WORKLOADS = ("batch", "single")
 BARS = [("batch", ["default"], ["vllm", "vllm-bf16"], 1.5, "output_tok_s"),
         ("batch", ["default"], ["llama-server", "llama.cpp"], 3.0, "output_tok_s"),
         ("single", SERVELM_CONFIGS, ["llama-server", "llama.cpp"], 1.5, "decode_tok_s")]
-SIMD_FLAG = re.compile(r"^(sse4|avx|amx|fma|f16c|bmi|vnni)")
 
 
 METRIC = {"batch": "output_tok_s", "single": "decode_tok_s"}  # what a round is ranked by
@@ -87,19 +88,6 @@ def label(key: str, runs: dict) -> str:
         asked = {s.get("dtype") for s in settings} - {None}
         return LABELS[key] + (f" (ran {', '.join(sorted(ran))})" if ran - asked else "")
     return LABELS[key] + (f" ({', '.join(sorted(ran))})" if ran else "")
-
-
-def cpu_flags() -> list[str]:
-    """The vector and matrix instruction flags /proc/cpuinfo advertises (advertised, which is
-    not the same as usable: llama-server's own feature line and AMX buffer are in its result)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(x for x in line.split(":", 1)[1].split() if SIMD_FLAG.match(x))
-    except OSError:
-        pass
-    return []
 
 
 def round_ratios(rounds: dict, entry: dict) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -119,6 +120,23 @@ def build_result(*, system: str, model: str, timings: list[RequestTiming], elaps
     return result
 
 
+_SIMD_FLAG = re.compile(r"^(sse4|avx|amx|fma|f16c|bmi|vnni)")
+
+
+def cpu_flags() -> list[str]:
+    """The vector and matrix instruction flags /proc/cpuinfo advertises: what a record's CPU
+    class is read from (advertised, which is not the same as usable: cpu_kernels/isa.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(x for x in line.split(":", 1)[1].split()
+                                  if _SIMD_FLAG.match(x))
+    except OSError:
+        pass
+    return []
+
+
 def machine_info(threads: int | None = None) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -139,7 +157,7 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
     load_avg = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": num_usable,
             "threads": threads, "python": platform.python_version(),
-            "platform": platform.platform(), "load_avg": load_avg}
+            "platform": platform.platform(), "load_avg": load_avg, "cpu_flags": cpu_flags()}
 
 
 def git_commit(cwd: str | None = None) -> str | None:

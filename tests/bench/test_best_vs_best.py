@@ -148,3 +148,15 @@ def test_model_dtype_reads_the_float_type_not_quantized_codes():
 
 def test_record_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_every_record_names_its_cpu_flags():
+    """Every benchmark record's machine block carries the instruction-set flags that its CPU
+    class is read from (benchmarks/choosing_records.py's cpu_class)."""
+    from servelm.bench.results import machine_info
+
+    flags = machine_info()["cpu_flags"]
+    with open("/proc/cpuinfo") as f:
+        advertised = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    assert set(flags) <= set(advertised) and flags == sorted(flags)
+    assert {x for x in advertised if x.startswith(("avx", "amx"))} <= set(flags)
