@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from servelm.bench.lora_adapters import write_random_adapter
+    from servelm.bench.results import machine_info
     from servelm.loader import load_model_config, resolve_model
 
     config = load_model_config(resolve_model(args.model))
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
         dirs.append(d)
     result = {"benchmark": "lora-throughput", "command": " ".join([sys.executable] + sys.argv),
               "cpu_model": _cpu_model(), "num_cpus": os.cpu_count(), "commit": _commit(),
+              "machine": machine_info(args.threads),
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "loadavg_before": open("/proc/loadavg").read().split()[:3],
               "model": args.model, "num_requests": args.num_requests,
