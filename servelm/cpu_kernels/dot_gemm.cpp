@@ -156,6 +156,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* pbias, int6
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t g = item / parts, r0 = item % parts * part_rows;
       const int64_t r1 = std::min(M, r0 + part_rows);
+      // The rounding up of part_rows can leave the last parts no rows (M = 65 in 4 parts of
+      // 24 rows); an empty part's row-block count below would be 0 (a division by it).
+      if (r0 >= r1) continue;
       const int64_t nb0 = g * kMaxBlocks, nv = std::min<int64_t>(kMaxBlocks, NB - nb0);
       const uint16_t *w = pw + nb0 * KB * 512, *wu = pu + nb0 * KB * 512;
       const int64_t n0 = nb0 * 16, cols = std::min<int64_t>(nv * 16, C - n0);

@@ -139,3 +139,22 @@ def test_gate_up_silu_leaves_a_hooked_layer_unfused():
     finally:
         handle.remove()
     assert seen == [(3, 64), (3, 64)]  # the hook saw the product, both times
+
+
+@needs_dot
+@pytest.mark.parametrize("m", [32, 40, 65, 72])
+def test_a_narrow_layer_whose_last_row_parts_are_empty(m):
+    """One group of columns (N = 48) over rows split in parts of whole row blocks: at some
+    row counts the last parts have no rows (65 rows in 4 parts of 24), which must be skipped,
+    not divided by."""
+    x, w, b = _problem(m, 48, 64, True, m)
+    layer = DotLinear(w, b)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 8, 16):
+            torch.set_num_threads(n)
+            y = layer(x)
+            ref = x.double() @ w.double().t() + b.double()
+            torch.testing.assert_close(y.double(), ref, atol=1e-2, rtol=2 ** -7)
+    finally:
+        torch.set_num_threads(threads)
