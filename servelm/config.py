@@ -563,7 +563,7 @@ class CacheConfig:
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # "auto": blocks in the model's dtype; "fp8": float8_e4m3fn codes with a static scale per
-    # layer and KV head (servelm/runner/kv_cache.py): a block takes 1 byte per element.
+    # layer and KV head (servelm/attention/kv_cache.py): a block takes 1 byte per element.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -740,8 +740,8 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
-    # (servelm/runner/deterministic.py, docs/determinism.md). CPU float32 or the GPU's Triton
-    # path; dense models.
+    # (servelm/runner/deterministic.py, docs/determinism.md). CPU float32 or bfloat16 (the
+    # model's dtype) or the GPU's Triton path; dense models.
     deterministic: bool = False
     quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
     # What the quantized CPU linears round activations to: "float" (float32) or "int8" (per
@@ -959,8 +959,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--deterministic", action="store_true", default=d("deterministic"),
                    help="batch-invariant kernels: the same request gives the same tokens and "
                         "logprobs whatever the batch, chunking, prefix-cache hits, preemption "
-                        "or speculation (CPU: float32; GPU: attention backend 'triton'; dense "
-                        "models; docs/determinism.md)")
+                        "or speculation (CPU: float32 or bfloat16; GPU: attention backend "
+                        "'triton'; dense models; docs/determinism.md)")
     g.add_argument("--quantization", default=d("quantization"), choices=quant_method_names(),
                    help="quantization of the linear layers: weight-only int8/int4; 'gguf' "
                         "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are; 'gguf-mixed' "

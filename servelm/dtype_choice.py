@@ -35,11 +35,11 @@ _WIDE = {"float32", "F32", "float64", "F64"}
 
 
 def resolve(requested: str, device: str, source=None, quantization: str | None = None,
-            activations: str = "float", deterministic: bool = False) -> tuple[str, str]:
+            activations: str = "float") -> tuple[str, str]:
     """(dtype, why) for a requested --dtype; source: the loader's ModelSource, or None for
     weights handed in directly (treated as stored in float32). quantization / activations:
     --quantization and --quant-activations (servelm's quantized CPU kernels with float
-    activations take float32 rows); deterministic: --deterministic (float32 on the CPU)."""
+    activations take float32 rows)."""
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {requested!r}")
     if requested != "auto":
@@ -52,8 +52,6 @@ def resolve(requested: str, device: str, source=None, quantization: str | None =
         return "float16", "the GPU has no bfloat16"
     from servelm.cpu_kernels import isa
 
-    if deterministic:
-        return "float32", "--deterministic runs float32 on the CPU (batch-invariant kernels)"
     # gguf-mixed's codes take float32 rows (widened per step); its other form is the dtype's
     if quantization not in (None, "fp8", "gguf-mixed") and activations == "float":
         return "float32", (f"--quantization {quantization} with float activations: its CPU "

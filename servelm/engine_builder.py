@@ -14,6 +14,7 @@ import torch
 
 from servelm import cpu_kernels, dtype_choice, startup
 from servelm.attention import get_backend_class
+from servelm.attention.kv_cache import PREFAULT_BYTES, KVCache, kv_storage_dtype
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
@@ -25,7 +26,6 @@ from servelm.models import get_model_class
 from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
 from servelm.runner.host_memory import keep_freed_memory
-from servelm.runner.kv_cache import PREFAULT_BYTES, KVCache, kv_storage_dtype
 from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _resolve_dtype(args: EngineArgs, source) -> EngineArgs:
     if args.dtype != "auto":
         return args
     dtype, why = dtype_choice.resolve(args.dtype, args.device, source, args.quantization,
-                                      args.quant_activations, args.deterministic)
+                                      args.quant_activations)
     dtype_choice.log_choice(args.dtype, dtype, why)
     return dataclasses.replace(args, dtype=dtype)
 

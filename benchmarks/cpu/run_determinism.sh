@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # What --deterministic costs (docs/determinism.md): servelm with and without it on the default
 # model, 2 threads: one stream (128-token prompt, 128 new tokens) and 64 prompts of 32-256
-# tokens x 128 new tokens. The two configurations alternate (REPS rounds of default then
-# deterministic) so a change in the machine's load hits both; a summary JSON holds the
-# per-round throughputs, their medians and the ratio.
+# tokens x 128 new tokens. Both run --dtype auto: today's default (bfloat16 where the CPU runs
+# bfloat16 dot products, else float32) against deterministic mode in the same dtype; the
+# summary records each mode's dtype (model_dtype) and fails if they differ. The two
+# configurations alternate (REPS rounds of default then deterministic) so a change in the
+# machine's load hits both; a summary JSON holds the per-round throughputs, their medians and
+# the ratio.
 #   bash benchmarks/cpu/run_determinism.sh                        # the record
 #   REPS=1 NUM_PROMPTS=4 OUTPUT_LEN=8 SINGLE_LEN=16 bash benchmarks/cpu/run_determinism.sh  # a check
 set -euo pipefail
@@ -47,7 +50,12 @@ for workload in ("single", "batch"):
                      "decode_tok_s": [r["decode_tok_s"] for r in runs],
                      "ttft_mean_s": [r["ttft_s"]["mean"] for r in runs],
                      "command": runs[0].get("command"), "commit": runs[0].get("commit"),
-                     "machine": runs[0].get("machine")}
+                     "machine": runs[0].get("machine"),
+                     "model_dtype": sorted({r["settings"]["model_dtype"] for r in runs})}
+    if row["default"]["model_dtype"] != row["deterministic"]["model_dtype"]:
+        sys.exit(f"{workload}: the modes ran different dtypes: default "
+                 f"{row['default']['model_dtype']}, deterministic "
+                 f"{row['deterministic']['model_dtype']}")
     d, n = row["deterministic"]["median_output_tok_s"], row["default"]["median_output_tok_s"]
     row["deterministic_over_default"] = d / n
     row["cost_percent"] = 100 * (1 - d / n)
@@ -55,7 +63,8 @@ for workload in ("single", "batch"):
 path = f"{out}/determinism-{ts}.json"
 json.dump(summary, open(path, "w"), indent=1)
 for w, row in summary["workloads"].items():
-    print(f"{w}: default {row['default']['median_output_tok_s']:.1f} tok/s, deterministic "
+    print(f"{w} ({'/'.join(row['default']['model_dtype'])}): default "
+          f"{row['default']['median_output_tok_s']:.1f} tok/s, deterministic "
           f"{row['deterministic']['median_output_tok_s']:.1f} tok/s, cost "
           f"{row['cost_percent']:.1f}%")
 print(path)

@@ -18,10 +18,10 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
     """{part: path}: attention kernel|rows|torch, decode stack|eager, layer_ops fused|torch,
     quant panels|aten|triton|... (none: no quantized linears), gemm (the float linears):
     panels<=ROWS+onednn (paired by layers/linear.py's pair_with_panels) | amx<=ROWS+onednn
-    (bfloat16, paired by pair_with_tiles) | dot (bfloat16 on avx512_bf16, pack_dot_linears) |
-    onednn (packed) |
-    aten | det (deterministic mode, where attention=rows: every token one row of the paged
-    kernel) | none."""
+    (bfloat16, paired by pair_with_tiles) | amx (bfloat16 on AMX tiles at every row count:
+    deterministic mode) | dot (bfloat16 on avx512_bf16: pack_dot_linears, or deterministic
+    mode) | onednn (packed) | aten | det (deterministic mode's float32 linears) | none.
+    Deterministic mode shows as attention=rows: every token one row of the paged kernel."""
     from servelm.layers.amx_linear import AmxLinear
     from servelm.layers.det_linear import DetLinear
     from servelm.layers.dot_linear import DotLinear
@@ -51,6 +51,8 @@ def kernel_paths(model: torch.nn.Module, backend, cpu_stack, dtype: torch.dtype,
         paths["gemm"] = f"panels<={min(panels)}+onednn"
     elif tiles:
         paths["gemm"] = f"amx<={min(tiles)}+onednn"
+    elif any(type(m) is AmxLinear for m in model.modules()):  # alone: deterministic mode
+        paths["gemm"] = "amx"
     elif any(type(m) is DotLinear for m in model.modules()):
         paths["gemm"] = "dot"
     elif any(isinstance(m, DetLinear) for m in model.modules()):

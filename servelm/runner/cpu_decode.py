@@ -13,15 +13,17 @@ their own, early-exit drafts the target's first N layers.
 In deterministic mode (the backend's `deterministic`, set by the runner for --deterministic)
 the stack takes every step, prefill chunks included, as one row per token (the verification
 form above at any length): prefill, decode, verification and recompute then run one per-row
-algorithm, the linears are DetLinear (batch-invariant, servelm/layers/det_linear.py) and a
-row's bits do not depend on the batch it came in.
+algorithm, the linears are batch-invariant (float32: DetLinear; bfloat16: DotLinear, or
+AmxLinear at every row count where AMX runs: servelm/layers/det_linear.py) and a row's bits
+do not depend on the batch it came in. An all-decode step may still run in slices of rows
+(row_parts): every kernel computes a row the same way in a slice as in the whole step.
 
 Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32
 or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
 (TorchAttentionBackend), and every linear of the layers is an nn.Linear, a PackedLinear
 (oneDNN) or, in float32, a quantized layer on servelm's C++ kernels (Int4Linear / Int8Linear
-with kernel "cpu") or a DetLinear. Steps with a prefill chunk and other models run eagerly, as
-before.
+with kernel "cpu") or a DetLinear, in bfloat16 a DotLinear (an AmxLinear alone in
+deterministic mode). Steps with a prefill chunk and other models run eagerly, as before.
 
 The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
 given it as `cpu_decode`) chooses:
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from servelm import cpu_kernels
-from servelm.runner.forward_batch import ForwardBatch
+from servelm.attention.forward_batch import ForwardBatch
 
 PART = "decode"  # of CpuKernelChoice
 # A plain decode step of many rows on a bfloat16 model's DotLinears runs as two slices of
@@ -138,7 +140,9 @@ class CpuDecodeStack:
         x = self.model.embed_tokens(fb.input_ids)
         self.steps += 1
         layers = -1 if num_layers is None else num_layers
-        plain = fb.num_decodes == fb.num_seqs and not self.backend.deterministic
+        # one row a sequence (deterministic mode too: its rows are then the plain form's, and
+        # no sequence's rows can land in two slices)
+        plain = fb.num_decodes == fb.num_seqs
         if plain and self._row_split and form == "full":
             bounds = row_parts(list(fb.seq_lens), torch.get_num_threads())
             if len(bounds) > 2:
@@ -209,7 +213,7 @@ def _applies(model, kv_cache, backend) -> bool:
         small_kinds = {_linear_kind(m.small) for m in linears if _is_mixed(m)}
         if embed.dtype != torch.float32 and set(kinds) - {
                 _KIND_FLOAT, _KIND_PACKED, _KIND_DOT, _KIND_INT4_A8, _KIND_INT8_A8,
-                *small_kinds}:
+                *small_kinds, *({_KIND_AMX} if backend.deterministic else ())}:
             return False
     return True
 

@@ -2,11 +2,15 @@
 
 Owns: checking that a built model, KV cache and attention backend can keep the promise (the
 same request gives the same tokens and logprobs whatever else the engine is doing), and
-switching them to the batch-invariant path. On the CPU (attention backend 'torch'):
+switching them to the batch-invariant path. On the CPU (attention backend 'torch'), in the
+model's dtype, float32 or bfloat16:
 
-    linears     DetLinear (servelm/layers/det_linear.py): one fixed-order sum per element
+    linears     float32: DetLinear (servelm/layers/det_linear.py), one fixed-order sum per
+                element; bfloat16: servelm's bfloat16 GEMM at every row count, never oneDNN
+                (DotLinear on avx512_bf16, AmxLinear where AMX runs; the head a DotLinear
+                returning its float32 sums): each element one sum over K in a fixed order
     attention   one C++ paged-kernel row per query token, prefill and decode alike
-                (TorchAttentionBackend.set_deterministic)
+                (TorchAttentionBackend.set_deterministic), over a cache in the model's dtype
     decode      the C++ stack takes every step, prefill included (runner/cpu_decode.py)
     norms, rotary, SiLU   servelm's fused kernels (fixed per-row order, cpu_kernels/layer_ops)
 
@@ -22,8 +26,9 @@ Every per-row computation then depends on the row's token, position and cached c
 not on the batch size, the row's place in it, the prompt's chunking, prefix-cache hits,
 preemption and recompute, or speculative verification.
 Never: falls back silently. A configuration it cannot make batch-invariant (quantized or MoE
-layers, sliding-window or soft-capped attention, MLA, CUDA graphs, on the CPU a dtype other
-than float32 or the torch paths of the CPU kernels) is a ValueError naming what to change.
+layers, sliding-window or soft-capped attention, MLA, CUDA graphs, on the CPU float16, bfloat16
+without servelm's bfloat16 GEMM, or the torch paths of the CPU kernels) is a ValueError naming
+what to change.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def check_supported(model, config, backend, device: torch.device, graphs=None) -
     """The kernel family that makes this configuration batch-invariant ('cpu' or 'triton'),
     or a ValueError naming what to change."""
     from servelm.attention.torch_backend import TorchAttentionBackend
+    from servelm.layers.det_linear import cpu_linear_kind
 
     def refuse(why: str) -> None:
         raise ValueError(f"--deterministic: {why}")
@@ -66,8 +72,14 @@ def check_supported(model, config, backend, device: torch.device, graphs=None) -
         refuse(f"on the GPU it needs attention backend 'triton', got {name!r}")
     if not isinstance(backend, TorchAttentionBackend):
         refuse(f"on the CPU it needs attention backend 'torch', got {name!r}")
-    if dtype != torch.float32:
-        refuse(f"runs float32 models on the CPU (--dtype float32), got {dtype}")
+    if dtype == torch.float16:
+        refuse("float16 is not covered on the CPU (servelm's CPU GEMMs take float32 or "
+               "bfloat16); use --dtype bfloat16 or float32")
+    if dtype not in (torch.float32, torch.bfloat16):
+        refuse(f"runs float32 or bfloat16 models on the CPU, got {dtype}")
+    if dtype == torch.bfloat16 and cpu_linear_kind(dtype) is None:  # layers/det_linear.py
+        refuse("bfloat16 needs servelm's bfloat16 GEMM (avx512_bf16 or AMX-BF16 seen to run "
+               "here, servelm/cpu_kernels/isa.py); use --dtype float32")
     for part in ("attention", "layer_ops"):
         if cpu_kernels.ops_for_mode(part) is None:
             refuse(f"needs servelm's C++ CPU kernels for {part!r} (they did not build, or "

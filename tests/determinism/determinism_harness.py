@@ -7,7 +7,8 @@ its reference; without it the harness measures how often they are not.
     perturbations    other requests arriving at random steps (batches of 1 to 64), random
                      chunk budgets, prefix cache warmed by other requests' prefills of the
                      cases' prefixes, a KV pool small enough to force preemption, n-gram
-                     speculative decoding, one intra-op thread instead of two
+                     speculative decoding, one intra-op thread instead of two; for a
+                     bfloat16 model, decode steps big enough to run in slices of rows
 
 Each scenario also reports what it perturbed (largest batch, chunked prefills, prefix-hit
 tokens, preemptions, accepted drafts), so a test asserts that the perturbation happened.
@@ -104,6 +105,7 @@ class Perturbed:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     spec_accepted: int = 0
+    row_split_steps: int = 0  # decode steps the C++ stack ran in slices of rows (row_parts)
 
 
 def run(engine, cases: list[Case], others=(), seed: int = 0,
@@ -120,6 +122,7 @@ def run(engine, cases: list[Case], others=(), seed: int = 0,
     preempt0 = engine.scheduler.num_preemptions
     hits0 = _prefix_hits(engine)
     accepted0 = engine.stats.spec_num_accepted
+    split0 = _split_steps(engine)
     step = 0
     pending = list(arrivals)
     while pending or engine.has_unfinished:
@@ -142,7 +145,13 @@ def run(engine, cases: list[Case], others=(), seed: int = 0,
     perturbed.preemptions = engine.scheduler.num_preemptions - preempt0
     perturbed.prefix_hit_tokens = _prefix_hits(engine) - hits0
     perturbed.spec_accepted = engine.stats.spec_num_accepted - accepted0
+    perturbed.row_split_steps = _split_steps(engine) - split0
     return {c.name: outputs[c.name] for c in cases}, perturbed
+
+
+def _split_steps(engine) -> int:
+    stack = getattr(engine.runner, "cpu_stack", None)
+    return 0 if stack is None else stack.split_steps
 
 
 def _prefix_hits(engine) -> int:
@@ -178,6 +187,7 @@ class Scenario:
     share_prefix: bool = False
     warm: bool = False  # run the others once first (their prefills fill the prefix cache)
     threads: int | None = None
+    row_split: bool = False  # big all-decode steps must run in slices of rows
 
 
 def scenarios(max_chunk: int = 64) -> list[Scenario]:
@@ -195,6 +205,12 @@ def scenarios(max_chunk: int = 64) -> list[Scenario]:
                                 "spec_adaptive": False}, num_others=6, spread=4),
         Scenario("one-thread", {}, num_others=5, spread=3, threads=1),
     ]
+
+
+# A bfloat16 model's big all-decode steps at two threads run in two slices of rows, a thread
+# each (runner/cpu_decode.py, row_parts): 63 others at once in a pool of 4096 tokens.
+ROW_SLICES = Scenario("row-slices", {"max_num_seqs": 64, "block_size": 16}, num_others=63,
+                      threads=2, row_split=True)
 
 
 def run_scenario(make_engine, cases, sc: Scenario, vocab: int, seed: int = 0):
@@ -223,6 +239,23 @@ def check_perturbed(sc: Scenario, p: Perturbed) -> None:
         assert p.preemptions > 0, (sc.name, p)
     if "speculative_method" in sc.engine_kwargs:
         assert p.spec_accepted > 0, (sc.name, p)
+    if sc.row_split:
+        assert p.row_split_steps > 0, (sc.name, p)
+
+
+def check_invariant_kernels(engine) -> None:
+    """`engine` ran deterministic mode's kernels: per-row attention, and every linear of the
+    model one batch-invariant kernel at every row count (no oneDNN, no MixedLinear forms)."""
+    from servelm.layers.amx_linear import AmxLinear
+    from servelm.layers.det_linear import DetLinear
+    from servelm.layers.dot_linear import DotLinear
+
+    runner = engine.runner
+    assert runner.backend.deterministic
+    stack = runner.cpu_stack
+    assert runner.backend.deterministic_steps + (0 if stack is None else stack.steps) > 0
+    linears = [m for m in runner.model.modules() if "Linear" in type(m).__name__]
+    assert linears and {type(m) for m in linears} <= {DetLinear, DotLinear, AmxLinear}, linears
 
 
 def write_report(name: str, report: dict) -> str:

@@ -1,4 +1,5 @@
-"""Conformance on the default model (SmolLM2-135M-Instruct from its GGUF, float32): with
+"""Conformance on the default model (SmolLM2-135M-Instruct from its GGUF), in float32 and in
+bfloat16 (what `--dtype auto` picks where the CPU runs bfloat16 dot products): with
 --deterministic each case's tokens and logprobs are bitwise its reference's under batching,
 chunking, a warm prefix cache, preemption and n-gram speculation, in process and through the
 engine core process; without it the divergence rate is reported."""
@@ -7,11 +8,13 @@ import asyncio
 import random
 
 import pytest
+import torch
 
-from determinism_harness import (Output, Scenario, check_perturbed, diverged, fillers,
-                                 make_cases, reference, run_scenario, write_report)
+from determinism_harness import (ROW_SLICES, Output, Scenario, check_invariant_kernels,
+                                 check_perturbed, diverged, fillers, make_cases, reference,
+                                 run_scenario, write_report)
 from servelm.config import EngineArgs
-from servelm.layers.det_linear import det_linear_calls
+from servelm.layers.det_linear import cpu_linear_kind, det_linear_calls
 from servelm.protocol import EngineRequest
 
 MAX_TOKENS = 16
@@ -26,6 +29,13 @@ SCENARIOS = [
     Scenario("one-thread", {}, num_others=4, spread=3, threads=1),
 ]
 REPORTED = ("batch-16", "prefix-warm")  # the default-mode report's scenarios (CI time)
+needs_bf16 = pytest.mark.skipif(cpu_linear_kind(torch.bfloat16) is None,
+                                reason="no bfloat16 GEMM of servelm's runs on this CPU")
+
+
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=needs_bf16)])
+def dtype(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +55,18 @@ def loaded(model_path):
 
 
 def _factory(loaded, **fixed):
+    """make(**kw) -> an engine on the default model; make.engines: every one it made."""
     from servelm.engine_builder import assemble_engine
 
     config, weights, tokenizer = loaded
 
     def make(**kw):
         args = EngineArgs(model="default", **{"kv_cache_memory": 256 * 2**20, **fixed, **kw})
-        return assemble_engine(args, config, iter(weights), tokenizer, "default")
+        engine = assemble_engine(args, config, iter(weights), tokenizer, "default")
+        make.engines.append(engine)
+        return engine
 
+    make.engines = []
     return make
 
 
@@ -63,17 +77,31 @@ def cases(loaded):
 
 
 @pytest.fixture(scope="module")
-def det_reference(loaded, cases):
-    return reference(_factory(loaded, deterministic=True), cases)
+def det_reference(loaded, cases, dtype):
+    return reference(_factory(loaded, deterministic=True, dtype=dtype), cases)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.name)
-def test_default_model_deterministic_under_perturbation(loaded, cases, det_reference, sc):
+def test_default_model_deterministic_under_perturbation(loaded, cases, dtype, det_reference,
+                                                        sc):
+    _check_scenario(loaded, cases, dtype, det_reference, sc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16)], indirect=True)
+def test_default_model_bf16_decode_steps_in_slices_of_rows(loaded, cases, dtype,
+                                                           det_reference):
+    _check_scenario(loaded, cases, dtype, det_reference, ROW_SLICES)
+
+
+def _check_scenario(loaded, cases, dtype, det_reference, sc) -> None:
     calls = det_linear_calls()
-    got, perturbed = run_scenario(_factory(loaded, deterministic=True), cases, sc,
-                                  loaded[0].vocab_size)
-    assert det_linear_calls() > calls
+    make = _factory(loaded, deterministic=True, dtype=dtype)
+    got, perturbed = run_scenario(make, cases, sc, loaded[0].vocab_size)
+    check_invariant_kernels(make.engines[-1])
+    if dtype == "float32":
+        assert det_linear_calls() > calls
     check_perturbed(sc, perturbed)
     assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
 
@@ -112,17 +140,22 @@ async def _through_core(args: EngineArgs, tokenizer, cases, others) -> dict[str,
 
 @pytest.mark.slow
 def test_default_model_deterministic_through_the_engine_core_process(model_path, loaded, cases,
-                                                                    det_reference):
+                                                                    dtype, det_reference):
+    from servelm import dtype_choice
+    from servelm.loader import resolve_model
+
+    # --dtype auto where it picks this dtype: deterministic mode runs the default's dtype
+    auto, _ = dtype_choice.resolve("auto", "cpu", resolve_model(model_path))
     args = EngineArgs(model=model_path, deterministic=True, kv_cache_memory=256 * 2**20,
-                      max_num_batched_tokens=64)
+                      max_num_batched_tokens=64, dtype="auto" if auto == dtype else dtype)
     others = fillers(cases, loaded[0].vocab_size, 8, seed=5)
     got = asyncio.run(_through_core(args, loaded[2], cases, others))
     assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
 
 
 @pytest.mark.slow
-def test_default_model_divergence_without_deterministic_is_reported(loaded, cases):
-    make = _factory(loaded)
+def test_default_model_divergence_without_deterministic_is_reported(loaded, cases, dtype):
+    make = _factory(loaded, dtype=dtype)
     ref = reference(make, cases)
     rows, tokens, logprobs = {}, 0, 0
     scs = [sc for sc in SCENARIOS if sc.name in REPORTED]
@@ -132,8 +165,7 @@ def test_default_model_divergence_without_deterministic_is_reported(loaded, case
         tokens += len(rows[sc.name]["tokens"])
         logprobs += len(rows[sc.name]["logprobs"])
     total = len(cases) * len(scs)
-    write_report("default-model", {"model": "SmolLM2-135M-Instruct (GGUF, float32)",
-                                   "scenarios": rows, "summary": {
-                                       "case_runs": total,
-                                       "token_divergence_rate": tokens / total,
-                                       "logprob_divergence_rate": logprobs / total}})
+    summary = {"case_runs": total, "token_divergence_rate": tokens / total,
+               "logprob_divergence_rate": logprobs / total}
+    write_report(f"default-model-{dtype}", {"model": f"SmolLM2-135M-Instruct (GGUF, {dtype})",
+                                            "scenarios": rows, "summary": summary})

@@ -1,51 +1,79 @@
-"""Conformance on tiny random-weight models (llama; qwen3 with q/k norms): with
---deterministic, every case's token ids and logprobs are bitwise its reference's under every
-perturbation (determinism_harness.py); without it the divergence rate is reported, not
-asserted."""
+"""Conformance on tiny random-weight models (llama; qwen3 with q/k norms), in float32 and in
+bfloat16: with --deterministic, every case's token ids and logprobs are bitwise its
+reference's under every perturbation (determinism_harness.py); without it the divergence rate
+is reported, not asserted."""
 
 import pytest
+import torch
 
-from determinism_harness import (check_perturbed, diverged, make_cases, reference,
-                                 run_scenario, scenarios, write_report)
-from servelm.layers.det_linear import det_linear_calls
+from determinism_harness import (ROW_SLICES, check_invariant_kernels, check_perturbed, diverged,
+                                 make_cases, reference, run_scenario, scenarios, write_report)
+from servelm.layers.det_linear import cpu_linear_kind, det_linear_calls
+
+needs_bf16 = pytest.mark.skipif(cpu_linear_kind(torch.bfloat16) is None,
+                                reason="no bfloat16 GEMM of servelm's runs on this CPU")
+DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16)]
 
 
 def _engine_factory(hf, **fixed):
+    """make(**kw) -> a tiny engine; make.engines: every engine it made, in order."""
     from tiny_models import make_tiny_engine
 
     def make(**kw):
-        return make_tiny_engine(hf, **{**fixed, **kw})
+        engine = make_tiny_engine(hf, **{**fixed, **kw})
+        make.engines.append(engine)
+        return engine
 
+    make.engines = []
     return make
 
 
+def _run_checked(make, cases, sc, vocab: int):
+    """run_scenario, then: the scenario perturbed what it claims, and the deterministic
+    kernels ran (det_linear calls for float32; for any dtype, the per-row paths and the
+    batch-invariant linears)."""
+    calls = det_linear_calls()
+    got, perturbed = run_scenario(make, cases, sc, vocab)
+    check_perturbed(sc, perturbed)
+    check_invariant_kernels(make.engines[-1])
+    if make.engines[-1].runner.model.embed_tokens.weight.dtype == torch.float32:
+        assert det_linear_calls() > calls
+    return got
+
+
 # Llama under every perturbation; Qwen3 (the same stack, plus q/k norms) under those that
-# move batch shapes the most.
+# move batch shapes the most; in bfloat16 also decode steps run in slices of rows.
 QWEN3_SCENARIOS = ("batch-16", "chunk-7", "prefix-warm", "preemption", "spec-ngram")
-PAIRS = [("llama", sc) for sc in scenarios()] + [
-    ("qwen3", sc) for sc in scenarios() if sc.name in QWEN3_SCENARIOS]
+PAIRS = [("float32", "llama", sc) for sc in scenarios()] + [
+    ("float32", "qwen3", sc) for sc in scenarios() if sc.name in QWEN3_SCENARIOS]
+PAIRS += [pytest.param("bfloat16", name, sc, marks=needs_bf16)
+          for _, name, sc in PAIRS] + [pytest.param("bfloat16", "llama", ROW_SLICES,
+                                                    marks=needs_bf16)]
 _families: dict = {}
 
 
-def _family(name: str):
-    """(hf model, cases, deterministic reference) per family, built once per module."""
-    if name not in _families:
+def _family(name: str, dtype: str):
+    """(hf model, cases, deterministic reference) per family and dtype, built once."""
+    if (name, dtype) not in _families:
         from tiny_models import make_tiny_hf_model
 
         hf = make_tiny_hf_model(name)
         cases = make_cases(hf.config.vocab_size, num_greedy=3, num_sampled=3, max_tokens=20)
-        _families[name] = hf, cases, reference(_engine_factory(hf, deterministic=True), cases)
-    return _families[name]
+        make = _engine_factory(hf, deterministic=True, dtype=dtype)
+        _families[name, dtype] = hf, cases, reference(make, cases)
+    return _families[name, dtype]
 
 
-@pytest.mark.parametrize("name,sc", PAIRS, ids=[f"{n}-{s.name}" for n, s in PAIRS])
-def test_deterministic_mode_is_bitwise_under_perturbation(name, sc):
-    hf, cases, det_reference = _family(name)
-    calls = det_linear_calls()
-    got, perturbed = run_scenario(_engine_factory(hf, deterministic=True), cases, sc,
-                                  hf.config.vocab_size)
-    assert det_linear_calls() > calls  # the batch-invariant kernels ran
-    check_perturbed(sc, perturbed)
+def _id(p) -> str:
+    dtype, name, sc = p.values if hasattr(p, "values") else p
+    return f"{dtype}-{name}-{sc.name}"
+
+
+@pytest.mark.parametrize("dtype,name,sc", PAIRS, ids=[_id(p) for p in PAIRS])
+def test_deterministic_mode_is_bitwise_under_perturbation(dtype, name, sc):
+    hf, cases, det_reference = _family(name, dtype)
+    got = _run_checked(_engine_factory(hf, deterministic=True, dtype=dtype), cases, sc,
+                       hf.config.vocab_size)
     assert diverged(det_reference, got) == {"tokens": [], "logprobs": []}
     for case, out in got.items():
         assert len(out.token_ids) == 20, case
@@ -79,22 +107,20 @@ def test_default_mode_divergence_is_reported():
 EAGER_SCENARIOS = ("batch-16", "chunk-7", "prefix-warm", "preemption")
 
 
-def test_a_family_on_the_eager_path_is_bitwise_too():
-    """Phi-3 (models/decoder.py: no C++ stack, the eager model with DetLinear and per-row
-    attention), under a subset of the perturbations."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_family_on_the_eager_path_is_bitwise_too(dtype):
+    """Phi-3 (models/decoder.py: no C++ stack, the eager model with batch-invariant linears
+    and per-row attention), under a subset of the perturbations."""
     from tiny_families import make_tiny_family_model
 
     hf = make_tiny_family_model("phi3", sliding_window=None)
     cases = make_cases(hf.config.vocab_size, num_greedy=2, num_sampled=2, max_tokens=12)
-    make = _engine_factory(hf, deterministic=True)
+    make = _engine_factory(hf, deterministic=True, dtype=dtype)
     assert make().runner.cpu_stack is None  # the eager path
     ref = reference(make, cases)
     for sc in scenarios():
         if sc.name in EAGER_SCENARIOS:
-            calls = det_linear_calls()
-            got, perturbed = run_scenario(make, cases, sc, hf.config.vocab_size)
-            assert det_linear_calls() > calls
-            check_perturbed(sc, perturbed)
+            got = _run_checked(make, cases, sc, hf.config.vocab_size)
             assert diverged(ref, got) == {"tokens": [], "logprobs": []}, sc.name
 
 
@@ -105,17 +131,17 @@ def test_mixture_of_experts_is_refused(tiny_engine):
         tiny_engine(make_tiny_family_model("mixtral"), deterministic=True)
 
 
-def test_an_fp8_kv_cache_is_bitwise_too():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_fp8_kv_cache_is_bitwise_too(dtype):
     """e4m3 KV codes (--kv-cache-dtype fp8): stored per row, read by the same row kernel."""
     from tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model("llama")
     cases = make_cases(hf.config.vocab_size, num_greedy=2, num_sampled=2, max_tokens=12)
-    make = _engine_factory(hf, deterministic=True, kv_cache_dtype="fp8")
+    make = _engine_factory(hf, deterministic=True, kv_cache_dtype="fp8", dtype=dtype)
     assert make().runner.kv_cache.is_fp8
     ref = reference(make, cases)
     for sc in scenarios():
         if sc.name in ("batch-16", "chunk-7", "preemption"):
-            got, perturbed = run_scenario(make, cases, sc, hf.config.vocab_size)
-            check_perturbed(sc, perturbed)
+            got = _run_checked(make, cases, sc, hf.config.vocab_size)
             assert diverged(ref, got) == {"tokens": [], "logprobs": []}, sc.name

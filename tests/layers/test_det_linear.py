@@ -1,12 +1,14 @@
 """DetLinear (deterministic mode's float32 linear, cpu_kernels/det_gemm.cpp): a row's output
 is the same bits at any batch size, at any place in the batch and at any thread count, and it
-is a correct matmul; make_deterministic swaps every float linear and refuses the rest."""
+is a correct matmul; make_deterministic swaps every float linear (bfloat16 ones for servelm's
+bfloat16 GEMM) and refuses the rest."""
 
 import pytest
 import torch
 from torch import nn
 
-from servelm.layers.det_linear import DetLinear, det_linear_calls, make_deterministic
+from servelm.layers.det_linear import (DetLinear, cpu_linear_kind, det_linear_calls,
+                                       make_deterministic)
 from servelm.layers.linear import PackedLinear, can_pack
 
 
@@ -82,6 +84,29 @@ def test_make_deterministic_refuses_what_it_cannot_make_invariant():
     model.proj = Int8Linear.from_float(torch.randn(32, 16))
     with pytest.raises(ValueError, match="quantized"):
         make_deterministic(model)
-    half = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32"):
+    half = nn.Sequential(nn.Linear(16, 16).to(torch.float16))
+    with pytest.raises(ValueError, match="float32, or bfloat16.*float16"):
         make_deterministic(half)
+
+
+@pytest.mark.skipif(cpu_linear_kind(torch.bfloat16) is None,
+                    reason="no bfloat16 GEMM of servelm's runs on this CPU")
+def test_make_deterministic_takes_bf16_linears_to_servelms_bf16_gemm():
+    """Every row count on one kernel (never oneDNN); the tied head's logits float32 sums."""
+    from servelm.layers.amx_linear import AmxLinear
+    from servelm.layers.dot_linear import DotLinear
+
+    model = _Tiny(tied=True)
+    model.packed = PackedLinear(torch.randn(8, 32).bfloat16(), None)  # oneDNN's bfloat16 form
+    model.to(torch.bfloat16)
+    x = torch.randn(4, 16).bfloat16()
+    want = model.packed(model.proj(x)).float()
+    assert make_deterministic(model) == 3
+    kind = {"dot": DotLinear, "amx": AmxLinear}[cpu_linear_kind(torch.bfloat16)]
+    assert type(model.proj) is kind and type(model.packed) is kind
+    torch.testing.assert_close(model.packed(model.proj(x)).float(), want, rtol=0.02, atol=0.02)
+    assert type(model.lm_head) is DotLinear
+    logits = model.lm_head(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ model.embed_tokens.weight.float().t(),
+                               rtol=1e-5, atol=1e-5)
