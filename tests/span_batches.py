@@ -2,7 +2,7 @@
 
 import torch
 
-from servelm.runner.forward_batch import ForwardBatch
+from servelm.attention.forward_batch import ForwardBatch
 
 
 def long(values) -> torch.Tensor:

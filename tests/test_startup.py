@@ -39,7 +39,7 @@ def test_process_start_time_is_this_process_start():
 
 
 def test_kv_pool_is_zero_writable_and_lazily_backed():
-    from servelm.runner.kv_cache import _zeros
+    from servelm.attention.kv_cache import _zeros
 
     before = _resident_bytes()
     pool = _zeros((8, 1 << 20, 4, 16), torch.float32, "cpu")  # 2 GiB, untouched
@@ -63,7 +63,7 @@ def _resident_bytes() -> int:
 
 def test_kv_pool_is_a_private_map():
     """Private anonymous memory, not shared (/dev/zero): cheaper to fault in as blocks fill."""
-    from servelm.runner.kv_cache import _zeros
+    from servelm.attention.kv_cache import _zeros
 
     pool = _zeros((4 << 20,), torch.uint8, "cpu")
     addr = pool.data_ptr()

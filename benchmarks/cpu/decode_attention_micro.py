@@ -17,11 +17,11 @@ import time
 
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
-from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.host_memory import keep_freed_memory
-from servelm.runner.kv_cache import KVCache
 
 H, K, D, BLOCK = 9, 3, 64, 16
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.bench.results import git_commit, machine_info
 from servelm.config import ModelConfig
-from servelm.runner.forward_batch import ForwardBatch
 from servelm.runner.host_memory import keep_freed_memory
-from servelm.runner.kv_cache import KVCache
 
 H, LATENT, ROPE, BLOCK = 16, 512, 64, 16
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.bench.results import git_commit, machine_info
 from servelm.config import ModelConfig
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 
 H, K, D, BLOCK = 9, 3, 64, 16
 

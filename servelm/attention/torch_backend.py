@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.paged_attention_cpu import (decode_kernel_for, mla_decode_kernel_for,
                                                   prefill_kernel_for)
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 
 
 @dataclass

@@ -34,12 +34,12 @@ from itertools import pairwise
 
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.kernels.decode_attention import (choose_num_splits, decode_attention,
                                               fixed_num_splits)
 from servelm.kernels.prefill_attention import prefill_attention
 from servelm.kernels.store_kv import store_kv
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 
 
 DETERMINISTIC_SPLIT_LEN = 256  # keys per split in deterministic mode (a multiple of block_n)

@@ -81,7 +81,7 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
 class KVBlock(msgspec.Struct, array_like=True):
     """One KV block's contents, leaving or entering a runner's pool (KV tiers below the
     pool, a disaggregated peer): every layer's K then V slots of the block, in the pool's
-    storage dtype (servelm/runner/kv_cache.py read_block has the layout)."""
+    storage dtype (servelm/attention/kv_cache.py read_block has the layout)."""
 
     block_id: int
     data: bytes

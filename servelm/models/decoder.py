@@ -20,11 +20,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.activation import act_and_mul, gate_up_silu, silu_and_mul
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.runner.forward_batch import ForwardBatch
 
 
 class Placement(NamedTuple):

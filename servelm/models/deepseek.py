@@ -3,7 +3,7 @@ after `num_leading_dense_layers` dense layers; V3 routes by sigmoid scores with 
 bias over groups of experts (servelm/layers/moe.py).
 
 MLA: a token's cache entry is its normed latent c [L = kv_lora_rank] and one rope key k_pe
-[R = qk_rope_head_dim] shared by all heads (runner/kv_cache.py). kv_b_proj W [H*(Dn+Dv), L]
+[R = qk_rope_head_dim] shared by all heads (attention/kv_cache.py). kv_b_proj W [H*(Dn+Dv), L]
 up-projects c to each head's key (nope part, W_k [H, Dn, L]) and value (W_v [H, Dv, L]).
 
     prefill (explicit):  k = [c W_k^T | k_pe], v = c W_v^T; attention over Dn+R, out [Dv]
@@ -24,12 +24,12 @@ import re
 import torch
 from torch import nn
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.models.decoder import Placement, expert_rules, gate_up_rule
 from servelm.models.mixtral import MixtralForCausalLM
-from servelm.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.activation import gate_up_silu
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.quant import finalize_linears, make_linear
-from servelm.runner.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.rotary import RotaryEmbedding, _rotate
 from servelm.models.llama import LlamaForCausalLM
-from servelm.runner.forward_batch import ForwardBatch
 
 
 class MRotaryEmbedding(RotaryEmbedding):

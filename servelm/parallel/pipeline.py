@@ -20,7 +20,7 @@ from itertools import pairwise
 
 import torch
 
-from servelm.runner.forward_batch import ForwardBatch
+from servelm.attention.forward_batch import ForwardBatch
 
 
 def split_batch(fb: ForwardBatch, num_micro: int) -> list[tuple[int, int, ForwardBatch]]:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from servelm.runner.forward_batch import ForwardBatch
+from servelm.attention.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

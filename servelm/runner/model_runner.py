@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.config import CacheConfig, ModelConfig
 from servelm.core.contract import (EXPERT_TOKENS_EVERY, KVBlock, PromptLogprobs, SampledToken,
                                    SpecOutcome, StepDescription, StepResult)
@@ -22,8 +24,6 @@ from servelm.core.runner_state import RunnerScheduled, RunnerState
 from servelm.protocol import Logprob
 from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.deterministic import enable_deterministic
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 from servelm.runner.logits import finish_logits, head_rows
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
 from servelm.spec.verify import accept_greedy, accept_sampled

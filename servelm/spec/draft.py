@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.runner.cpu_decode import CpuDecodeStack
-from servelm.runner.forward_batch import ForwardBatch
 from servelm.sampling import draw_tensors, sampling_probs
 from servelm.spec.proposer import Proposal, Proposer
 

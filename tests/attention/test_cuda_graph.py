@@ -9,6 +9,7 @@ triton backend under the interpreter. Only the capture itself needs a GPU.
 import pytest
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
 from servelm.core.runner_state import score_item
 from servelm.engine.sequence import Sequence
 from servelm.protocol import RequestTimings, SamplingParams
@@ -20,7 +21,6 @@ from servelm.runner.cuda_graph import (
     capture_sizes,
     padded_size,
 )
-from servelm.runner.forward_batch import ForwardBatch
 
 # Triton: compiled on a GPU, interpreted on the CPU (conftest). The stand-in graph runs on both.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,10 +6,10 @@ default path's SDPA to float32 noise)."""
 import pytest
 import torch
 
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 
 H, K, D, BS, LEN = 6, 2, 32, 4, 23
 CONFIG = ModelConfig("llama", 32, H * D, 64, 1, H, K, D, 64)

@@ -12,12 +12,12 @@ import torch
 
 from servelm import cpu_kernels
 from servelm.attention import paged_attention_cpu
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
 from servelm.llm import LLM
 from servelm.protocol import SamplingParams
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 
@@ -228,7 +228,7 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
 def test_kv_cache_store_uses_store_kv(monkeypatch):
     ops = cpu_kernels.load()
     calls = []
-    from servelm.runner import kv_cache as kv_module
+    from servelm.attention import kv_cache as kv_module
 
     class Spy:
         def store_kv(self, *args):

@@ -14,10 +14,10 @@ import torch
 
 from servelm import cpu_kernels
 from servelm.attention import paged_attention_cpu
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import ModelConfig
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from servelm.attention import get_backend_class
+from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.config import ModelConfig
 from servelm.llm import LLM
 from servelm.protocol import SamplingParams
-from servelm.runner.forward_batch import ForwardBatch
-from servelm.runner.kv_cache import KVCache
 from span_batches import batch_from_spans  # tests/span_batches.py (tests/ is on sys.path)
 
 # Triton runs compiled on a GPU, interpreted on the CPU (conftest).

@@ -13,12 +13,12 @@ import torch
 
 from servelm import cpu_kernels
 from servelm.attention import paged_attention_cpu
+from servelm.attention.kv_cache import KVCache
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import EngineArgs, ModelConfig
 from servelm.cpu_kernels import CpuKernelChoice
 from servelm.layers import fused_cpu
 from servelm.layers.norm import RMSNorm
-from servelm.runner.kv_cache import KVCache
 
 
 def test_a_second_process_reuses_the_build():

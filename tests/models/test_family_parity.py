@@ -106,7 +106,7 @@ def test_param_counts_equal_the_loaded_model(hf):
 
 def test_early_exit_forward_runs_the_first_layers(hf):
     """forward(..., num_layers=N) equals the first N layers then the final norm."""
-    from servelm.runner.forward_batch import ForwardBatch
+    from servelm.attention.forward_batch import ForwardBatch
 
     from servelm.models.decoder import DecoderLM
 

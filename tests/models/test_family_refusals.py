@@ -107,7 +107,7 @@ def test_cpu_decode_stack_still_takes_llama_with_yarn():
 
 def test_mla_cache_holds_the_latent_and_rope_key_only():
     from servelm.cost import kv_elems_per_token_layer
-    from servelm.runner.kv_cache import KVCache
+    from servelm.attention.kv_cache import KVCache
 
     hf = make_tiny_family_model("deepseek_v2")
     engine = make_tiny_engine(hf)

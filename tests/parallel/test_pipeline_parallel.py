@@ -56,7 +56,7 @@ def test_split_batch_keeps_whole_sequences_in_order():
     import torch
 
     from servelm.parallel.pipeline import split_batch
-    from servelm.runner.forward_batch import ForwardBatch
+    from servelm.attention.forward_batch import ForwardBatch
 
     qsl = [0, 1, 2, 7, 10]  # two decodes, then prefill chunks of 5 and 3
     t = torch.arange(10)

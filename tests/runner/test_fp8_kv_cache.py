@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tiny_models import prefill_logits
+from servelm.attention.kv_cache import KVCache, kv_storage_dtype
 from servelm.config import CacheConfig, EngineArgs, ModelConfig
 from servelm.llm import LLM
 from servelm.protocol import SamplingParams
-from servelm.runner.kv_cache import KVCache, kv_storage_dtype
 from servelm.runner.model_runner import num_kv_blocks
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)

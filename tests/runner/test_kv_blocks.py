@@ -5,10 +5,10 @@ computed in one runner continues in another exactly as it would have in the firs
 import pytest
 import torch
 
+from servelm.attention.kv_cache import KVCache
 from servelm.config import ModelConfig
 from servelm.core.contract import (KVBlock, NewSequence, ScheduledSequence, StepDescription)
 from servelm.protocol import SamplingParams
-from servelm.runner.kv_cache import KVCache
 from tiny_models import make_tiny_engine, make_tiny_hf_model
 
 DENSE = ModelConfig("llama", 32, 64, 128, 2, 4, 2, 16, 256)

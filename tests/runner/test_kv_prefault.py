@@ -8,9 +8,9 @@ import mmap
 import pytest
 import torch
 
+from servelm.attention import kv_cache
+from servelm.attention.kv_cache import KVCache
 from servelm.config import ModelConfig
-from servelm.runner import kv_cache
-from servelm.runner.kv_cache import KVCache
 
 # 4 layers, 2 KV heads of 64: a 16-slot block is 4 * 2 * 16 * 2 * 64 * 2 = 32 KiB (bf16)
 CONFIG = ModelConfig("llama", 64, 128, 256, 4, 4, 2, 16, 256)

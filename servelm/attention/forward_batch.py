@@ -7,6 +7,9 @@ Sequences are laid out flat, decodes first:
     context_lens:    tokens before this step, per sequence
     seq_lens:        context_lens + query lens (what attention reads)
     slot_mapping:    where each new token's K/V is written: block * block_size + offset
+
+The runner builds it (runner/model_runner.py build_forward_batch); it lives here, below the
+models, so that models/, attention/ and layers/ never import runner/ (tests/test_layering.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ request's output independent of which requests came before it, which a scale cal
 the first traffic would not.
 
 Owns the pool tensors, the scales, and how a token's K/V is written (`store`). Never:
-decides which slots a sequence gets, or computes attention.
+decides which slots a sequence gets, or computes attention. The engine builder sizes and
+builds it, the runner holds it; it lives here, beside the backends that read it, so that
+attention/ never imports runner/.
 """
 
 from __future__ import annotations
