@@ -53,7 +53,7 @@ class DotLinear(AmxLinear):
     def float_out(self) -> None:
         """From now on the outputs are the float32 sums (+ bias), not rounded to bfloat16:
         for a head, whose bfloat16 logits tied at the maximum where their float32 values do
-        not (servelm/runner/logits.py recomputed those; it has nothing to recompute now)."""
+        not (the runner's logits.py recomputed those; it has nothing to recompute now)."""
         self.op = "dot_linear_float"
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
