@@ -17,6 +17,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +220,7 @@ class Prepared:
     lora_name: str | None = None  # the request's `model` named a loaded LoRA adapter
     images: list | None = None  # a chat prompt's ImageInputs (vision models)
     kv_transfer: Any = None  # KVTransferParams from x-servelm-kv-transfer (disaggregation)
+    endpoint: str | None = None  # the route's name in logs and records (default: kind)
 
 
 class OpenAIServing:
@@ -654,12 +656,25 @@ class OpenAIServing:
                            on_disconnect=on_disconnect, on_close=on_close)
 
     async def _events(self, gen: Generation, fmt: Formatter, p: Prepared) -> AsyncIterator[str]:
-        """SSE events of one started generation, ending with [DONE] (unless the client left).
-        Each `await gen.stream.get()` takes everything pending, merged per choice."""
+        """SSE events of one started generation, ending with [DONE] (unless the client left)."""
+        try:
+            async with aclosing(self._chunks(gen, fmt, p)) as chunks:
+                async for chunk in chunks:
+                    yield sse(chunk)
+        except ClientGone:
+            return
+        yield SSE_DONE
+
+    async def _chunks(self, gen: Generation, fmt: Formatter, p: Prepared
+                      ) -> AsyncIterator[dict[str, Any]]:
+        """The stream chunks of one started generation; a failure after the start is one
+        last `{"error": ...}` chunk; ClientGone when the client left (the Responses API
+        reads the same chunks). Each `await gen.stream.get()` takes everything pending,
+        merged per choice."""
         try:
             for i in range(gen.num_choices):
                 for chunk in fmt.first_chunks(i, p.prompt_texts[i // gen.n]):
-                    yield sse(chunk)
+                    yield chunk
             while True:
                 deltas = await gen.stream.get()
                 if not deltas:
@@ -667,31 +682,28 @@ class OpenAIServing:
                 if (gen.deadline_hit and gen.num_completion_tokens == 0
                         and not any(d.token_ids for d in deltas)):
                     gen.status = "timeout"
-                    yield sse(gen.timeout_error().body())
-                    yield SSE_DONE
+                    yield gen.timeout_error().body()
                     return
                 for d in deltas:
                     i, reason = gen.apply(d)
                     if d.text or d.logprobs:
                         chunk = fmt.delta_chunk(i, d)
                         if chunk is not None:
-                            yield sse(chunk)
+                            yield chunk
                     if reason is not None:
                         for chunk in fmt.finish_chunks(i, reason):
-                            yield sse(chunk)
+                            yield chunk
             if p.request.include_usage:
-                yield sse(fmt.usage_chunk(gen.usage(), gen.timing()))
-            yield SSE_DONE
+                yield fmt.usage_chunk(gen.usage(), gen.timing())
         except ClientGone:
-            return
-        except Exception as exc:  # mid-stream failure: an error event, then [DONE]
+            raise
+        except Exception as exc:  # mid-stream failure: an error chunk
             logger.exception("stream %s failed", gen.base_id)
             gen.status = "error"
             err = APIError(500, f"generation failed: {exc}", "server_error",
                            code="engine_unavailable" if isinstance(exc, EngineDeadError)
                            else "internal_error")
-            yield sse(err.body())
-            yield SSE_DONE
+            yield err.body()
         finally:
             gen.close("finished")
 
@@ -756,7 +768,7 @@ class OpenAIServing:
                                                    gen.num_completion_tokens)
         record = {
             "request_id": gen.base_id,
-            "endpoint": p.kind,
+            "endpoint": p.endpoint or p.kind,
             "status": gen.status,
             "stream": bool(p.request.stream),
             "n": gen.n,
@@ -768,7 +780,8 @@ class OpenAIServing:
             "timing": gen.timing(),
         }
         request_logger.info(json.dumps(record, ensure_ascii=False))
-        self.state.metrics.record_request(gen, p.kind, gen.status, bool(p.request.stream))
+        self.state.metrics.record_request(gen, p.endpoint or p.kind, gen.status,
+                                          bool(p.request.stream))
 
 
 def _lora_fields(body: dict[str, Any], required: tuple[str, ...],
