@@ -32,7 +32,9 @@ from servelm.tracing import install_from_config as install_tracing
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
 from servelm.server.server_config import ServerConfig
+from servelm.server.state_store import state_store_path
 from servelm.parsers import get_reasoning_parser, get_tool_parser
+from servelm.server.responses_serving import ResponsesServing
 from servelm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     get_tool_parser(config.tool_call_parser)  # an unknown name fails here, not per request
     if config.reasoning_parser is not None:
         get_reasoning_parser(config.reasoning_parser)
+    state_store_path(config.state_store)  # a bad --state-store URL fails here (opened lazily)
     async_engine = engine if isinstance(engine, StreamRouter) else AsyncEngine(engine)
     cost = _cost_model(async_engine, config)
     metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,
@@ -146,6 +149,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     _observe_loras(state)
     _observe_experts(state)
     serving = OpenAIServing(state)
+    responses = ResponsesServing(serving, config.state_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,6 +159,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         finally:
             state.draining = True
             state.idempotency.cancel_all()
+            await responses.close()
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="servelm", version=servelm.__version__, lifespan=lifespan,
@@ -188,6 +193,26 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, "chat")
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        return await responses.retrieve(response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> Response:
+        return await responses.list_input_items(response_id, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

@@ -146,6 +146,10 @@ def add_parser(subparsers) -> None:
                    help="send OpenTelemetry spans per request (front end, queue, prefill, "
                         "decode, stream) to this OTLP/HTTP endpoint, e.g. "
                         "http://127.0.0.1:4318/v1/traces (needs servelm[otel]; default: off)")
+    g.add_argument("--state-store", default=d("state_store"), metavar="URL",
+                   help="where /v1/responses stores responses: sqlite:///PATH (a file shared "
+                        "by the replicas of this machine; default "
+                        "$SERVELM_HOME/state.sqlite3)")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
@@ -166,7 +170,7 @@ def server_config_from_cli(args, model_name: str):
         write_timeout=args.write_timeout, peak_bandwidth=args.peak_bandwidth,
         peak_flops=args.peak_flops, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, request_log=args.request_log,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, state_store=args.state_store,
         **{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
 
@@ -221,6 +225,13 @@ def handler(args) -> int:
         except SLOSpecError as exc:
             print(f"servelm serve: error: {exc}", file=sys.stderr)
             return 2
+    from servelm.server.state_store import state_store_path
+
+    try:  # and if the state store's URL names none
+        state_store_path(args.state_store)
+    except ValueError as exc:
+        print(f"servelm serve: error: {exc}", file=sys.stderr)
+        return 2
     engine_args = _with_kv_address(engine_args_from_cli(args), args)
     if args.engine_core == "process":
         engine, built = _start_core(engine_args)

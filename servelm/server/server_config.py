@@ -49,6 +49,9 @@ class ServerConfig:
     # JSON-lines file (`servelm doctor --log`), and OpenTelemetry spans sent over OTLP/HTTP.
     request_log: str | None = None
     otlp_traces_endpoint: str | None = None
+    # Where the Responses API keeps its responses (servelm/server/state_store.py):
+    # sqlite:///PATH; None: $SERVELM_HOME/state.sqlite3.
+    state_store: str | None = None
 
     def load_slo_spec(self):
         """The server's SLO spec: the --slo-spec file, else the TTFT/TPOT flags' one class."""
