@@ -1,10 +1,12 @@
 """Model loading: from a name or a path to a ModelConfig, weights and a Tokenizer.
 
-Owns: resolving what the user asked to serve (a cached registry name, a .gguf file or a
-Hugging Face directory) into a `ModelSource`, and dispatching to the GGUF or HF loader.
+Owns: resolving what the user asked to serve (a cached registry name, a .gguf file, a Hugging
+Face directory, or a Hugging Face Hub name `ORG/NAME[:TAG][@REVISION]`) into a `ModelSource`,
+and dispatching to the GGUF or HF loader.
 
-Never: downloads at load time (registry models are fetched only by `servelm models pull`),
-or builds the model itself: weights are handed out as (HF name, float32 CPU tensor) pairs for
+Never: downloads at load time except for a Hub name, whose files huggingface_hub fetches into
+its own cache (hub_cache.py; registry models are fetched only by `servelm models pull`), or
+builds the model itself: weights are handed out as (HF name, float32 CPU tensor) pairs for
 `models/` to place.
 """
 
@@ -53,7 +55,9 @@ class ModelNotFoundError(InvalidParameterError):
 
 
 def resolve_model(model: str) -> ModelSource:
-    """A cached registry name, a path to a .gguf file, or an HF directory with config.json."""
+    """A cached registry name, a path to a .gguf file, an HF directory with config.json, or a
+    Hub name `ORG/NAME[:TAG][@REVISION]` (fetched, or found in the cache when offline). An
+    existing path wins over a Hub name of the same spelling."""
     if not isinstance(model, str) or not model.strip():
         raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}")
     if model.lower().startswith("dummy:"):  # random weights at a built-in shape (speed tests)
@@ -77,6 +81,14 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource("gguf", path, path.stem)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path, path.name)
+    if not path.exists():
+        from servelm.loader import hub_ref  # imports this package: not at the top
+
+        if hub_ref.looks_like_hub_name(model):
+            from servelm.loader import hub_cache  # huggingface_hub: only for a Hub name
+
+            found = hub_cache.fetch(hub_ref.parse_hub_name(model), model)
+            return ModelSource(found.kind, found.path, model)
     if path.is_dir():
         why = f"{path} is a directory without config.json"
     elif path.is_file():
@@ -86,8 +98,9 @@ def resolve_model(model: str) -> ModelSource:
     raise ModelNotFoundError(
         f"cannot load model {model!r}: it is not a registry name "
         f"({', '.join(sorted(model_cache.REGISTRY))}) and {why}. Pass a registry name (then "
-        "`servelm models pull NAME`), a path to a .gguf file, or a Hugging Face model "
-        "directory containing config.json, *.safetensors and tokenizer.json."
+        "`servelm models pull NAME`), a path to a .gguf file, a Hugging Face model "
+        "directory containing config.json, *.safetensors and tokenizer.json, or a Hugging "
+        "Face Hub name ORG/NAME[:TAG][@REVISION]."
     )
 
 
