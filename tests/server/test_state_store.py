@@ -77,3 +77,15 @@ def test_urls(url, path):
 def test_bad_urls_name_the_flag(url):
     with pytest.raises(ValueError, match="--state-store"):
         state_store_path(url)
+
+
+def test_serve_refuses_a_bad_state_store_before_loading_the_model():
+    import subprocess
+    import sys
+
+    from serve_process import _free_port
+
+    out = subprocess.run([sys.executable, "-m", "servelm.cli", "serve", "--port",
+                          str(_free_port()), "--state-store", "postgresql://db/servelm"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--state-store" in out.stderr
