@@ -39,10 +39,10 @@ install: $(VENV)/.installed
 kernels: $(VENV)/.installed
 	$(BIN)/servelm kernels build
 
-# --no-isolation: the prebuilt libraries are compiled against the venv's (pinned) torch.
+# The prebuilt libraries are compiled against the venv's (pinned) torch: --no-isolation (setup.py).
 wheel: $(VENV)/.installed
 	$(BIN)/pip install -q build
-	$(BIN)/python -m build --wheel --no-isolation
+	SERVELM_KERNEL_LEVELS=all $(BIN)/python -m build --wheel --no-isolation
 
 # The dashboard's browser test drives Debian's headless chromium (Playwright's own download
 # cannot work offline): installed with apt-get when missing and this is root; otherwise the

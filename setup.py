@@ -1,15 +1,19 @@
-"""setuptools' build (the metadata is in pyproject.toml), plus the prebuilt C++ kernel libraries
-that a wheel carries: one per instruction-set level (servelm/cpu_kernels/prebuilt.py), so that a
-machine without a compiler serves with servelm's kernels.
+"""setuptools' build (the metadata is in pyproject.toml), plus servelm's C++ CPU kernels built at
+install, so that no first request pays for the build:
 
-    make wheel        (python -m build --wheel --no-isolation, with the venv's pinned torch)
+    pip install .        a wheel carrying the kernels prebuilt for this CPU's instruction-set
+                         level (servelm/cpu_kernels/prebuilt.py), loaded at start-up
+    pip install -e .     this CPU's own build in $SERVELM_HOME (`servelm kernels build`)
+    make wheel           SERVELM_KERNEL_LEVELS=all: one library per level (AVX2, AVX-512,
+                         AVX-512 BF16, AMX), so that a machine without a compiler serves with them
 
-The libraries need torch's headers and must match the torch they run with, so they are built
-only where torch is importable (a build without isolation); an isolated build, or
-SERVELM_KERNEL_LEVELS=none, makes a wheel without them, and servelm then builds for the CPU it
-runs on (about a minute, once). SERVELM_KERNEL_LEVELS=avx2,avx512 builds a subset. An editable
-install (`pip install -e .`, what `make serve` does) builds none: `servelm kernels build`
-builds this CPU's library instead.
+The kernels compile against the torch of the environment being installed into and must match
+it at run time. pip builds in an isolated environment without torch, so the build runs in a
+child of this interpreter with that isolation undone (its own site-packages, where the Makefile
+installs the pinned torch first). Where that environment has no torch, or
+SERVELM_KERNEL_LEVELS=none, nothing is built here and servelm builds for the CPU it runs on at
+first use (about a minute, once, with progress). SERVELM_KERNEL_LEVELS also takes a list
+(avx2,avx512).
 """
 
 import os
@@ -21,33 +25,46 @@ from setuptools import setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
+_ISOLATION = ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")
 
-def _levels() -> str | None:
-    """The levels to prebuild ('all' or a list), or None: none asked for, or no torch here."""
-    levels = os.environ.get("SERVELM_KERNEL_LEVELS", "all")
-    if levels == "none":
-        return None
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return None
-    return levels
+
+def _levels() -> str:
+    """'none', 'cpu' (this CPU's level: the default), 'all' or a comma-separated list."""
+    return os.environ.get("SERVELM_KERNEL_LEVELS", "cpu")
+
+
+def _target_env(code_dir: Path) -> dict | None:
+    """The environment of a child that sees the installing interpreter's own site-packages
+    (pip's build isolation undone) and this tree's servelm; None where it has no torch."""
+    env = {k: v for k, v in os.environ.items() if k not in _ISOLATION}
+    env["PYTHONPATH"] = str(code_dir.resolve())
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env,
+                           capture_output=True)
+    return env if probe.returncode == 0 else None
+
+
+def _kernels(code_dir: Path, *args: str) -> bool:
+    env = _target_env(code_dir)
+    if env is None:
+        print("servelm: no torch in the environment being installed into: the C++ kernels "
+              "will build on first use (servelm kernels build does it ahead)")
+        return False
+    subprocess.run([sys.executable, "-m", "servelm.cli", "kernels", "build", *args],
+                   check=True, env=env)
+    return True
 
 
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
         levels = _levels()
-        if getattr(self, "editable_mode", False):
+        if levels == "none":
             return
-        if levels is None:
-            print("servelm: no prebuilt kernels in this wheel (SERVELM_KERNEL_LEVELS=none, or "
-                  "torch not importable here: build with --no-isolation to include them)")
+        if getattr(self, "editable_mode", False):  # the tree itself is the package
+            _kernels(Path.cwd())
             return
         out = Path(self.build_lib) / "servelm" / "cpu_kernels" / "prebuilt"
-        env = dict(os.environ, PYTHONPATH=str(Path(self.build_lib).resolve()))
-        subprocess.run([sys.executable, "-m", "servelm.cli", "kernels", "build",
-                        "--levels", levels, "--out", str(out)], check=True, env=env)
+        _kernels(Path(self.build_lib), "--levels", levels, "--out", str(out.resolve()))
 
 
 class KernelWheel(bdist_wheel):
@@ -56,11 +73,11 @@ class KernelWheel(bdist_wheel):
 
     def finalize_options(self):
         super().finalize_options()
-        self.root_is_pure = _levels() is None
+        self.root_is_pure = _levels() == "none"
 
     def get_tag(self):
         python, abi, platform = super().get_tag()
-        return ("py3", "none", platform) if not self.root_is_pure else (python, abi, platform)
+        return (python, abi, platform) if self.root_is_pure else ("py3", "none", platform)
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels, "bdist_wheel": KernelWheel})

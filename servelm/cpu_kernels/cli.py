@@ -2,7 +2,8 @@
 library a process would load.
 
   servelm kernels build                      this CPU's library (-march=native), once a machine
-  servelm kernels build --levels all --out DIR   one library per instruction-set level (a wheel's)
+  servelm kernels build --levels all --out DIR   one library per instruction-set level (a wheel's;
+                                                 --levels cpu: this CPU's level alone)
   servelm kernels status                     the CPU's instruction sets, its level, what loads
 
 Owns: the command line over build.py and prebuilt.py. Never: loads the library to build it.
@@ -25,8 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="kernels_command", required=True)
     b = sub.add_parser("build", help="build the kernels for this CPU, or for --levels")
     b.add_argument("--levels", default=None,
-                   help=f"comma-separated levels, or 'all' ({', '.join(LEVELS)}): prebuilt "
-                        "libraries for CPUs with those instruction sets (needs --out)")
+                   help=f"comma-separated levels ({', '.join(LEVELS)}), 'all', or 'cpu' "
+                        "(this CPU's): prebuilt libraries for CPUs with those instruction "
+                        "sets (needs --out)")
     b.add_argument("--out", default=None, help="where --levels puts the libraries and manifest")
     b.set_defaults(func=cmd_build)
     s = sub.add_parser("status", help="instruction sets, level, and the library that loads")
@@ -52,8 +54,11 @@ def cmd_build(args) -> int:
 
     from servelm.cpu_kernels import prebuilt
 
-    levels = (list(build.LEVELS) if args.levels == "all"
-              else [x.strip() for x in args.levels.split(",") if x.strip()])
+    levels = _levels(args.levels)
+    if not levels:
+        print("servelm: error: --levels cpu: this CPU runs none of the levels "
+              f"({', '.join(build.LEVELS)})", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="servelm-kernels-") as work:
         try:
             built = prebuilt.build_levels(levels, Path(args.out),
@@ -65,6 +70,17 @@ def cmd_build(args) -> int:
             return 2
     print(f"prebuilt levels {', '.join(built)} in {args.out}")
     return 0
+
+
+def _levels(text: str) -> list[str]:
+    """'all', 'cpu' (this CPU's newest level) or a comma-separated list."""
+    from servelm.cpu_kernels import build, prebuilt
+
+    if text == "all":
+        return list(build.LEVELS)
+    if text == "cpu":
+        return [level] if (level := prebuilt.cpu_level()) else []
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def cmd_status(args) -> int:
