@@ -31,7 +31,6 @@ def hf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setenv("SERVELM_HOME", str(tmp_path / "servelm-home"))
     hub_cache._fetch_cached.cache_clear()
     yield cache
     hub_cache._fetch_cached.cache_clear()
