@@ -126,7 +126,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt; prints only the completion")
-    gen.add_argument("model", help="cached model name, .gguf file or HF directory")
+    gen.add_argument("model", help="cached model name, .gguf file, HF directory or Hugging Face "
+                     "name ORG/NAME[:TAG][@REVISION]")
     gen.add_argument("--prompt", required=True)
     _sampling_args(gen, max_tokens=128)
     add_engine_cli_args(gen)

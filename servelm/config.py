@@ -1066,7 +1066,8 @@ def add_engine_cli_args(parser) -> None:
     s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"))
     s.add_argument("--spec-ngram-min", type=int, default=d("spec_ngram_min"))
     s.add_argument("--spec-draft-model", default=d("spec_draft_model"),
-                   help="draft model (cached name, GGUF file or HF dir; same tokenizer)")
+                   help="draft model (cached name, GGUF file, HF dir or ORG/NAME; same "
+                        "tokenizer)")
     s.add_argument("--spec-draft-layers", type=int, default=d("spec_draft_layers"),
                    help="draft with the target's own first N layers and its head")
     s.add_argument("--spec-draft-quantization", default=d("spec_draft_quantization"),

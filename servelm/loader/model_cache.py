@@ -102,7 +102,8 @@ def pull(name: str, progress: bool = True) -> Path:
     if entry is None:
         raise ModelPullError(
             f"unknown model {name!r}; the registry has: {', '.join(sorted(REGISTRY))}. "
-            "To serve another model pass a local .gguf file or Hugging Face directory instead."
+            "To serve another model pass a local .gguf file or Hugging Face directory, or a "
+            "Hugging Face name ORG/NAME[:TAG][@REVISION], instead."
         )
     existing = cached_path(name)
     if existing is not None:

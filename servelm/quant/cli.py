@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
         description="Quantize MODEL's linear layers with METHOD and write DIR: safetensors "
                     "codes and scales, config.json with a quantization_config naming the "
                     "method, and the tokenizer (docs/quantization.md).")
-    p.add_argument("model", help="cached model name, .gguf file or HF directory")
+    p.add_argument("model", help="cached model name, .gguf file, HF directory or Hugging Face "
+                   "name ORG/NAME[:TAG][@REVISION]")
     p.add_argument("--method", required=True, choices=quant_method_names())
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
