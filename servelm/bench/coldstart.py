@@ -34,8 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def clear_model_caches(model: str, dtype: str = "float32") -> list[str]:
-    """Remove `model`'s GGUF index and prepared-weights entries; returns what was removed."""
+def clear_model_caches(model: str) -> list[str]:
+    """Remove `model`'s GGUF index and its prepared-weights entries, one per dtype the server
+    may run it in (--dtype auto picks per CPU); returns what was removed."""
     import torch
 
     from servelm.loader import load_model_config, prepared, resolve_model
@@ -43,12 +44,12 @@ def clear_model_caches(model: str, dtype: str = "float32") -> list[str]:
     from servelm.models import get_model_class
 
     source = resolve_model(model)
-    config = load_model_config(source)
-    key = prepared.prepared_key(source, get_model_class(config.architecture),
-                                getattr(torch, dtype))
+    model_class = get_model_class(load_model_config(source).architecture)
     targets = []
-    if key is not None:
-        targets.append(prepared.prepared_dir() / f"{key}.safetensors")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        key = prepared.prepared_key(source, model_class, dtype)
+        if key is not None:
+            targets.append(prepared.prepared_dir() / f"{key}.safetensors")
     if source.kind == "gguf":
         targets.append(index_dir() / f"{index_key(source.path)}.msgpack")
     removed = []

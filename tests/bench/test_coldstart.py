@@ -3,6 +3,7 @@ warm one that reads the GGUF index and the prepared weights the cold one wrote."
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,28 @@ def test_cold_then_warm_start(default_model_path, tmp_path, monkeypatch):
     assert warm["stages_s"]["config"] < cold["stages_s"]["config"]
     assert warm["stages_s"]["weights_read"] < cold["stages_s"]["weights_read"]
     assert rec["warm_median"]["ready_s"] == warm["ready_s"]
+
+
+def test_a_cold_run_clears_the_prepared_weights_of_every_dtype(default_model_path, tmp_path,
+                                                               monkeypatch):
+    """--dtype auto runs bfloat16 on some CPUs and float32 on others: a cold run must not find
+    the prepared weights of either."""
+    import torch
+
+    from servelm.bench.coldstart import clear_model_caches
+    from servelm.loader import load_model_config, prepared, resolve_model
+    from servelm.models import get_model_class
+
+    monkeypatch.setenv("SERVELM_HOME", str(tmp_path / "home"))
+    source = resolve_model(str(default_model_path))
+    model_class = get_model_class(load_model_config(source).architecture)
+    written = []
+    for dtype in (torch.float32, torch.bfloat16):
+        key = prepared.prepared_key(source, model_class, dtype)
+        path = prepared.prepared_dir() / f"{key}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"stale")
+        written.append(str(path))
+    removed = clear_model_caches(str(default_model_path))
+    assert set(written) <= set(removed)
+    assert not any(Path(p).exists() for p in written)
