@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve MODEL over the OpenAI API (docs/server.md).")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"cached model name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+                   help="cached model name, .gguf file, HF directory or Hugging Face name "
+                        f"ORG/NAME[:QUANT][@REV] (default {DEFAULT_MODEL})")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)
