@@ -21,6 +21,7 @@ import torch
 
 from servelm.config import ModelConfig
 from servelm.loader.hf_loader import hf_weight_names
+from servelm.models.packed import packed_modules_for
 
 DUMMY_PREFIX = "dummy:"
 WEIGHT_STD = 0.02
@@ -73,13 +74,10 @@ def hf_weight_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
         return (c.hidden_size,)
     if leaf in ("q_norm", "k_norm"):
         return (c.head_dim,)
-    out_in = {
-        "q_proj": (c.q_size, c.hidden_size), "k_proj": (c.kv_size, c.hidden_size),
-        "v_proj": (c.kv_size, c.hidden_size), "o_proj": (c.hidden_size, c.q_size),
-        "gate_proj": (c.intermediate_size, c.hidden_size),
-        "up_proj": (c.intermediate_size, c.hidden_size),
-        "down_proj": (c.hidden_size, c.intermediate_size),
-    }
+    # the parts of the model's packed parameters read the layer's input (models/packed.py)
+    out_in = {p.name: (getattr(c, p.rows), c.hidden_size)
+              for parts in packed_modules_for(c).values() for p in parts}
+    out_in.update(o_proj=(c.hidden_size, c.q_size), down_proj=(c.hidden_size, c.intermediate_size))
     if leaf not in out_in:
         raise ValueError(f"no dummy shape for tensor {name!r}")
     return out_in[leaf][:1] if is_bias else out_in[leaf]

@@ -135,6 +135,7 @@ def _gguf_eos_ids(reader: GGUFReader, lookup) -> tuple[int, ...]:
 # llama.cpp tensor name (within blk.N.) -> HF name (within model.layers.N.)
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # q/k/v kept whole (Phi-3)
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -159,12 +160,10 @@ _LAYER_TENSORS = {
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
 }
-# Where an architecture's checkpoint keeps projections fused (Phi-3: qkv_proj, gate_up_proj).
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                       "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
+_ARCH_LAYER_TENSORS = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
                        "deepseek2": {f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj"
                                      for p in ("gate", "up", "down")}}
 # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w (ggml multiplies by the weight);
@@ -183,10 +182,13 @@ _SKIPPED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_facto
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str, expert: int | None = None, arch: str = "") -> str:
+def hf_name(gguf_name: str, expert: int | None = None, arch: str = "",
+            whole: dict[str, str] | None = None) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a stacked expert
     tensor `blk.3.ffn_up_exps.weight` with expert=5 -> `model.layers.3.mlp.experts.5.up_proj
-    .weight`; arch: the file's architecture, for the projections it keeps fused."""
+    .weight`; arch: the file's architecture, for its own names; whole: part -> packed
+    parameter for those the model's checkpoints keep whole (packed_whole), which llama.cpp
+    names by a part (Phi-3's gate_up_proj is its ffn_up)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
@@ -199,7 +201,19 @@ def hf_name(gguf_name: str, expert: int | None = None, arch: str = "") -> str:
     if match is None or match.group(2) not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{table[kind]}.{suffix}"
+    parent, _, leaf = table[kind].rpartition(".")
+    leaf = (whole or {}).get(leaf, leaf)
+    return f"model.layers.{layer}.{parent + '.' if parent else ''}{leaf}.{suffix}"
+
+
+def packed_whole(config: ModelConfig) -> dict[str, str]:
+    """Part -> packed parameter, for the packed parameters the model's checkpoints store
+    whole (its class's checkpoint_packed; models/packed.py)."""
+    from servelm.models import get_model_class
+
+    model = get_model_class(config.architecture)
+    return {p.name: packed for packed in model.checkpoint_packed
+            for p in model.packed_modules[packed]}
 
 
 def _is_expert_stack(gguf_name: str) -> bool:
@@ -231,6 +245,7 @@ def _model_tensors(path: Path, config: ModelConfig):
     reader = gguf_reader(path)
     arch = _get(reader, "general.architecture")
     permuted = arch == "llama"  # qwen2/qwen3/phi3 use neox rotary
+    whole = packed_whole(config)
     seen: set[str] = set()
     split_kv_b: dict[str, dict[str, Any]] = {}
     have_kv_b = any(".attn_kv_b." in t.name for t in reader.tensors)
@@ -252,7 +267,7 @@ def _model_tensors(path: Path, config: ModelConfig):
             seen.add(tensor.name)
             yield tensor.name, tensor, None, 0.0
             continue
-        name = hf_name(tensor.name, arch=arch)
+        name = hf_name(tensor.name, arch=arch, whole=whole)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         heads = None

@@ -24,19 +24,21 @@ import re
 import struct
 from dataclasses import dataclass
 
+from servelm.models.packed import PACKED_MODULES, part_rows, parts_of
 from servelm.protocol import InvalidParameterError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_HEADER_BYTES = 64 * 2**20
 
+# The dense layers LoRA adapts (check_model_supports_lora refuses the others) pack q/k/v and
+# gate/up as the model's table says; the runner's LoraManager checks the served model's.
+PACKED = {k: PACKED_MODULES[k] for k in ("qkv_proj", "gate_up_proj")}
+# The projections not packed: (in_features, out_features) as ModelConfig fields
+_UNPACKED = {"o_proj": ("q_size", "hidden_size"), "down_proj": ("intermediate_size", "hidden_size")}
 # PEFT module name -> (servelm linear, slice of it)
-TARGETS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+TARGETS = {**{part: tuple(at) for part, at in parts_of(PACKED).items()},
+           **{name: (name, 0) for name in _UNPACKED}}
 LINEAR_PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
                  "down_proj": "mlp"}
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -91,10 +93,11 @@ def target_shapes(model_config) -> dict[tuple[str, int], tuple[int, int]]:
     """(servelm linear, slice) -> (in_features, out_features of the slice) for the dense
     Llama-shaped layers servelm's models build (models/llama.py, models/decoder.py)."""
     c = model_config
-    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-    return {("qkv_proj", 0): (h, q), ("qkv_proj", 1): (h, kv), ("qkv_proj", 2): (h, kv),
-            ("o_proj", 0): (q, h), ("gate_up_proj", 0): (h, i), ("gate_up_proj", 1): (h, i),
-            ("down_proj", 0): (i, h)}
+    shapes = {(packed, j): (c.hidden_size, rows) for packed in PACKED
+              for j, rows in enumerate(part_rows(c, PACKED, packed))}
+    for name, (n_in, n_out) in _UNPACKED.items():
+        shapes[(name, 0)] = (getattr(c, n_in), getattr(c, n_out))
+    return shapes
 
 
 def check_model_supports_lora(model_config) -> None:

@@ -28,12 +28,13 @@ import torch
 from torch import nn
 
 from servelm.core.contract import LoraDeltas
-from servelm.lora.adapter import LINEAR_PARENT, read_adapter, target_shapes
+from servelm.lora.adapter import LINEAR_PARENT, PACKED, read_adapter, target_shapes
 from servelm.lora.segmented import LoraBatch, add_lora, build_lora_batch
 
 logger = logging.getLogger(__name__)
 
-_SLICES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+# slices of each adapted linear: a packed one's parts, else one
+_SLICES = {name: len(PACKED[name]) if name in PACKED else 1 for name in LINEAR_PARENT}
 
 
 @dataclass
@@ -82,6 +83,10 @@ class LoraManager:
         self.model_config = model_config
         self.max_loras, self.max_rank = max_loras, max_rank
         self.device, self.dtype = device, dtype
+        for name, parts in PACKED.items():  # the adapter checks mapped PEFT names by these
+            if model.packed_modules.get(name) != parts:
+                raise ValueError(f"LoRA: {model_config.architecture} packs {name} otherwise "
+                                 "than the adapter checks assume (servelm/models/packed.py)")
         shapes = target_shapes(model_config)
         self.linears: dict[tuple[int, str], _LoraLinear] = {}
         for i, layer in enumerate(model.layers):

@@ -25,6 +25,7 @@ from servelm.config import ModelConfig
 from servelm.layers.activation import act_and_mul, gate_up_silu, silu_and_mul
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
+from servelm.models.packed import PACKED_MODULES, PackedModules, part_offsets
 
 
 class Placement(NamedTuple):
@@ -49,6 +50,10 @@ class DecoderLM(nn.Module):
     # Families whose linears a weight-only method (int8, int4) may quantize after loading
     # (process_weights_after_loading); the others refuse a method by name.
     quantizable = False
+    # checkpoint projections stacked into one parameter (packed.py): the rules read it
+    packed_modules: PackedModules = PACKED_MODULES
+    # the packed parameters its checkpoints store whole, under the packed name (Phi-3's)
+    checkpoint_packed: tuple[str, ...] = ()
     # (regex over the HF name without "model.", -> Placement or None to skip), first match wins
     rules: tuple[Rule, ...] = ()
 
@@ -193,34 +198,45 @@ class DecoderLM(nn.Module):
                 buf.zero_()
 
 
-def qkv_rule(q_size: int, kv_size: int) -> Rule:
-    """q/k/v projections into one fused qkv_proj (rows: q, then k, then v)."""
-    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-    return (r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)",
+def _alternatives(names) -> str:
+    return "|".join(re.escape(n) for n in names)
+
+
+def qkv_rule(config: ModelConfig, table: PackedModules) -> Rule:
+    """The parts of the table's qkv_proj (q/k/v_proj) into its rows, in the table's order."""
+    parts = table["qkv_proj"]
+    offsets = dict(zip([p.name for p in parts], part_offsets(config, table, "qkv_proj")))
+    return (rf"(.*)\.self_attn\.({_alternatives(offsets)})\.(weight|bias)",
             lambda m: Placement(f"{m[1]}.self_attn.qkv_proj.{m[3]}", offsets[m[2]]))
 
 
-def gate_up_rule(prefix: str, intermediate: int, target: str | None = None) -> Rule:
-    """`{prefix}.gate_proj` / `.up_proj` into `{target}.gate_up_proj` (gate rows first)."""
+def gate_up_rule(table: PackedModules, prefix: str, intermediate: int,
+                 target: str | None = None) -> Rule:
+    """`{prefix}.gate_proj` / `.up_proj` (the table's gate_up_proj parts) into
+    `{target}.gate_up_proj`, `intermediate` rows each (a shared expert's width may differ
+    from the config's)."""
     target = target or prefix
-    return (rf"(.*)\.{re.escape(prefix)}\.(gate|up)_proj\.weight",
+    index = {p.name: i for i, p in enumerate(table["gate_up_proj"])}
+    return (rf"(.*)\.{re.escape(prefix)}\.({_alternatives(index)})\.weight",
             lambda m: Placement(f"{m[1]}.{target}.gate_up_proj.weight",
-                                (0 if m[2] == "gate" else intermediate, intermediate)))
+                                (index[m[2]] * intermediate, intermediate)))
 
 
-def expert_rules(intermediate: int) -> tuple[Rule, ...]:
+def expert_rules(table: PackedModules, intermediate: int) -> tuple[Rule, ...]:
     """Routed experts, in the stacked layout transformers 5 writes (experts.gate_up_proj
     [E, 2I, hidden], experts.down_proj [E, hidden, I]) or one tensor per expert (Mixtral's
-    block_sparse_moe.experts.N.w1/w3/w2, Qwen-MoE's and DeepSeek's mlp.experts.N.*_proj)."""
-    gate_up = {"w1": 0, "gate_proj": 0, "w3": intermediate, "up_proj": intermediate}
+    block_sparse_moe.experts.N.w1/w3/w2, Qwen-MoE's and DeepSeek's mlp.experts.N.*_proj):
+    the table's w13 parts, or its gate_up_proj parts, in w13's rows."""
+    index = {p.name: i for packed in ("w13", "gate_up_proj")
+             for i, p in enumerate(table[packed])}
     return (
         (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.gate_up_proj",
          lambda m: Placement(f"{m[1]}.mlp.experts.w13")),
         (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.down_proj",
          lambda m: Placement(f"{m[1]}.mlp.experts.w2")),
-        (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w3|gate_proj|up_proj)\.weight",
-         lambda m: Placement(f"{m[1]}.mlp.experts.w13", (gate_up[m[3]], intermediate),
-                             int(m[2]))),
+        (rf"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.({_alternatives(index)})\.weight",
+         lambda m: Placement(f"{m[1]}.mlp.experts.w13", (index[m[3]] * intermediate,
+                                                           intermediate), int(m[2]))),
         (r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:w2|down_proj)\.weight",
          lambda m: Placement(f"{m[1]}.mlp.experts.w2", None, int(m[2]))),
         (r"(.*)\.block_sparse_moe\.gate\.weight",

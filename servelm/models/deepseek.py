@@ -161,11 +161,11 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
              lambda m: Placement(f"{m[1]}.self_attn.kv_b_weight")),
             (r"(.*)\.mlp\.gate\.e_score_correction_bias",
              lambda m: Placement(f"{m[1]}.mlp.score_bias")),
-            *expert_rules(config.moe_intermediate_size),
-            gate_up_rule("mlp.shared_experts", shared, "mlp.shared"),
+            *expert_rules(self.packed_modules, config.moe_intermediate_size),
+            gate_up_rule(self.packed_modules, "mlp.shared_experts", shared, "mlp.shared"),
             (r"(.*)\.mlp\.shared_experts\.down_proj\.weight",
              lambda m: Placement(f"{m[1]}.mlp.shared.down_proj.weight")),
-            gate_up_rule("mlp", config.intermediate_size),
+            gate_up_rule(self.packed_modules, "mlp", config.intermediate_size),
         )
 
 

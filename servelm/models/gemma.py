@@ -54,8 +54,8 @@ class Gemma2ForCausalLM(DecoderLM):
             GemmaDecoderLayer(config, i,
                               local_rope if config.is_sliding_layer(i) else global_rope, backend)
             for i in range(config.num_layers))
-        self.rules = (qkv_rule(config.q_size, config.kv_size),
-                      gate_up_rule("mlp", config.intermediate_size))
+        self.rules = (qkv_rule(config, self.packed_modules),
+                      gate_up_rule(self.packed_modules, "mlp", config.intermediate_size))
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -19,6 +19,7 @@ from servelm.config import ModelConfig
 from servelm.layers.activation import gate_up_silu
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
+from servelm.models.packed import PACKED_MODULES, part_rows, parts_of
 from servelm.quant import finalize_linears, make_linear
 
 
@@ -128,14 +129,12 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------
 
-    # HF name fragment -> (fused parameter, shard index)
-    _FUSED = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = PACKED_MODULES  # q/k/v -> qkv_proj, gate/up -> gate_up_proj (packed.py)
+    checkpoint_packed: tuple[str, ...] = ()  # its checkpoints store every projection apart
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
+        parts = parts_of(self.packed_modules)  # HF name fragment -> (packed parameter, index)
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -144,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
             target, shard = name, None
-            for part, (fused, idx) in self._FUSED.items():
+            for part, (fused, idx) in parts.items():
                 if f".{part}." in name:
                     target, shard = name.replace(part, fused), idx
                     break
@@ -164,11 +163,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = head.from_float(self.embed_tokens.weight.data, None)
         finalize_linears(self)
 
+    def _packed_name(self, name: str) -> str | None:
+        """The packed parameter `name` ("layers.0.self_attn.qkv_proj.weight") belongs to."""
+        leaf = name.rsplit(".", 2)[-2]
+        return leaf if leaf in self.packed_modules else None
+
     def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if "qkv_proj" in fused:
-            return [c.q_size, c.kv_size, c.kv_size]
-        return [c.intermediate_size, c.intermediate_size]
+        return part_rows(self.config, self.packed_modules, self._packed_name(fused))
 
     def _copy_shard(self, param, tensor, shard, target) -> None:
         if shard is None:
@@ -191,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     def _check_complete(self, params, loaded: set[str]) -> None:
         missing = []
         for name in params:
-            fused = "qkv_proj" in name or "gate_up_proj" in name
+            fused = self._packed_name(name) is not None
             if fused and name.endswith("weight") or fused and name.endswith("bias"):
                 n = len(self._shard_sizes(name))
                 missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]

@@ -11,11 +11,13 @@ from servelm.layers.activation import act_and_mul
 from servelm.layers.moe import MoE, RoutingConfig
 from servelm.models.decoder import (DecoderLayer, DecoderLM, GatedMLP, Placement, expert_rules,
                                     gate_up_rule, make_rotary, qkv_rule)
+from servelm.models.packed import MOE_PACKED_MODULES
 
 
 class MixtralForCausalLM(DecoderLM):
     family = "mixtral"
     quantizable = True  # int8 / int4 weight-only: attention, experts, head (decoder.py)
+    packed_modules = MOE_PACKED_MODULES  # the dense layer's, and the experts' w1/w3 -> w13
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         super().__init__(config, quant)
@@ -57,13 +59,13 @@ class MixtralForCausalLM(DecoderLM):
     def weight_rules(self, config: ModelConfig) -> tuple:
         shared = config.shared_expert_intermediate_size
         return (
-            qkv_rule(config.q_size, config.kv_size),
-            *expert_rules(config.moe_intermediate_size),
-            gate_up_rule("mlp.shared_expert", shared, "mlp.shared"),
-            gate_up_rule("mlp.shared_experts", shared, "mlp.shared"),
+            qkv_rule(config, self.packed_modules),
+            *expert_rules(self.packed_modules, config.moe_intermediate_size),
+            gate_up_rule(self.packed_modules, "mlp.shared_expert", shared, "mlp.shared"),
+            gate_up_rule(self.packed_modules, "mlp.shared_experts", shared, "mlp.shared"),
             (r"(.*)\.mlp\.shared_experts?\.down_proj\.weight",
              lambda m: Placement(f"{m[1]}.mlp.shared.down_proj.weight")),
             (r"(.*)\.mlp\.shared_expert_gate\.weight",
              lambda m: Placement(f"{m[1]}.mlp.shared_gate.weight")),
-            gate_up_rule("mlp", config.intermediate_size),
+            gate_up_rule(self.packed_modules, "mlp", config.intermediate_size),
         )

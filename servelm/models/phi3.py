@@ -12,6 +12,7 @@ from servelm.models.decoder import DecoderLayer, DecoderLM, GatedMLP, make_rotar
 
 class Phi3ForCausalLM(DecoderLM):
     family = "phi3"
+    checkpoint_packed = ("qkv_proj", "gate_up_proj")  # loaded as they are (no rule)
 
     def __init__(self, config: ModelConfig, backend, quant=None):
         super().__init__(config, quant)

@@ -144,6 +144,9 @@ class ImageTextLM(nn.Module):
     and its [3, T] M-RoPE positions where the family has them (LLaVA: None)."""
 
     language_model: LlamaForCausalLM
+    # the language model's (checkpoint names are read by the language model's rules)
+    packed_modules = LlamaForCausalLM.packed_modules
+    checkpoint_packed = LlamaForCausalLM.checkpoint_packed
 
     @property
     def lm_head(self):

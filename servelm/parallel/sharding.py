@@ -13,7 +13,9 @@ for), or builds a layer.
     q_proj, q_b_proj (MLA)       rows by query heads: the query heads of the rank's KV heads
                                  (H/K per KV head), or [r*H/n, (r+1)*H/n) when KV heads are
                                  replicated and for MLA
-    qkv_proj (fused, Phi-3)      each of q, k, v as above, concatenated
+    qkv_proj (packed, Phi-3)     each of q, k, v as above, concatenated (any packed parameter
+                                 a checkpoint stores whole: its parts, by the model's
+                                 packed_modules, each as that part alone)
     kv_b_proj (MLA)              rows by heads (the latent cache is replicated)
     o_proj                       columns by heads; a bias on rank 0 only
     gate/up_proj, w1/w3          rows by MLP width (fused gate_up: each half)
@@ -36,6 +38,7 @@ import torch
 
 from servelm.config import ModelConfig
 from servelm.layers.parallel_linear import vocab_shard
+from servelm.models.packed import PackedModules, packed_modules_for
 from servelm.protocol import InvalidParameterError
 
 
@@ -111,6 +114,11 @@ class TensorParallelShard:
         return n * s // self.num_stages, n * (s + 1) // self.num_stages
 
     @property
+    def packed_modules(self) -> PackedModules:
+        """The model's packed parameters: a checkpoint that stores one whole is split by it."""
+        return packed_modules_for(self.config)
+
+    @property
     def vocab(self) -> tuple[int, int]:
         return vocab_shard(self.config.vocab_size, self.rank, self.size)
 
@@ -154,19 +162,37 @@ class TensorParallelShard:
             return name, self._vocab_rows(view)
         m = re.fullmatch(_ATTN + r"(\w+)\.(weight|bias)", short)
         if m:
-            return name, self._select_attention(m[2], m[3], view)
+            return name, self._select_packed(m[2], m[3], view, self._select_attention)
         if re.fullmatch(_SHARED + r".*", short) and self.expert_parallel:
             return name, _full(view)
         m = re.fullmatch(r".*\.mlp\.(?:shared_experts?\.)?(\w+)\.(weight|bias)", short)
-        if m and m[1] in ("gate_proj", "up_proj"):
-            return name, _chunk(view, 0, r, n)
-        if m and m[1] == "gate_up_proj":  # fused [gate; up]
-            half = _shape(view)[0] // 2
-            return name, _cat_rows([_slice(view, 0, i * half + r * half // n, half // n)
-                                    for i in (0, 1)])
-        if m and m[1] == "down_proj":
-            return name, self._row_parallel(view, m[2])
+        if m:
+            return name, self._select_packed(m[1], m[2], view, self._select_mlp)
         return name, _full(view)
+
+    def _select_packed(self, proj: str, kind: str, view, select) -> torch.Tensor:
+        """A checkpoint that stores a packed parameter whole (Phi-3's qkv_proj, gate_up_proj;
+        the model's packed_modules): each part's rows selected as that part alone, then
+        stacked; any other projection: select(proj, kind, view)."""
+        parts = self.packed_modules.get(proj)
+        if parts is None:
+            return select(proj, kind, view)
+        rows = _shape(view)[0]
+        sizes = [getattr(self.config, p.rows) for p in parts]
+        if sum(sizes) != rows and len({p.rows for p in parts}) == 1:  # a shared expert's width
+            sizes = [rows // len(parts)] * len(parts)
+        if sum(sizes) != rows:
+            raise ValueError(f"{proj}: a checkpoint tensor of {rows} rows, its parts need {sizes}")
+        starts = [sum(sizes[:i]) for i in range(len(parts))]
+        return _cat_rows([select(p.name, kind, _RowBlock(view, start, size))
+                          for p, start, size in zip(parts, starts, sizes)])
+
+    def _select_mlp(self, proj: str, kind: str, view) -> torch.Tensor:
+        if proj in ("gate_proj", "up_proj"):
+            return _chunk(view, 0, self.rank, self.size)
+        if proj == "down_proj":
+            return self._row_parallel(view, kind)
+        return _full(view)
 
     def _stage_name(self, name: str) -> str | None:
         """layers.i -> layers.(i - first) inside the stage; None outside it."""
@@ -185,12 +211,6 @@ class TensorParallelShard:
             return self._head_rows(view, 0, self.q_heads, c.num_heads)
         if proj in ("k_proj", "v_proj"):
             return self._head_rows(view, 0, self.kv_heads, c.num_kv_heads)
-        if proj == "qkv_proj":
-            q, kv = c.q_size, c.kv_size
-            return _cat_rows([self._head_rows(view, 0, self.q_heads, c.num_heads, q),
-                              self._head_rows(view, q, self.kv_heads, c.num_kv_heads, kv),
-                              self._head_rows(view, q + kv, self.kv_heads, c.num_kv_heads,
-                                              kv)])
         if proj == "o_proj":
             return self._row_parallel(view, kind, self.q_heads, c.num_heads)
         return _full(view)  # q_a_proj, kv_a_proj_with_mqa, the norms: replicated
@@ -266,6 +286,26 @@ def _cat_rows(parts: list):
 
 def _shape(view) -> tuple[int, ...]:
     return tuple(view.get_shape()) if hasattr(view, "get_shape") else tuple(view.shape)
+
+
+class _RowBlock:
+    """Rows [start, start+size) of a view, itself a view: a part of a packed tensor that the
+    part's own rule then slices (safetensors still reads only the rows asked for)."""
+
+    def __init__(self, view, start: int, size: int):
+        self.view, self.start, self.size = view, start, size
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (self.size, *_shape(self.view)[1:])
+
+    def __getitem__(self, index):
+        index = list(index) if isinstance(index, tuple) else [index]
+        index += [slice(None)] * (len(_shape(self.view)) - len(index))
+        first, end, step = index[0].indices(self.size)
+        if step != 1:
+            raise ValueError("a packed part is read in whole rows")
+        index[0] = slice(self.start + first, self.start + end)
+        return self.view[tuple(index)]
 
 
 def _full(view) -> torch.Tensor:

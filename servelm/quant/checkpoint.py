@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from servelm.models.packed import part_offsets
 from servelm.protocol import InvalidParameterError
 
 if TYPE_CHECKING:
@@ -284,12 +285,12 @@ def _hf_name(name: str) -> str:
 def _hf_shards(model, module_name: str) -> list[tuple[str, int, int]]:
     """(HF base name, first row, rows) of each checkpoint tensor fused into a module."""
     prefix, _, leaf = module_name.rpartition(".")
-    parts = sorted((idx, part) for part, (fused, idx) in model._FUSED.items() if fused == leaf)
-    if not parts:
+    parts = model.packed_modules.get(leaf)  # the model's table (models/packed.py)
+    if parts is None:
         return [(_hf_name(module_name), 0, model.get_submodule(module_name).out_features)]
-    sizes = model._shard_sizes(f"{module_name}.weight")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [(_hf_name(f"{prefix}.{part}"), starts[idx], sizes[idx]) for idx, part in parts]
+    offsets = part_offsets(model.config, model.packed_modules, leaf)
+    return [(_hf_name(f"{prefix}.{p.name}"), start, rows)
+            for p, (start, rows) in zip(parts, offsets)]
 
 
 def _narrowest_exact(t: torch.Tensor) -> torch.Tensor:
