@@ -5,26 +5,14 @@ import pytest
 import torch
 
 from servelm.config import EngineArgs
-from tiny_models import greedy
+from tiny_models import greedy, save_tiny_checkpoint
 
 PROMPT = (5, 9, 17, 33, 2, 8)
 
 
-def _save(model, path):
-    """A HF folder: the model's safetensors and a word-level tokenizer.json of its vocab."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    model.save_pretrained(path, safe_serialization=True)
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    return path
-
-
 @pytest.fixture
 def hf_dir(tmp_path, tiny_hf):
-    return _save(tiny_hf("llama", seed=3), tmp_path / "tiny-llama")
+    return save_tiny_checkpoint(tiny_hf("llama", seed=3), tmp_path / "tiny-llama")
 
 
 @pytest.fixture
@@ -111,7 +99,7 @@ def test_eviction_keeps_the_cache_under_its_cap(tmp_path, home, tiny_hf, monkeyp
 
     paths = []
     for seed in range(3):
-        paths.append(_save(tiny_hf("llama", seed=seed), tmp_path / f"m{seed}"))
+        paths.append(save_tiny_checkpoint(tiny_hf("llama", seed=seed), tmp_path / f"m{seed}"))
     _build(paths[0])
     size = _entries(home)[0].stat().st_size
     monkeypatch.setattr(prepared, "CAP_BYTES", int(2.5 * size))
