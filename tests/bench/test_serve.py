@@ -1,6 +1,7 @@
 """`servelm bench serve` end to end: the CLI against the fake server (report, sweep and
 plot), and against the real `servelm serve` with the default model."""
 
+import gc
 import json
 import os
 import socket
@@ -56,14 +57,26 @@ def test_cli_report_against_the_fake_server(tmp_path, capsys):
     assert "TTFT" in table and "TPOT" in table and "goodput" in table and "http_500=2" in table
 
 
-def test_sweep_draws_the_curve_and_finds_where_goodput_drops(tmp_path, capsys):
+@pytest.fixture
+def frozen_heap():
+    """The sweep times requests inside this process (client and fake server): a full garbage
+    collection of everything the test session has loaded by then (a fresh-clone run saw two
+    of twelve low-rate requests 0.5 s late) would land in its latencies. Frozen objects are
+    not traversed again."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def test_sweep_draws_the_curve_and_finds_where_goodput_drops(tmp_path, capsys, frozen_heap):
     out = tmp_path / "sweep.json"
     # Two slots, 0.12 s per request: ~16 req/s capacity; 60 req/s queues up. At 5 req/s a
     # request can still wait for a slot (up to 0.12 s) when three arrive together, so the
     # TTFT SLO leaves room for that: it separates the rates by the queue, not by jitter.
     with FakeServer(FakeBehaviour(ttft_s=0.02, tpot_s=0.01, capacity=2)) as server:
         rc = main(["serve", "--base-url", server.url, "--sweep-rates", "5,60",
-                   "--vocab-size", "1000", "--num-prompts", "12", "--warmup", "0",
+                   "--vocab-size", "1000", "--num-prompts", "12", "--warmup", "2",
                    "--output-len", "10",
                    "--slo-ttft-ms", "300", "--slo-tpot-ms", "50", "--out", str(out),
                    "--no-progress"])
