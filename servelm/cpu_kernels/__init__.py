@@ -147,21 +147,25 @@ def _build() -> None:
     this CPU's (build.py: one builder at a time, progress while it runs)."""
     import torch
 
+    global _source
+    library, source = _find_or_build()
+    torch.ops.load_library(str(library))
+    _source = source  # only once loaded: a failed build leaves source() empty
+
+
+def _find_or_build() -> tuple[Path, str]:
+    """(the library to load, where it came from)."""
+    import torch
+
     from servelm.cpu_kernels import build, prebuilt
 
-    global _source
     spec = native_spec()
-    library = spec.library if spec.is_built else None
-    _source = "built for this CPU"
-    if library is None:
-        found = prebuilt.find(PREBUILT_DIR, _source_hash(), torch.__version__)
-        if found is not None:
-            library, level = found
-            _source = f"prebuilt ({level})"
-    if library is None:
-        library = build.ensure_built(spec)
-        _source = "built for this CPU (this run)"
-    torch.ops.load_library(str(library))
+    if spec.is_built:
+        return spec.library, "built for this CPU"
+    found = prebuilt.find(PREBUILT_DIR, _source_hash(), torch.__version__)
+    if found is not None:
+        return found[0], f"prebuilt ({found[1]})"
+    return build.ensure_built(spec), "built for this CPU (this run)"
 
 
 def native_spec():
