@@ -1,6 +1,7 @@
 """CoreClient: the front end's side of an engine core process.
 
-Owns: starting the core (`python -m servelm.core.process`), the handshake (versions, the
+Owns: starting the core (`python -m servelm.core.process`, a ProcessSpec the launcher's
+Supervisor starts: servelm/launch/), the handshake (versions, the
 EngineArgs to build, the CoreInfo back), and the same event-loop API as the in-process
 AsyncEngine (submit / abort / release / generate, snapshot, is_alive), so the HTTP server
 cannot tell them apart. Two threads keep the event loop off the socket:
@@ -23,11 +24,9 @@ import queue
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 
 from servelm.core import codec
@@ -37,6 +36,8 @@ from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInf
 from servelm.core.contract import CONTRACT_VERSION, StepReport
 from servelm.core.process import recv_frame
 from servelm.engine.async_engine import EngineDeadError, RequestStream, StreamRouter
+from servelm.launch import (INHERIT, Accepted, LaunchError, ProcessHandle, ProcessSpec,
+                            Resources, Supervisor)
 from servelm.protocol import EngineRequest, InvalidParameterError
 
 logger = logging.getLogger(__name__)
@@ -46,25 +47,29 @@ class CoreStartError(RuntimeError):
     """The engine core could not be started (build failure, version mismatch, crash)."""
 
 
-def _exit_cause(proc: subprocess.Popen) -> str:
-    try:
-        code = proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
+def core_spec(path: str, connected: Accepted, env: dict | None = None) -> ProcessSpec:
+    """The engine core process: ready once it connects to `path`. Its stderr is the front
+    end's own and it gets no parent-death signal: when the front end dies, the core sees
+    the connection end, frees every block and says so in the log before it exits."""
+    return ProcessSpec("the engine core", (sys.executable, "-m", "servelm.core.process",
+                                           "--connect", path),
+                       resources=Resources(env=env or {}), readiness=connected,
+                       ready_timeout_s=60.0, stderr=INHERIT, parent_death_signal=None)
+
+
+def _exit_cause(handle: ProcessHandle) -> str:
+    death = handle.death(settle_s=1.0)
+    if death is None:
         return "the engine core closed its connection (still running)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return f"the engine core was killed by {name}"
-    return f"the engine core exited with code {code}"
+    return f"the engine core {'was ' if death.exit_code is None else ''}{death.how}"
 
 
 class CoreClient(StreamRouter):
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, info: CoreInfo,
+    def __init__(self, handle: ProcessHandle, sock: socket.socket, info: CoreInfo,
                  tokenizer=None, on_dead: Callable[[str], None] | None = None):
         super().__init__()
-        self.proc = proc
+        self.handle = handle
+        self.proc = handle.proc
         self.sock = sock
         self.info = info
         self.tokenizer = tokenizer
@@ -92,49 +97,37 @@ class CoreClient(StreamRouter):
     @classmethod
     def spawn(cls, engine_args, tokenizer=None, startup_timeout: float = 900.0,
               env: dict | None = None) -> CoreClient:
-        """Start a core process for `engine_args`, wait until its engine is built."""
+        """Start a core process for `engine_args` (`env`: added to this process's
+        environment), wait until its engine is built."""
         tmp = tempfile.mkdtemp(prefix="servelm-core-")
         path = os.path.join(tmp, "core.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = None
+        supervisor, handle = Supervisor(stop_at_exit=False), None
         try:
             listener.bind(path)
             listener.listen(1)
-            listener.settimeout(0.2)
-            proc = subprocess.Popen([sys.executable, "-m", "servelm.core.process",
-                                     "--connect", path], env=env)
-            sock = cls._accept(listener, proc, time.monotonic() + 60.0)
-            sock.settimeout(None)
+            connected = Accepted(listener, what="the engine core to connect")
+            handle = supervisor.start(core_spec(path, connected, env), wait=False)
+            try:
+                supervisor.wait_ready([handle])
+            except LaunchError as exc:
+                raise CoreStartError(str(exc)) from None
+            sock = connected.sock
             sock.sendall(codec.frame(Hello(CONTRACT_VERSION, "frontend", os.getpid())))
             sock.sendall(codec.frame(Start(engine_args)))
-            info = cls._handshake(sock, proc, startup_timeout)
+            info = cls._handshake(sock, handle, startup_timeout)
         except BaseException:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if handle is not None and handle.is_alive:
+                handle.signal(signal.SIGKILL)
+                handle.proc.wait()
             raise
         finally:
             listener.close()
             shutil.rmtree(tmp, ignore_errors=True)
-        return cls(proc, sock, info, tokenizer)
+        return cls(handle, sock, info, tokenizer)
 
     @staticmethod
-    def _accept(listener: socket.socket, proc: subprocess.Popen,
-                deadline: float) -> socket.socket:
-        while True:
-            try:
-                sock, _ = listener.accept()
-                return sock
-            except TimeoutError:
-                if proc.poll() is not None:
-                    raise CoreStartError(f"the engine core exited with code {proc.returncode} "
-                                         "before connecting") from None
-                if time.monotonic() > deadline:
-                    raise CoreStartError("the engine core did not connect within 60 s") \
-                        from None
-
-    @staticmethod
-    def _handshake(sock: socket.socket, proc: subprocess.Popen, timeout: float) -> CoreInfo:
+    def _handshake(sock: socket.socket, handle: ProcessHandle, timeout: float) -> CoreInfo:
         sock.settimeout(timeout)
         try:
             codec.check_hello(recv_frame(sock, codec.core_decoder), "core")
@@ -149,7 +142,7 @@ class CoreClient(StreamRouter):
         if isinstance(msg, Fatal):
             raise CoreStartError(msg.message)
         if not isinstance(msg, Ready):
-            raise CoreStartError(f"the engine core sent no Ready ({_exit_cause(proc)})")
+            raise CoreStartError(f"the engine core sent no Ready ({_exit_cause(handle)})")
         return msg.info
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -169,12 +162,8 @@ class CoreClient(StreamRouter):
         self._stopping = True
         self._out.put(codec.frame(Shutdown()))
         self._out.put(None)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            logger.error("engine core did not exit within %ss; killing it", timeout)
-            self.proc.kill()
-            self.proc.wait()
+        self.handle.is_stopping = True
+        self.handle.wait_or_kill(timeout)
         try:
             self.sock.close()
         except OSError:
@@ -231,7 +220,7 @@ class CoreClient(StreamRouter):
         except (OSError, CodecError) as exc:
             if not self._stopping:
                 logger.error("engine core connection failed: %s", exc)
-        cause = self._fatal or _exit_cause(self.proc)
+        cause = self._fatal or _exit_cause(self.handle)
         self._post(self._on_core_gone, cause)
 
     # -- on the loop -----------------------------------------------------------------------

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-INHERIT, DEVNULL, TO_STDERR = "inherit", "devnull", "stderr"  # where output goes (or a path)
+# where output goes (or a file path, appended to)
+TEE, INHERIT, DEVNULL, TO_STDERR = "tee", "inherit", "devnull", "stderr"
 
 
 class Readiness(Protocol):
@@ -124,9 +125,11 @@ def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int,
 class ProcessSpec:
     """One process to start. `name` names it in every log line and error ("replica
     http://127.0.0.1:8001", "worker rank 1"). `config` is written to its stdin, which is
-    then closed (None: stdin is /dev/null). `stdout` / `stderr`: INHERIT (the parent's
-    stderr, through the supervisor so it keeps the last lines), DEVNULL, TO_STDERR (stdout
-    only: merged into stderr) or a file path (appended to). `parent_death_signal` reaches
+    then closed (None: stdin is /dev/null). `stdout` / `stderr`: TEE (stderr only: to the
+    parent's stderr through the supervisor, which keeps the last lines for the death report),
+    INHERIT (straight to the parent's: what a child that logs after the parent is gone
+    needs), DEVNULL or a file path (both through the supervisor too), or TO_STDERR (stdout
+    only: wherever stderr goes). `parent_death_signal` reaches
     the child when this process ends, however it ends (None: it outlives us);
     `new_session` puts it in a process group of its own, so stopping it stops what it
     started too (and a terminal's Ctrl-C reaches only the parent, which stops it)."""
@@ -137,7 +140,7 @@ class ProcessSpec:
     readiness: Readiness = field(default_factory=AtOnce)
     ready_timeout_s: float = 900.0
     stdout: str = INHERIT
-    stderr: str = INHERIT
+    stderr: str = TEE
     parent_death_signal: int | None = signal.SIGTERM
     new_session: bool = False
     stop_signal: int = signal.SIGTERM
@@ -149,11 +152,13 @@ class ProcessSpec:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         if self.stderr == TO_STDERR:
             raise ValueError("stderr cannot be TO_STDERR (only stdout can be merged)")
+        if self.stdout == TEE:
+            raise ValueError("stdout cannot be TEE (only stderr is kept for death reports)")
         object.__setattr__(self, "argv", tuple(self.argv))
 
     def replace(self, **changes) -> ProcessSpec:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["DEVNULL", "INHERIT", "TO_STDERR", "Accepted", "AtOnce", "HttpHealth",
+__all__ = ["DEVNULL", "INHERIT", "TEE", "TO_STDERR", "Accepted", "AtOnce", "HttpHealth",
            "ProcessSpec", "Readiness", "Resources", "torchrun_env"]

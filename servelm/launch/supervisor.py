@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from servelm.launch.spec import DEVNULL, INHERIT, TO_STDERR, AtOnce, ProcessSpec
+from servelm.launch.spec import DEVNULL, INHERIT, TEE, TO_STDERR, AtOnce, ProcessSpec
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ class _Pump:
     def __init__(self, fd: int, target: str, name: str):
         self.tail = b""
         self._lock = threading.Lock()
-        self._out = None if target in (INHERIT, DEVNULL) else open(target, "ab")
-        self._to_stderr = target == INHERIT
+        self._out = None if target in (TEE, DEVNULL) else open(target, "ab")
+        self._to_stderr = target == TEE
         self._thread = threading.Thread(target=self._run, args=(fd,), daemon=True,
                                         name=f"servelm-pump-{name}"[:60])
         self._thread.start()
@@ -188,7 +188,7 @@ class _Pump:
 # -- one started process -----------------------------------------------------------------------
 
 class ProcessHandle:
-    def __init__(self, spec: ProcessSpec, proc: subprocess.Popen, pump: _Pump):
+    def __init__(self, spec: ProcessSpec, proc: subprocess.Popen, pump: _Pump | None):
         self.spec = spec
         self.proc = proc
         self.pid = proc.pid
@@ -204,7 +204,8 @@ class ProcessHandle:
         return self.proc.poll() is None
 
     def stderr_tail(self) -> tuple[str, ...]:
-        return self._pump.lines()
+        """The last lines it wrote to stderr (none when its stderr is INHERIT)."""
+        return self._pump.lines() if self._pump is not None else ()
 
     def death(self, settle_s: float = 0.0) -> Death | None:
         """How it ended, or None while it runs (waiting up to settle_s for it to end). The
@@ -215,7 +216,8 @@ class ProcessHandle:
             code = None
         if code is None:
             return None
-        self._pump.join(0.5)
+        if self._pump is not None:
+            self._pump.join(0.5)
         return Death(self.name, self.pid, code, self.stderr_tail())
 
     def signal(self, sig: int) -> None:
@@ -233,9 +235,10 @@ class ProcessHandle:
         self.signal(self.spec.stop_signal)
         return self.wait_or_kill(grace_s)
 
-    def wait_or_kill(self, grace_s: float) -> int:
+    def wait_or_kill(self, grace_s: float | None) -> int:
+        """Its exit code once it ends; SIGKILL after grace_s (None: wait as long as it takes)."""
         try:
-            return self.proc.wait(max(0.0, grace_s))
+            return self.proc.wait(None if grace_s is None else max(0.0, grace_s))
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %d) did not exit within %gs; killing it", self.name,
                          self.pid, grace_s)
@@ -246,18 +249,18 @@ class ProcessHandle:
         return f"ProcessHandle({self.name!r}, pid={self.pid})"
 
 
-def _stdout_target(spec: ProcessSpec, stderr_fd: int):
+def _stdout_target(spec: ProcessSpec, stderr_fd: int | None):
     if spec.stdout == INHERIT:
         return None
     if spec.stdout == DEVNULL:
         return subprocess.DEVNULL
     if spec.stdout == TO_STDERR:
-        return stderr_fd
+        return 2 if stderr_fd is None else stderr_fd
     return open(spec.stdout, "ab")
 
 
 def _popen(spec: ProcessSpec) -> ProcessHandle:
-    read_fd, write_fd = os.pipe()
+    read_fd, write_fd = os.pipe() if spec.stderr != INHERIT else (None, None)
     stdout = _stdout_target(spec, write_fd)
     try:
         proc = _SPAWNER.popen(
@@ -265,13 +268,16 @@ def _popen(spec: ProcessSpec) -> ProcessHandle:
             else subprocess.DEVNULL, stdout=stdout, stderr=write_fd,
             env=spec.resources.environ(os.environ), start_new_session=spec.new_session)
     except BaseException:
-        os.close(read_fd)
+        if read_fd is not None:
+            os.close(read_fd)
         raise
     finally:
-        os.close(write_fd)
+        if write_fd is not None:
+            os.close(write_fd)
         if hasattr(stdout, "close"):
             stdout.close()
-    handle = ProcessHandle(spec, proc, _Pump(read_fd, spec.stderr, spec.name))
+    pump = _Pump(read_fd, spec.stderr, spec.name) if read_fd is not None else None
+    handle = ProcessHandle(spec, proc, pump)
     if spec.config is not None:
         try:
             proc.stdin.write(spec.config)

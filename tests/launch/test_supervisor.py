@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from servelm.launch import (DEVNULL, INHERIT, TO_STDERR, Accepted, HttpHealth, LaunchError,
-                            ProcessSpec, Resources, Supervisor, torchrun_env)
+from servelm.launch import (DEVNULL, INHERIT, TEE, TO_STDERR, Accepted, HttpHealth,
+                            LaunchError, ProcessSpec, Resources, Supervisor, torchrun_env)
 
 PY = sys.executable
 HANG_GUARD_S = 120.0  # not a bound on speed: only so that a broken supervisor fails, not hangs
@@ -325,4 +325,13 @@ def test_resources_environment():
     assert torchrun_env(1, 2, "h", 29500, local_rank=1) == {
         "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
         "LOCAL_RANK": "1"}
-    assert INHERIT == "inherit"
+
+
+@pytest.mark.parametrize("stderr, kept", [(TEE, True), (INHERIT, False)])
+def test_stderr_reaches_ours_teed_with_its_tail_or_inherited_without(sup, capfd, stderr, kept):
+    script = "import sys; print('a line of stderr', file=sys.stderr); sys.exit(1)"
+    handle = sup.start(ProcessSpec("talker", (PY, "-c", script), stderr=stderr))
+    death = handle.death(settle_s=HANG_GUARD_S)
+    assert death.exit_code == 1
+    assert death.stderr_tail == (("a line of stderr",) if kept else ())
+    assert "a line of stderr" in capfd.readouterr().err
