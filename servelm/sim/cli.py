@@ -448,6 +448,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from servelm.bench.sweep import plot_sweep, render_sweep_table, summarize_sweep
 
     try:
+        if args.gpu is None and args.cost_model is None:
+            raise ValueError("one of the arguments --cost-model --gpu is required")
+        if args.request_rate is None and args.sweep_rates is None and args.trace is None:
+            raise ValueError("one of the arguments --request-rate --sweep-rates --trace is "
+                             "required")
         cost = roofline_from_args(args) if args.gpu else StepCostModel.load(args.cost_model)
         if args.cost_scale != 1.0:
             cost = ScaledCost(cost, args.cost_scale)
@@ -514,7 +519,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sim", help="simulate a fleet with servelm's own scheduler",
                               description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
+    # Not required by argparse: `servelm sim validate` takes neither (cmd_sim checks).
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--cost-model", help="a step-cost model JSON (servelm bench calibrate)")
     src.add_argument("--gpu", default=None,
                      help="instead: step times from the planner's roofline for this GPU type "
@@ -556,7 +562,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --autoscale: the static fleet compared (default: the policy's "
                         "max_replicas; 0: none)")
     g = p.add_argument_group("load (as servelm bench serve)")
-    mode = g.add_mutually_exclusive_group(required=True)
+    mode = g.add_mutually_exclusive_group()
     mode.add_argument("--request-rate", type=float, default=None)
     mode.add_argument("--sweep-rates", default=None)
     mode.add_argument("--trace", default=None, metavar="FILE",
@@ -617,4 +623,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"{SHARD_MIN_REPLICAS} replicas")
     p.add_argument("--out", default=None, help="result JSON (PNG next to it)")
     p.set_defaults(func=cmd_sim)
+    from servelm.sim.validate_cli import add_parser as add_validate
+
+    add_validate(p.add_subparsers(dest="sim_command", metavar="validate"))
     return p

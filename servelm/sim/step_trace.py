@@ -159,6 +159,35 @@ def read_step_trace(path: str | Path) -> StepTraceData:
     return StepTraceData(head["engine"], shapes, seconds, admissions)
 
 
+class TimedStep(NamedTuple):
+    t: float  # wall-clock start (s since the epoch)
+    s: float  # start to next start
+    shape: StepShape
+
+
+class TimedAdmission(NamedTuple):
+    t: float  # wall clock when the engine took the request
+    admission: Admission
+
+
+def read_timed_trace(path: str | Path) -> tuple[dict, list[TimedStep], list[TimedAdmission]]:
+    """A trace's steps and admissions with their wall-clock times, to split one server's
+    trace into the windows of the runs it served (a client's record has the same clock)."""
+    lines = Path(path).read_text().splitlines()
+    head = json.loads(lines[0]) if lines else {}
+    if head.get("kind") != KIND:
+        raise ValueError(f"{path} is not a step trace (servelm serve --step-trace)")
+    rows = [json.loads(line) for line in lines[1:] if line.strip()]
+    if any("admit_s" in r and "idle" not in r for r in rows):
+        rows = _infer_idle(rows)
+    steps = [TimedStep(float(r["t"]), float(r["s"]), StepShape(*r["shape"]))
+             for r in rows if "shape" in r]
+    admissions = [TimedAdmission(float(r.get("t", 0.0)),
+                                 Admission(float(r["admit_s"]), bool(r["idle"])))
+                  for r in rows if "admit_s" in r]
+    return head["engine"], steps, admissions
+
+
 def _infer_idle(rows: list[dict]) -> list[dict]:
     """Admission lines without the `idle` flag (older traces): a step's line is written when
     it ends, at the next begin() or at idle(), and admissions are written between the two
