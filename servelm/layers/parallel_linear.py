@@ -119,15 +119,15 @@ class TensorParallelModel(nn.Module):
         return self.model.layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
-                num_layers: int | None = None) -> torch.Tensor:
+                **kwargs) -> torch.Tensor:
+        """kwargs: the family model's (DecoderLM.forward: layers, ...)."""
         if self.pipeline is not None:
-            if num_layers is not None:
-                raise ValueError("early exit (num_layers) does not run through pipeline stages")
+            if kwargs:
+                raise ValueError(f"{sorted(kwargs)}: a forward through pipeline stages runs "
+                                 "every layer (no early exit)")
             return self.pipeline.run(self.model, positions, batch, self.config.hidden_size,
                                      self.model.embed_tokens.weight.dtype)
-        if num_layers is None:
-            return self.model(input_ids, positions, batch)
-        return self.model(input_ids, positions, batch, num_layers=num_layers)
+        return self.model(input_ids, positions, batch, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local logits [T, V/size] (soft-capped where the family caps: elementwise, so

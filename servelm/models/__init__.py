@@ -6,8 +6,8 @@ import importlib
 
 _MODELS = {
     "llama": "servelm.models.llama:LlamaForCausalLM",
-    "qwen2": "servelm.models.qwen2:Qwen2ForCausalLM",
-    "qwen3": "servelm.models.qwen3:Qwen3ForCausalLM",
+    "qwen2": "servelm.models.llama:Qwen2ForCausalLM",
+    "qwen3": "servelm.models.llama:Qwen3ForCausalLM",
     "mixtral": "servelm.models.mixtral:MixtralForCausalLM",
     "qwen2_moe": "servelm.models.qwen_moe:Qwen2MoeForCausalLM",
     "qwen3_moe": "servelm.models.qwen_moe:Qwen3MoeForCausalLM",

@@ -1,13 +1,22 @@
-"""DecoderLM: the frame the non-Llama families share (embedding, layers, final norm, head)
-and their weight loading from Hugging Face names.
+"""DecoderLM: the one decoder frame every family configures (embedding, layers of Attention
+and a GatedMLP or MoE, the final norm, the head), its one forward, and its weight loading
+from Hugging Face names.
 
-A family subclasses it with its decoder layer and its name rules; each layer takes
-`(positions, x, residual, batch) -> (x, residual)` as the Llama layers do, so the early-exit
-draft (spec/draft.py) runs any family's first N layers. These families are not
-LlamaForCausalLM subclasses on purpose: the CPU decode stack (runner/cpu_decode.py) takes
-Llama-shaped models only and tells them apart by that type, so these run eagerly.
+A family is configuration plus weight-name rules: class attributes (its norm, sandwich norms,
+the quantization methods it takes, its packed modules) and, where it differs, one of the
+build hooks (`make_rotaries`, `make_attention`, `make_mlp`, `weight_rules`). Llama, Qwen2 and
+Qwen3 set nothing; Gemma sets its norm; Mixtral its MLP; DeepSeek its attention (MLA).
 
-Never: quantizes (a quantization method is refused at build, naming the family).
+    forward(input_ids[T], positions[T], batch, layers=slice(None), embeds=None,
+            hidden_in=None, final_norm=True)
+
+is the only loop over decoder layers: the runner runs all of them, an early-exit draft the
+first N (`layers=N`), a pipeline stage its own (`hidden_in` from the previous stage,
+`final_norm=False` before the last), a vision-language model's text rows with image rows
+in `embeds`. The model also describes its C++ decode-stack form (`fast_path`,
+servelm/models/fast_path.py): the runner never looks at its types.
+
+Never: knows about requests, CUDA graphs or which kernels a runner picks for its linears.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from servelm.layers.activation import act_and_mul, gate_up_silu, silu_and_mul
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.models.packed import PACKED_MODULES, PackedModules, part_offsets
+from servelm.quant import finalize_linears, make_linear
 
 
 class Placement(NamedTuple):
@@ -40,57 +50,126 @@ class Placement(NamedTuple):
 Rule = tuple[str, Callable[[re.Match], Placement | None]]
 
 
+class HiddenState(NamedTuple):
+    """The stream between two layers: the hidden state is x + residual (x alone before
+    the first layer, residual None)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+
+
 # weight-only methods built from float weights, per linear (servelm/quant/methods.py), and
 # 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (float values elsewhere)
-_EXPERT_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf")
+WEIGHT_ONLY_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256",
+                       "gguf")
 
 
 class DecoderLM(nn.Module):
-    family = ""  # for error messages
-    # Families whose linears a weight-only method (int8, int4) may quantize after loading
-    # (process_weights_after_loading); the others refuse a method by name.
-    quantizable = False
+    family = ""  # the registry name, for messages
+    # quantization methods (servelm/quant) the family takes; None: every method
+    quant_methods: tuple[str, ...] | None = ()
     # checkpoint projections stacked into one parameter (packed.py): the rules read it
     packed_modules: PackedModules = PACKED_MODULES
     # the packed parameters its checkpoints store whole, under the packed name (Phi-3's)
     checkpoint_packed: tuple[str, ...] = ()
-    # (regex over the HF name without "model.", -> Placement or None to skip), first match wins
-    rules: tuple[Rule, ...] = ()
+    norm_class: type[RMSNorm] = RMSNorm  # Gemma's scales by (1 + w)
+    sandwich_norms = False  # Gemma: a norm after attention and after the MLP as well
+    scales_embedding = False  # Gemma: the embedding times sqrt(hidden)
 
-    def __init__(self, config: ModelConfig, quant=None):
+    def __init__(self, config: ModelConfig, backend=None, quant=None):
+        """backend: the attention backend (bound later when None: servelm/engine_builder.py);
+        quant: a `servelm.quant` method, its layers quantized after loading."""
         super().__init__()
-        # (param name, expert or None) -> {first row: GGUF blocks} under --quantization gguf
-        self._gguf_blocks: dict[tuple[str, int | None], dict[int, object]] = {}
-        if quant is not None and not (self.quantizable and quant.name in _EXPERT_METHODS):
-            raise ValueError(f"quantization {getattr(quant, 'name', quant)!r} is not supported "
-                             f"for the {self.family or config.architecture} family (float only"
-                             + (f"; {', '.join(_EXPERT_METHODS)} quantize it" if
-                                self.quantizable else "") + ")")
+        self._check_quant(config, quant)
         self.config = config
         self.quant = quant
+        # (param name, expert or None) -> {first row: GGUF blocks} of the layers not built
+        # staged (routed experts, MLA's projections), quantized after loading
+        self._gguf_blocks: dict[tuple[str, int | None], dict[int, object]] = {}
         # An explicit (empty) weight: nn.Embedding would otherwise draw normal_ init, which
         # on the meta device imports torch._dynamo (1.5 s of every start-up).
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.requires_grad_(False)
-        self.embed_scale = 1.0  # Gemma multiplies the embedding by sqrt(hidden)
-        self.layers = nn.ModuleList()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size ** 0.5 if self.scales_embedding else 1.0
+        rotaries = self.make_rotaries(config)
+        self.layers = nn.ModuleList(self.make_layer(config, i, rotaries[i], backend, quant)
+                                    for i in range(config.num_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        if self.lm_head is not None:
-            self.lm_head.requires_grad_(False)
+                        make_linear(config.hidden_size, config.vocab_size, False, quant,
+                                    is_lm_head=True))
+        self.rules = self.weight_rules(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]. num_layers: the
-        first N layers, then the final norm (an early-exit draft); None: all."""
-        x, residual = self.embed(input_ids), None
-        for layer in self.layers[:num_layers]:
+    def _check_quant(self, config: ModelConfig, quant) -> None:
+        if quant is None or self.quant_methods is None or quant.name in self.quant_methods:
+            return
+        some = f"; {', '.join(self.quant_methods)} quantize it" if self.quant_methods else ""
+        raise ValueError(f"quantization {getattr(quant, 'name', quant)!r} is not supported "
+                         f"for the {self.family or config.architecture} family (float "
+                         f"only{some})")
+
+    # -- the family's build hooks ----------------------------------------------------------
+
+    def make_rotaries(self, config: ModelConfig) -> list[nn.Module]:
+        """The rotary embedding of each layer (shared objects)."""
+        return [make_rotary(config)] * config.num_layers
+
+    def make_layer(self, config: ModelConfig, layer: int, rotary, backend, quant
+                   ) -> DecoderLayer:
+        return DecoderLayer(config, self.make_attention(config, layer, rotary, backend, quant),
+                            self.make_mlp(config, layer, quant), self.norm_class,
+                            self.sandwich_norms)
+
+    def make_attention(self, config: ModelConfig, layer: int, rotary, backend, quant
+                       ) -> nn.Module:
+        return Attention(config, layer, rotary, backend, self.norm_class, quant)
+
+    def make_mlp(self, config: ModelConfig, layer: int, quant) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant)
+
+    def weight_rules(self, config: ModelConfig) -> tuple[Rule, ...]:
+        """Checkpoint names -> placements: the dense layer's packed parts, unless its
+        checkpoints store the packed tensor whole."""
+        rules = []
+        if "qkv_proj" not in self.checkpoint_packed:
+            rules.append(qkv_rule(config, self.packed_modules))
+        if "gate_up_proj" not in self.checkpoint_packed:
+            rules.append(gate_up_rule(self.packed_modules, "mlp", config.intermediate_size))
+        return tuple(rules)
+
+    # -- the forward -----------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                *, layers: int | slice | None = None, embeds: torch.Tensor | None = None,
+                hidden_in: HiddenState | None = None, final_norm: bool = True
+                ) -> torch.Tensor | HiddenState:
+        """input_ids, positions: [T] -> final hidden states [T, hidden].
+
+        layers: which layers run (N: the first N, an early-exit draft; a slice; None: all).
+        embeds: the input rows [T, hidden] in place of the token embeddings (image rows).
+        hidden_in: the stream from the layer before (a pipeline stage after the first).
+        final_norm: False returns the stream after the last layer run (a HiddenState)."""
+        if hidden_in is not None:
+            x, residual = hidden_in
+        else:
+            x, residual = (self.embed(input_ids) if embeds is None else embeds), None
+        for layer in self.layers[self.layer_slice(layers)]:
             x, residual = layer(positions, x, residual, batch)
-        x, _ = self.norm(x, residual)
-        return x
+        if not final_norm:
+            return HiddenState(x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def layer_slice(self, layers: int | slice | None) -> slice:
+        if layers is None:
+            return slice(None)
+        if isinstance(layers, slice):
+            return layers
+        if not 0 < layers <= len(self.layers):
+            raise ValueError(f"layers={layers}: the model has {len(self.layers)} layers; "
+                             "run 1 to all of them")
+        return slice(0, layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -104,18 +183,32 @@ class DecoderLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 
+    # -- weights ---------------------------------------------------------------------------
+
     def process_weights_after_loading(self) -> None:
-        """With a quantization method: every linear of the layers (attention, dense and
-        shared MLPs) and every routed expert becomes the method's layer, and the LM head its
-        head method's; the MoE routers stay float (a routing decision is a discrete choice,
-        and they are a sliver of the weights)."""
+        """With a quantization method: the staged linears (attention, dense and shared MLPs,
+        the head) become the method's layers, as do the plain linears of other attention
+        kinds (MLA) and every routed expert; the MoE routers stay float (a routing decision
+        is a discrete choice, and they are a sliver of the weights); a tied head gets the
+        head method's copy of the embedding."""
         if self.quant is None:
             return
-        from servelm.layers.moe import MoE
+        from servelm.quant.staged_linear import StagedLinear
 
-        if self.quant.name == "gguf" and not self._gguf_blocks:
+        if self.quant.name == "gguf" and not self._gguf_blocks and not any(
+                isinstance(m, StagedLinear) and m._blocks for m in self.modules()):
             raise ValueError("quantization 'gguf' needs a GGUF file's quantized blocks; these "
                              "weights came as floats (use int8 or int4)")
+        finalize_linears(self)
+        self._quantize_plain_linears()
+        self._gguf_blocks = {}
+        head = self.quant.lm_head_method()
+        if self.lm_head is None and head is not None:
+            self.lm_head = head.from_float(self.embed_tokens.weight.data, None)
+
+    def _quantize_plain_linears(self) -> None:
+        from servelm.layers.moe import MoE
+
         for i, layer in enumerate(self.layers):
             for path, parent in list(layer.named_modules(prefix=f"layers.{i}")):
                 if hasattr(parent, "quantize_experts"):
@@ -130,11 +223,6 @@ class DecoderLM(nn.Module):
                     blocks = self._blocks_of(f"{path}.{name}.weight", None, child.out_features)
                     setattr(parent, name, self.quant.from_float(child.weight.data, bias)
                             if blocks is None else self.quant.from_blocks(blocks, bias))
-        self._gguf_blocks = {}
-        head = self.quant.lm_head_method()
-        if head is not None:
-            source = self.embed_tokens if self.lm_head is None else self.lm_head
-            self.lm_head = head.from_float(source.weight.data, None)
 
     def _blocks_of(self, target: str, expert: int | None, num_rows: int):
         """The GGUF blocks loaded for every row of `target` (one expert's slice of it),
@@ -143,8 +231,6 @@ class DecoderLM(nn.Module):
         from servelm.quant.staged_linear import fuse_row_blocks
 
         return fuse_row_blocks(self._gguf_blocks.get((target, expert), {}), num_rows)
-
-    # -- weights ---------------------------------------------------------------------------
 
     def place(self, name: str) -> Placement | None:
         """The placement of HF tensor `name` ("model." removed); None: not a model weight."""
@@ -175,20 +261,8 @@ class DecoderLM(nn.Module):
             if p in seen:
                 raise ValueError(f"checkpoint tensor {raw!r} given twice")
             seen.add(p)
-            dst = params[p.target].data
-            if p.expert is not None:
-                dst = dst[p.expert]
-            if p.rows is not None:
-                dst = dst.narrow(0, *p.rows)
-            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: kept, and their values
-                start = 0 if p.rows is None else p.rows[0]
-                self._gguf_blocks.setdefault((p.target, p.expert), {})[start] = tensor
-                tensor = tensor.dequantize()
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != model "
-                                 f"shape {tuple(dst.shape)} ({p.target})")
-            dst.copy_(tensor)
-            filled[p.target] += dst.numel()
+            self._copy(p, raw, params[p.target], tensor)
+            filled[p.target] += math.prod(tuple(tensor.shape))
         missing = [n for n, p in params.items() if filled[n] != p.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {missing[:8]}"
@@ -196,6 +270,26 @@ class DecoderLM(nn.Module):
         for name, buf in self.named_buffers():
             if name.endswith("num_routed_tokens"):  # built on the meta device: uninitialised
                 buf.zero_()
+
+    def _copy(self, p: Placement, raw: str, param: torch.Tensor, tensor) -> None:
+        """One checkpoint tensor into its place. GGUF blocks or a quantized checkpoint's
+        codes go whole to a staged linear (`load_blocks`), else are kept for the layer's
+        quantization after loading and their values copied."""
+        dst = param.data if p.expert is None else param.data[p.expert]
+        if p.rows is not None:
+            dst = dst.narrow(0, *p.rows)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != model "
+                             f"shape {tuple(dst.shape)} ({p.target})")
+        if not isinstance(tensor, torch.Tensor):
+            start = 0 if p.rows is None else p.rows[0]
+            owner = self.get_submodule(p.target.rpartition(".")[0])
+            if p.expert is None and hasattr(owner, "load_blocks"):
+                owner.load_blocks(tensor, start)
+                return
+            self._gguf_blocks.setdefault((p.target, p.expert), {})[start] = tensor
+            tensor = tensor.dequantize()
+        dst.copy_(tensor)
 
 
 def _alternatives(names) -> str:
@@ -255,26 +349,20 @@ def make_rotary(config: ModelConfig, local: bool = False) -> RotaryEmbedding:
                            config.rope_scaling, rotary_dim)
 
 
-def _frozen_linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
-    linear = nn.Linear(n_in, n_out, bias=bias)
-    linear.requires_grad_(False)
-    return linear
-
-
 class Attention(nn.Module):
     """GQA attention with a fused qkv projection and the variants a config asks for: q/k
     norms, a sliding window on this layer, soft-capped scores, a query_pre_attn_scalar."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
-                 norm: type[RMSNorm] = RMSNorm):
+                 norm: type[RMSNorm] = RMSNorm, quant=None):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = _frozen_linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                       config.attention_bias)
-        self.o_proj = _frozen_linear(self.q_size, config.hidden_size)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                    config.attention_bias, quant)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, False, quant)
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -297,7 +385,10 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         if self.q_mult != 1.0:
             q = q * self.q_mult
-        out = self.backend.forward(self.layer, q, k, v, batch, **self._variants(batch))
+        if self.window or self.softcap:
+            out = self.backend.forward(self.layer, q, k, v, batch, **self._variants(batch))
+        else:
+            out = self.backend.forward(self.layer, q, k, v, batch)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
     def _variants(self, batch: ForwardBatch) -> dict:
@@ -314,10 +405,11 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
+                 quant=None):
         super().__init__()
-        self.gate_up_proj = _frozen_linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = _frozen_linear(intermediate_size, hidden_size)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, False, quant)
+        self.down_proj = make_linear(intermediate_size, hidden_size, False, quant)
         self.act_and_mul = act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -327,22 +419,34 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); `mlp` is dense or MoE, `attn`
-    GQA (built here when None) or another kind (MLA)."""
+    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); `mlp` dense or MoE, `attn`
+    GQA or another kind (MLA). With sandwich norms (Gemma): x + post_attn_norm(attn(norm(x))),
+    then + post_ff_norm(mlp(pre_ff_norm(.)))."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
-                 mlp: nn.Module, attn: nn.Module | None = None):
+    def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm, sandwich: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attn if attn is not None else Attention(config, layer, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.sandwich = sandwich
+        self.input_layernorm = norm(h, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = norm(h, eps)
+        if sandwich:
+            self.pre_feedforward_layernorm = norm(h, eps)
         self.mlp = mlp
+        if sandwich:
+            self.post_feedforward_layernorm = norm(h, eps)
 
     def forward(self, positions, x, residual, batch):
+        """The hidden state is x + residual (x alone before the first layer)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, batch)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -28,7 +28,8 @@ from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.models.decoder import Placement, expert_rules, gate_up_rule
+from servelm.models.decoder import WEIGHT_ONLY_METHODS, Placement, expert_rules, \
+    gate_up_rule
 from servelm.models.mixtral import MixtralForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -126,16 +127,16 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
     # routed expert and the head (decoder.py); kv_b stays float (a plain tensor, not a
     # Linear): decode absorbs it into the query and the output, which a quantized layer's
     # packed codes cannot be
-    quantizable = True
+    quant_methods = WEIGHT_ONLY_METHODS
 
-    def __init__(self, config: ModelConfig, backend, quant=None):
+    def __init__(self, config: ModelConfig, backend=None, quant=None):
         if not config.is_mla:
             raise ValueError(f"{config.architecture}: kv_lora_rank must be positive (MLA)")
         super().__init__(config, backend, quant)
 
-    def make_rotary(self, config: ModelConfig):
-        return RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
-                               config.rope_theta, config.rope_scaling)
+    def make_rotaries(self, config: ModelConfig):
+        return [RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
+                                config.rope_theta, config.rope_scaling)] * config.num_layers
 
     def place(self, name: str) -> Placement | None:
         """DeepSeek-V3 checkpoints carry num_nextn_predict_layers multi-token-prediction
@@ -151,8 +152,8 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
             return None
         return super().place(name)
 
-    def make_attention(self, config: ModelConfig, layer: int, rotary, backend):
-        return MLAttention(config, layer, rotary, backend)
+    def make_attention(self, config: ModelConfig, layer: int, rotary, backend, quant):
+        return MLAttention(config, layer, rotary, backend)  # quantized after loading
 
     def weight_rules(self, config: ModelConfig) -> tuple:
         shared = config.shared_expert_intermediate_size

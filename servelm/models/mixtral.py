@@ -9,30 +9,16 @@ from torch import nn
 from servelm.config import ModelConfig
 from servelm.layers.activation import act_and_mul
 from servelm.layers.moe import MoE, RoutingConfig
-from servelm.models.decoder import (DecoderLayer, DecoderLM, GatedMLP, Placement, expert_rules,
-                                    gate_up_rule, make_rotary, qkv_rule)
+from servelm.models.decoder import (WEIGHT_ONLY_METHODS, DecoderLM, GatedMLP, Placement,
+                                    expert_rules, gate_up_rule, qkv_rule)
 from servelm.models.packed import MOE_PACKED_MODULES
 
 
 class MixtralForCausalLM(DecoderLM):
     family = "mixtral"
-    quantizable = True  # int8 / int4 weight-only: attention, experts, head (decoder.py)
+    # weight-only: attention, dense and shared MLPs, experts, head (decoder.py)
+    quant_methods = WEIGHT_ONLY_METHODS
     packed_modules = MOE_PACKED_MODULES  # the dense layer's, and the experts' w1/w3 -> w13
-
-    def __init__(self, config: ModelConfig, backend, quant=None):
-        super().__init__(config, quant)
-        rotary = self.make_rotary(config)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, backend, self.make_mlp(config, i),
-                         self.make_attention(config, i, rotary, backend))
-            for i in range(config.num_layers))
-        self.rules = self.weight_rules(config)
-
-    def make_rotary(self, config: ModelConfig):
-        return make_rotary(config)
-
-    def make_attention(self, config: ModelConfig, layer: int, rotary, backend):
-        return None  # DecoderLayer's GQA attention
 
     def routing(self, config: ModelConfig) -> RoutingConfig:
         groups = config.moe_topk_method != "greedy"
@@ -44,13 +30,14 @@ class MixtralForCausalLM(DecoderLM):
             group_score="top2" if config.moe_topk_method == "noaux_tc" else "max",
             scaling=config.routed_scaling_factor)
 
-    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer: int, quant) -> nn.Module:
         if layer < config.num_leading_dense_layers:
-            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            quant)
         shared = None
         if config.shared_expert_intermediate_size:
             shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                              config.hidden_act)
+                              config.hidden_act, quant)
         return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size,
                    self.routing(config), act_and_mul(config.hidden_act), shared,
                    has_shared_gate=config.has_shared_expert_gate,

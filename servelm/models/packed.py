@@ -1,10 +1,10 @@
 """Packed modules: which checkpoint projections a model stacks into one parameter.
 
 Owns the one table every reader of checkpoint names derives from: the model's weight
-loading (models/llama.py, models/decoder.py), dummy weights (loader/dummy.py), a
+loading (models/decoder.py), dummy weights (loader/dummy.py), a
 tensor-parallel rank's slices (parallel/sharding.py), the GGUF names of a fused tensor
 (loader/gguf_loader.py) and LoRA's targets (lora/adapter.py, lora/manager.py). A family
-sets it as its class attribute `packed_modules` (the frames do: LlamaForCausalLM, DecoderLM),
+sets it as its class attribute `packed_modules` (the frame does: DecoderLM),
 so a new packing is declared once. Never: imports torch (LoRA's adapter checks run without
 it).
 

@@ -22,7 +22,8 @@ from torch import nn
 from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.rotary import RotaryEmbedding, _rotate
-from servelm.models.llama import LlamaForCausalLM
+from servelm.models.decoder import DecoderLM
+from servelm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -138,12 +139,21 @@ class Qwen2VisionTower(nn.Module):
         return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
 
 
+class _MRopeTextModel(Qwen2ForCausalLM):
+    """Qwen2-VL's text decoder: Qwen2 with M-RoPE (sections of the rotary frequencies
+    turning with time, row and column)."""
+
+    def make_rotaries(self, config: ModelConfig):
+        rotary = MRotaryEmbedding(config, config.vision.mrope_section or (config.head_dim // 2,))
+        return [rotary] * config.num_layers
+
+
 class ImageTextLM(nn.Module):
     """The decoder side of a vision-language family: `language_model` (servelm's Llama
     stack) run with batch.mm's image embeddings in place of some rows' token embeddings,
     and its [3, T] M-RoPE positions where the family has them (LLaVA: None)."""
 
-    language_model: LlamaForCausalLM
+    language_model: DecoderLM
     # the language model's (checkpoint names are read by the language model's rules)
     packed_modules = LlamaForCausalLM.packed_modules
     checkpoint_packed = LlamaForCausalLM.checkpoint_packed
@@ -153,22 +163,20 @@ class ImageTextLM(nn.Module):
         return self.language_model.lm_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, **kwargs) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]. batch.mm: image
-        embeddings for some rows and M-RoPE positions (None: text only)."""
+        embeddings for some rows and M-RoPE positions (None: text only). kwargs: the
+        language model's (DecoderLM.forward)."""
         lm = self.language_model
-        x = lm.embed_tokens(input_ids)
         mm = getattr(batch, "mm", None)
-        if mm is not None:
-            if mm.rows.numel():
-                x[mm.rows] = mm.embeds.to(x.dtype)
-            if mm.positions is not None:
-                positions = mm.positions
-        residual = None
-        for layer in lm.layers:
-            x, residual = layer(positions, x, residual, batch)
-        x, _ = lm.norm(x, residual)
-        return x
+        if mm is None:
+            return lm(input_ids, positions, batch, **kwargs)
+        x = lm.embed(input_ids)
+        if mm.rows.numel():
+            x[mm.rows] = mm.embeds.to(x.dtype)
+        if mm.positions is not None:
+            positions = mm.positions
+        return lm(input_ids, positions, batch, embeds=x, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
@@ -186,11 +194,7 @@ class Qwen2VLForConditionalGeneration(ImageTextLM):
             raise ValueError("qwen2_vl needs the checkpoint's vision_config")
         self.config = config
         self.vision = config.vision
-        self.language_model = LlamaForCausalLM(config, backend)
-        rotary = MRotaryEmbedding(config, config.vision.mrope_section or
-                                  (config.head_dim // 2,))
-        for layer in self.language_model.layers:
-            layer.self_attn.rotary = rotary
+        self.language_model = _MRopeTextModel(config, backend)
         self.visual = Qwen2VisionTower(config.vision.encoder, config.hidden_size)
 
     def encode_images(self, images: list) -> list[torch.Tensor]:

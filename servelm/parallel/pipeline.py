@@ -21,6 +21,7 @@ from itertools import pairwise
 import torch
 
 from servelm.attention.forward_batch import ForwardBatch
+from servelm.models.decoder import HiddenState
 
 
 def split_batch(fb: ForwardBatch, num_micro: int) -> list[tuple[int, int, ForwardBatch]]:
@@ -62,18 +63,16 @@ class PipelineSchedule:
         sends, outs = [], []
         for lo, hi, mb in split_batch(batch, self.num_micro):
             mb.attn_metadata = backend.build_metadata(mb)
-            if g.is_first_stage:
-                embed = getattr(model, "embed", model.embed_tokens)
-                x, residual = embed(mb.input_ids), None
-            else:
-                x = g.recv_prev((hi - lo, hidden_size), dtype)
-                residual = g.recv_prev((hi - lo, hidden_size), dtype)
-            for layer in model.layers:
-                x, residual = layer(positions[lo:hi], x, residual, mb)
+            hidden_in = None
+            if not g.is_first_stage:
+                hidden_in = HiddenState(g.recv_prev((hi - lo, hidden_size), dtype),
+                                        g.recv_prev((hi - lo, hidden_size), dtype))
+            out = model(mb.input_ids, positions[lo:hi], mb, hidden_in=hidden_in,
+                        final_norm=g.is_last_stage)
             if g.is_last_stage:
-                outs.append(model.norm(x, residual)[0])
+                outs.append(out)
             else:
-                sends += [g.send_next(x), g.send_next(residual)]
+                sends += [g.send_next(out.x), g.send_next(out.residual)]
         for req in sends:
             req.wait()
         hidden = (torch.cat(outs) if g.is_last_stage else

@@ -114,13 +114,7 @@ class DraftModelProposer(Proposer):
         if hidden is not None:
             return m.compute_logits(hidden[fb.logits_indices]).float()
         fb.attn_metadata = self.backend.build_metadata(fb)
-        if self.num_layers is None:
-            hidden = m(fb.input_ids, fb.positions, fb)
-        else:
-            x, residual = m.embed_tokens(fb.input_ids), None
-            for layer in m.layers[:self.num_layers]:
-                x, residual = layer(fb.positions, x, residual, fb)
-            hidden, _ = m.norm(x, residual)
+        hidden = m(fb.input_ids, fb.positions, fb, layers=self.num_layers)
         return m.compute_logits(hidden[fb.logits_indices]).float()
 
     def _sample(self, seqs: list, logits: torch.Tensor):

@@ -105,15 +105,11 @@ def test_param_counts_equal_the_loaded_model(hf):
 
 
 def test_early_exit_forward_runs_the_first_layers(hf):
-    """forward(..., num_layers=N) equals the first N layers then the final norm."""
+    """forward(..., layers=N) equals the first N layers then the final norm."""
     from servelm.attention.forward_batch import ForwardBatch
-
-    from servelm.models.decoder import DecoderLM
 
     engine = make_tiny_engine(hf)
     model = engine.runner.model
-    if not isinstance(model, DecoderLM):
-        pytest.skip("a Llama-family model: spec/draft.py runs its first layers itself")
     backend = engine.runner.backend
     ids = torch.tensor([5, 17, 99, 3])
     pos = torch.arange(4)
@@ -125,6 +121,6 @@ def test_early_exit_forward_runs_the_first_layers(hf):
         layer = model.layers[0]
         x, residual = layer(pos, x, residual, fb)
         ref, _ = model.norm(x, residual)
-        out = model(ids, pos, fb, num_layers=1)
+        out = model(ids, pos, fb, layers=1)
     torch.testing.assert_close(out, ref)
     assert not torch.allclose(out, model(ids, pos, fb))
