@@ -187,6 +187,11 @@ def render_markdown(record: dict[str, Any]) -> str:
             lines.append(f"\nKnee rate (goodput crossing): measured {k['measured_req_s']}, "
                          f"simulated {k['simulated_req_s']} req/s ({err})")
         lines.append("")
+    removed = record.get("error_removed") or {}
+    if removed:
+        lines.append("Mean |error| over every point and percentile removed by the drift-aware "
+                     "scales: " + ", ".join(f"{v} {100 * e:+.1f} points"
+                                           for v, e in removed.items() if v != "base"))
     d = record.get("drift")
     if d:
         lines.append(f"Drift: calibration speed index {d['start']:.3f} at the start, "
@@ -207,7 +212,8 @@ def plot(record: dict[str, Any], path: Path) -> Path | None:
         return None
     names = list(record["points"])
     fig, axes = plt.subplots(3, 1, figsize=(9, 9))
-    markers = {"base": "x", "bracket": "^", "in_run": "v"}
+    styles = {"base": ("x", "tab:blue"), "bracket": ("^", "tab:green"),
+              "in_run": ("v", "tab:red")}
     for ax, key in zip(axes[:2], METRICS):
         for i, name in enumerate(names):
             measured = record["points"][name]["measured"][key]
@@ -218,7 +224,8 @@ def plot(record: dict[str, Any], path: Path) -> Path | None:
                 ax.hlines(measured[p]["median"], x - 0.3, x + 0.3, colors="black")
                 for variant, v in record["variants"].items():
                     s = v["points"][name]["percentiles"][f"{key[:4]}_{p}"]["simulated"]
-                    ax.scatter([x + 0.15], [s], marker=markers.get(variant, "o"), s=30,
+                    marker, color = styles.get(variant, ("o", "black"))
+                    ax.scatter([x + 0.15], [s], marker=marker, c=color, s=30,
                                label=variant if (i, j) == (0, 0) else None)
         ax.set_xticks([i * 4 + j for i in range(len(names)) for j in range(3)])
         ax.set_xticklabels([f"{n}\n{p}" for n in names for p in PERCENTILES], fontsize=7)
