@@ -25,6 +25,7 @@ from servelm.loader import (iter_weights, load_model_config, load_tokenizer, pre
 from servelm.models import get_model_class
 from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
+from servelm.quant.community import METHODS as CODES_METHODS
 from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
 
@@ -237,16 +238,18 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
             timer.note("config", "GGUF index cache")
     with timer.stage("tokenizer"):
         tokenizer = load_tokenizer(source)
-    args = _resolve_dtype(args, source)
-    key = None
-    if args.quantization is None and args.prepared_weights_cache and parallel is None:
-        key = prepared.prepared_key(source, get_model_class(config.architecture),
-                                    _DTYPES[args.dtype])
     checkpoint = None
     if source.kind == "hf":
         from servelm.quant.checkpoint import read_quantized_checkpoint
 
         checkpoint = read_quantized_checkpoint(source.path)
+    if checkpoint is not None:  # its method, before --dtype auto reads it
+        args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
+    args = _resolve_dtype(args, source)
+    key = None
+    if args.quantization is None and args.prepared_weights_cache and parallel is None:
+        key = prepared.prepared_key(source, get_model_class(config.architecture),
+                                    _DTYPES[args.dtype])
     select = None  # a model-parallel rank reads only its slices (servelm/parallel/sharding.py)
     if parallel is not None:
         select = parallel_build.shard_for(parallel, config).select
@@ -254,9 +257,12 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
             raise InvalidParameterError("quantized checkpoints (servelm quantize output) do "
                                         "not shard yet; --quantization int8/int4/gguf do",
                                         param="tensor_parallel_size")
-    if checkpoint is not None:  # `servelm quantize` output: its codes, under its own method
-        args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
+    if checkpoint is not None:  # a quantized checkpoint: its codes, under its own method
         weights = checkpoint.iter_weights(config)
+    elif args.quantization in CODES_METHODS:  # GPTQ / AWQ / compressed-tensors codes
+        raise InvalidParameterError(f"quantization {args.quantization!r} loads such a "
+                                    f"checkpoint's codes; {args.model!r} is not one",
+                                    param="quantization")
     elif args.quantization in ("gguf", "gguf-mixed"):  # the file's blocks, not their values
         if source.kind != "gguf":
             raise InvalidParameterError(f"quantization {args.quantization!r} needs a GGUF "

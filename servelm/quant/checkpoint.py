@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from servelm.config import ModelConfig
+    from servelm.quant.community import CommunityCheckpoint
 
 QUANT_METHOD_TAG = "servelm"  # quantization_config.quant_method: transformers refuses it
 WEIGHTS_FILE = "model.safetensors"
@@ -76,18 +77,19 @@ class QuantizedCheckpoint:
         return iter_quantized_weights(self, config)
 
 
-def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | None:
+def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | CommunityCheckpoint | None:
     """The checkpoint's quantization, or None for a float HF directory (or a GGUF file).
 
     A block-quantized fp8 checkpoint (DeepSeek's layout) is read as a float one: the loader
-    dequantizes it (servelm/loader/fp8_blocks.py). A quantization_config from another tool
-    (GPTQ, AWQ, bitsandbytes, per-tensor fp8, ...) is an error: its tensors are not laid out
-    as servelm reads them.
+    dequantizes it (servelm/loader/fp8_blocks.py). GPTQ, AWQ and compressed-tensors
+    checkpoints keep their codes (servelm/quant/community.py); a quantization_config from
+    another tool (bitsandbytes, per-tensor fp8, ...) is an error naming it and why.
     """
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         return None
-    qc = json.loads(config_path.read_text(encoding="utf-8")).get("quantization_config")
+    hf = json.loads(config_path.read_text(encoding="utf-8"))
+    qc = hf.get("quantization_config")
     if qc is None:
         return None
     tag = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -97,10 +99,9 @@ def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | None:
         fp8_block_size(Path(path))  # a malformed block layout is refused here, by field
         return None
     if tag != QUANT_METHOD_TAG:
-        raise InvalidParameterError(
-            f"{path} is quantized with {tag!r} (config.json quantization_config), which "
-            "servelm cannot load; serve its float checkpoint, or one written by "
-            "`servelm quantize`", param="model")
+        from servelm.quant.community import read_community_checkpoint
+
+        return read_community_checkpoint(Path(path), hf)  # or refused, naming why
     from servelm.quant import quant_method_names
 
     method = qc.get("method")

@@ -151,9 +151,9 @@ def test_bad_quantize_arguments_name_the_parameter(tiny_hf, tmp_path, capsys):
 def test_foreign_quantization_config_is_refused(tiny_hf, tmp_path):
     src = _tiny_dir(tmp_path / "src", tiny_hf("llama"))
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InvalidParameterError, match="quantized with 'gptq'") as e:
+    with pytest.raises(InvalidParameterError, match="quantized with 'bitsandbytes'") as e:
         _engine(src)
     assert e.value.param == "model"
 

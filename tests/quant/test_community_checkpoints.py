@@ -1,0 +1,199 @@
+"""GPTQ, AWQ and compressed-tensors checkpoints load into servelm's int4 / int8 layers.
+
+Each tiny Llama-shaped checkpoint must give the logits of transformers running its
+dequantized weights (the reference, community_checkpoints.py) and the same greedy tokens,
+with its linears built from the codes (no float round trip: the RTN quantizers are made to
+raise) where servelm's layers hold them exactly; act-order GPTQ and asymmetric 8-bit layers
+stay float, and so does the lm_head.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import community_checkpoints as cc
+from tiny_models import greedy, make_tiny_hf_model, prefill_logits
+from servelm.config import EngineArgs
+from servelm.engine_builder import build_engine
+from servelm.protocol import InvalidParameterError
+from servelm.quant import methods
+from servelm.quant.int4_linear import Int4Linear
+from servelm.quant.int8_linear import Int8Linear
+
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 8, 8, 301, 77, 2]
+
+
+def _hf(arch="llama", **kw):
+    # 128-wide inputs (256 for down_proj): groups of 32, 64 and 128 all split a row
+    return make_tiny_hf_model(arch, hidden_size=128, intermediate_size=256, **kw)
+
+
+def _engine(path, **kw):
+    return build_engine(EngineArgs(model=str(path), num_blocks=64, block_size=4,
+                                   dtype="float32", **kw))
+
+
+def _reference_logits(ref, prompt=PROMPT):
+    with torch.no_grad():
+        return ref(torch.tensor([prompt])).logits[0].float()
+
+
+def _reference_greedy(ref, prompt, n=12):
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def no_requantizing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a community checkpoint's codes were requantized")
+
+    monkeypatch.setattr(methods, "quantize_int8_per_channel", refuse)
+    monkeypatch.setattr(methods, "quantize_int4_groups", refuse)
+
+
+def _check(path, ref, kinds, **engine_kw):
+    engine = _engine(path, **engine_kw)
+    model = engine.runner.model
+    layer = model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj]
+    assert {type(m) for m in linears} == kinds, [type(m) for m in linears]
+    assert type(model.lm_head) is nn.Linear  # left float, as its publisher did
+    got, want = prefill_logits(engine, PROMPT), _reference_logits(ref)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-5, err
+    assert greedy(engine, PROMPT, 12) == _reference_greedy(ref, PROMPT)
+    return engine
+
+
+@pytest.mark.parametrize("bits,group,sym,v1", [
+    (4, 128, True, True), (4, 32, False, True), (4, 64, False, False), (4, -1, True, True),
+    (8, 128, True, True), (8, -1, True, False)])
+def test_gptq_codes_load_into_int_layers(bits, group, sym, v1, tmp_path, no_requantizing):
+    ref = cc.write_gptq(_hf(), tmp_path / "m", bits, group, sym, act_order=False, v1=v1)
+    kind = Int4Linear if bits == 4 else Int8Linear
+    engine = _check(tmp_path / "m", ref, {kind})
+    assert engine.engine_args.quantization == "gptq"
+
+
+def test_gptq_v1_zero_point_off_by_one(tmp_path):
+    """A stored zero point of 15 reads as 16 in the original format: a group whose smallest
+    weight is 0 (zero point 0, stored as -1) dequantizes to (q - 16) s, as every GPTQ kernel
+    computes it; servelm follows."""
+    hf = _hf()
+    with torch.no_grad():
+        hf.model.layers[0].mlp.down_proj.weight.abs_()  # every group's min >= 0: zero 0
+    ref = cc.write_gptq(hf, tmp_path / "m", 4, 32, sym=False, v1=True)
+    t = cc.gptq_tensors(hf.model.layers[0].mlp.down_proj.weight.detach(), 4, 32, False,
+                        False, True)
+    assert bool(((t["qzeros"] & 0xF) == 0xF).all())  # stored -1: the v1 convention's 16
+    _check(tmp_path / "m", ref, {Int4Linear})
+
+
+def test_gptq_act_order_is_exact_in_float(tmp_path):
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, 32, sym=False, act_order=True)
+    _check(tmp_path / "m", ref, {nn.Linear})
+
+
+def test_gptq_act_order_with_one_group_a_row_keeps_codes(tmp_path, no_requantizing):
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, -1, sym=True, act_order=True)
+    _check(tmp_path / "m", ref, {Int4Linear})
+
+
+def test_gptq_asymmetric_8bit_is_float(tmp_path):
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 8, 64, sym=False)
+    _check(tmp_path / "m", ref, {nn.Linear})
+
+
+@pytest.mark.parametrize("group", [32, 128, -1])
+def test_awq_gemm_codes_load_into_int4(group, tmp_path, no_requantizing):
+    ref = cc.write_awq(_hf(), tmp_path / "m", group)
+    engine = _check(tmp_path / "m", ref, {Int4Linear})
+    assert engine.engine_args.quantization == "awq"
+
+
+@pytest.mark.parametrize("strategy,group,symmetric", [("group", 32, True),
+                                                      ("group", 64, False),
+                                                      ("channel", 0, True)])
+def test_compressed_tensors_w4a16(strategy, group, symmetric, tmp_path, no_requantizing):
+    pytest.importorskip("compressed_tensors")
+    ref = cc.write_compressed_tensors(_hf(), tmp_path / "m", 4, strategy, group, symmetric)
+    qc = json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    engine = _check(tmp_path / "m", ref, {Int4Linear})
+    assert engine.engine_args.quantization == "compressed-tensors"
+
+
+def test_compressed_tensors_w8a8(tmp_path, no_requantizing):
+    """int8 weights with a scale per channel; the per-token activation scheme is read past
+    (float activations: the reference is transformers' decompressed float model)."""
+    pytest.importorskip("compressed_tensors")
+    ref = cc.write_compressed_tensors(_hf(), tmp_path / "m", 8, "channel", 0, True,
+                                      activations=True)
+    qc = json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    _check(tmp_path / "m", ref, {Int8Linear})
+
+
+def test_qwen2_gptq_keeps_its_biases(tmp_path, no_requantizing):
+    ref = cc.write_gptq(_hf("qwen2"), tmp_path / "m", 4, 32, sym=False)
+    _check(tmp_path / "m", ref, {Int4Linear})
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def _with_config(tmp_path, qc):
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, 128)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+@pytest.mark.parametrize("qc,words", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["'bitsandbytes'", "NF4"]),
+    ({"quant_method": "hqq"}, ["'hqq'", "HQQ"]),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, ["bits 3", "2- and 3-bit"]),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+      "checkpoint_format": "marlin"}, ["checkpoint_format 'marlin'"]),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     ["version 'gemv'"]),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {}}, ["format 'float-quantized'"]),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}}}},
+     ["weights.type 'float'"]),
+])
+def test_other_formats_are_refused_by_name(qc, words, tmp_path):
+    _with_config(tmp_path, qc)
+    with pytest.raises(InvalidParameterError) as e:
+        _engine(tmp_path / "m")
+    assert e.value.param == "model"
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_group_size_servelm_cannot_hold_is_refused(tmp_path):
+    cc.write_gptq(_hf(), tmp_path / "m", 4, 16)
+    with pytest.raises(ValueError, match="group_size 16"):
+        _engine(tmp_path / "m")
+
+
+def test_codes_methods_need_such_a_checkpoint(tmp_path):
+    from tiny_models import save_tiny_checkpoint
+
+    save_tiny_checkpoint(_hf(), tmp_path / "f")
+    with pytest.raises(InvalidParameterError, match="not one") as e:
+        _engine(tmp_path / "f", quantization="gptq")
+    assert e.value.param == "quantization"
+    cc.write_awq(_hf(), tmp_path / "a", 128)
+    with pytest.raises(InvalidParameterError, match="is a awq checkpoint") as e:
+        _engine(tmp_path / "a", quantization="gptq")
+    assert e.value.param == "quantization"
