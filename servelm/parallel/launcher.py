@@ -1,7 +1,8 @@
 """Starting a replica's worker processes and keeping track of them.
 
-Owns: rank 0's `start_workers` (one `python -m servelm.parallel.worker` per other rank, each
-told its place by a codec WorkerStart frame on its stdin; on the CPU the cores are split
+Owns: rank 0's `start_workers` (one `python -m servelm.parallel.worker` per other rank, a
+ProcessSpec started by the launcher's Supervisor (servelm/launch/), each told its place by a
+codec WorkerStart frame on its stdin; on the CPU the cores are split
 between the ranks, each pinned to its own), joining the group as rank 0, and `WorkerSet`
 (who is alive, how a dead one ended, stopping the rest: no orphan survives rank 0, which
 stops them at exit, and each worker also dies with its parent). Never: builds a model.
@@ -18,7 +19,6 @@ import dataclasses
 import logging
 import os
 import socket
-import subprocess
 import sys
 import time
 
@@ -27,6 +27,7 @@ import torch
 from servelm.config import EngineArgs
 from servelm.core import codec
 from servelm.core.codec import WorkerStart
+from servelm.launch import ProcessHandle, ProcessSpec, Supervisor
 from servelm.parallel.group import ParallelGroup
 from servelm.protocol import InvalidParameterError
 
@@ -56,20 +57,25 @@ def check_supported(args: EngineArgs) -> None:
 
 
 class WorkerSet:
-    """Ranks 1..N-1 as child processes."""
+    """Ranks 1..N-1 as child processes, each a ProcessHandle of the launcher's Supervisor."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen]):
+    def __init__(self, procs: dict[int, ProcessHandle], supervisor: Supervisor | None = None):
         self.procs = procs
+        self.supervisor = supervisor
+        self._logged: set[int] = set()
         atexit.register(self.terminate)
 
     def dead(self) -> str:
-        """'' while every worker runs, else which ones ended and how."""
+        """'' while every worker runs, else which ones ended and how (their last stderr
+        lines go to the log, once: the message itself reaches API clients)."""
         out = []
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                out.append(f"worker rank {rank} (pid {proc.pid}) {how}")
+        for rank, handle in self.procs.items():
+            death = handle.death()
+            if death is not None:
+                out.append(death.describe(num_lines=0))
+                if rank not in self._logged and not handle.is_stopping:
+                    self._logged.add(rank)
+                    logger.error("%s", death.describe())
         return "; ".join(out)
 
     def wait_for_death(self, timeout_s: float) -> str:
@@ -87,16 +93,16 @@ class WorkerSet:
         return [p.pid for p in self.procs.values()]
 
     def terminate(self, grace_s: float = 3.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if self.supervisor is not None:
+            self.supervisor.stop_all(grace_s, list(self.procs.values()))
+
+
+def worker_spec(start: WorkerStart) -> ProcessSpec:
+    """One rank as a child process: its WorkerStart frame on stdin, ready once started (rank
+    0's join of the group is the wait, with its own deadline)."""
+    return ProcessSpec(f"worker rank {start.rank}",
+                       (sys.executable, "-m", "servelm.parallel.worker"),
+                       config=codec.frame(start))
 
 
 def _free_port() -> int:
@@ -139,18 +145,16 @@ def _start_processes(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
     threads, cpus = split_cpus(args, world)
     rank_args = dataclasses.replace(args, num_threads=threads)
     port = _free_port()
-    procs = {}
+    specs = []
     for rank in range(1, world):
         dev = args.device if device.type != "cuda" else f"cuda:{rank}"
-        spec = WorkerStart(dataclasses.replace(rank_args, device=dev), rank, "127.0.0.1",
-                           port, os.getpid(), cpus[rank] if device.type == "cpu" else [],
-                           JOIN_TIMEOUT_S)
-        proc = subprocess.Popen([sys.executable, "-m", "servelm.parallel.worker"],
-                                stdin=subprocess.PIPE)
-        proc.stdin.write(codec.frame(spec))
-        proc.stdin.close()
-        procs[rank] = proc
-    workers = WorkerSet(procs)
+        start = WorkerStart(dataclasses.replace(rank_args, device=dev), rank, "127.0.0.1",
+                            port, os.getpid(), cpus[rank] if device.type == "cpu" else [],
+                            JOIN_TIMEOUT_S)
+        specs.append(worker_spec(start))
+    supervisor = Supervisor(stop_at_exit=False)
+    handles = supervisor.start_all(specs, wait=False)
+    workers = WorkerSet(dict(zip(range(1, world), handles)), supervisor)
     logger.info("model parallel: %d ranks (tensor %d x pipeline %d%s), %d threads each, "
                 "workers %s", world, parallel.tensor_parallel_size,
                 parallel.pipeline_parallel_size,
