@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# (The record against R repeated runs, with drift-aware scales and the accepted bar, is
+# `servelm sim validate` now: docs/sim.md, "The validation record". This script makes and
+# refits the older single-run records.)
+#
 # The simulator's validation record: measure `servelm serve` with the default model on this
 # machine at three rates (light, the knee, overloaded), recording every request, then
 # simulate the same requests with a step-cost model and tabulate simulated against measured

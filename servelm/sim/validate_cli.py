@@ -43,7 +43,9 @@ from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.sim import validation as V
 
 CAL_FRACTIONS = (0.45, 1.1, 2.2)  # of the knee: the calibration's rates, around the points
-DRAIN_S = 10.0  # a run's tail after its last send, and its two warm-up requests
+# A client run beyond its sends: the last answers (about 9 s at the knee in the records of
+# 2026-12-06: 128 requests at 4.5 req/s took 37 s), the client's start, two warm-ups.
+DRAIN_S = 18.0
 SERVER_START_S = 35.0  # to stop the last server, load the model, answer /v1/models (estimate)
 CAPACITY = 1.2  # the server's throughput over the goodput knee (estimate of a run's length)
 SKIP_STEPS = 8  # each server's first steps: warm-up, left out of every window
@@ -279,14 +281,17 @@ def _run_task(plan, server, task: Task, out: Path, manifest: dict, progress: Pro
 
 
 def _measured_knee(path: Path, plan: ValidationPlan) -> float:
-    """The highest swept rate whose goodput meets the target (the earlier records' knee)."""
+    """The highest swept rate whose goodput meets the target (the earlier records' knee).
+    A knee at either end of the sweep is not bracketed: the record stops there rather than
+    spend its half hour at multiples of a wrong knee."""
     summary = json.loads(path.read_text())["summary"]
     best = summary["max_rate_meeting_target"]
     if best is None or best == max(summary["rates"]):
-        print(f"[validate] WARNING: the knee is {'below' if best is None else 'above'} the "
-              f"swept rates {list(plan.sweep_rates)}: give --sweep-rates around it",
-              file=sys.stderr, flush=True)
-    return float(best if best is not None else min(summary["rates"]))
+        where = "below the lowest" if best is None else "at or above the highest"
+        raise RuntimeError(f"the knee is {where} of the swept rates {list(plan.sweep_rates)} "
+                           f"(goodput {[p['goodput'] for p in summary['points']]}): give "
+                           f"--sweep-rates around it")
+    return float(best)
 
 
 # -- the replay and the judgement ---------------------------------------------------------
@@ -614,7 +619,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"[validate] WARNING: load average {os.getloadavg()[0]:.1f}: the machine is "
                   "not quiet; this will not be a record", file=sys.stderr, flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        measure(plan, out, args.ready_timeout)
+        try:
+            measure(plan, out, args.ready_timeout)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            print(f"servelm sim validate: error: {exc} (what ran is in {out})",
+                  file=sys.stderr)
+            return 1
     record = analyze(out)
     met = record["variants"]["base"]["bar"]["met"]
     if met or args.ship:

@@ -153,3 +153,27 @@ def test_the_table_and_the_plot_of_a_record(tmp_path):
     assert "+6.0% over 10 min" in text
     pytest.importorskip("matplotlib")
     assert V.plot(record, tmp_path / "v.png").stat().st_size > 0
+
+
+def _sweep(tmp_path, goodputs):
+    import json
+
+    rates = [2.0, 3.0, 4.0, 5.0]
+    meeting = [r for r, g in zip(rates, goodputs) if g >= 0.9]
+    summary = {"rates": rates, "max_rate_meeting_target": max(meeting) if meeting else None,
+               "points": [{"goodput": g} for g in goodputs]}
+    path = tmp_path / "serve-sweep.json"
+    path.write_text(json.dumps({"summary": summary}))
+    return path
+
+
+def test_the_knee_is_the_highest_swept_rate_meeting_the_target(tmp_path):
+    from servelm.sim.validate_cli import _measured_knee
+
+    plan = ValidationPlan(sweep_rates=(2, 3, 4, 5))
+    assert _measured_knee(_sweep(tmp_path, [1.0, 0.95, 0.7, 0.3]), plan) == 3.0
+    # not bracketed by the sweep: the record stops instead of running at a wrong knee
+    with pytest.raises(RuntimeError, match="above the highest"):
+        _measured_knee(_sweep(tmp_path, [1.0, 1.0, 1.0, 0.95]), plan)
+    with pytest.raises(RuntimeError, match="below the lowest"):
+        _measured_knee(_sweep(tmp_path, [0.5, 0.3, 0.2, 0.1]), plan)
