@@ -53,10 +53,10 @@ def dequantize_codes(q: torch.Tensor, zero_point: torch.Tensor, scale: torch.Ten
 def fit_group_size(group_size: int, k: int, param: str) -> tuple[int, int]:
     """(servelm's group size, how many of its groups one checkpoint group spans) for a
     checkpoint's group size; group_size <= 0 or >= k is one group a row (per channel)."""
+    if group_size in GROUP_SIZES:  # also where it spans the whole row: one name a model
+        return group_size, 1
     if group_size <= 0 or group_size >= k:
         return 128, -(-k // 128)
-    if group_size in GROUP_SIZES:
-        return group_size, 1
     if group_size % 256 == 0:
         return 256, group_size // 256
     raise ValueError(f"{param} {group_size} cannot be served: servelm's int4 groups are "

@@ -12,6 +12,7 @@ packing_utils.py), written out independently of servelm's reader.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -147,11 +148,18 @@ def _rewrite(hf, path, quantization_config, convert):
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(cfg))
-    ref = type(hf)(hf.config).eval()
-    ref.load_state_dict(ref_state, strict=False)
-    if hf.config.tie_word_embeddings:
-        ref.tie_weights()
-    return ref
+    return _reference_model(hf, path, ref_state)
+
+
+def _reference_model(hf, path, state):
+    """transformers' model of `state` (checkpoint names), loaded from a directory beside
+    path by from_pretrained, which maps the names to its own layout (fused MoE experts)."""
+    ref_dir = path.parent / (path.name + "-dequantized")
+    hf.save_pretrained(ref_dir, safe_serialization=True)
+    for file in ref_dir.glob("*.safetensors"):
+        file.unlink()
+    save_file({n: t.contiguous() for n, t in state.items()}, str(ref_dir / "model.safetensors"))
+    return type(hf).from_pretrained(ref_dir, dtype=torch.float32).eval()
 
 
 def write_gptq(hf, path, bits=4, group_size=128, sym=True, act_order=False, v1=True):
@@ -187,6 +195,7 @@ def write_compressed_tensors(hf, path, num_bits=4, strategy="group", group_size=
                                                  QuantizationScheme, apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
+    config = copy.deepcopy(hf.config)  # the float model's, for the reference
     wargs = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric,
                              strategy=strategy,
                              group_size=group_size if strategy == "group" else None)
@@ -206,7 +215,6 @@ def write_compressed_tensors(hf, path, num_bits=4, strategy="group", group_size=
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
     fmt = "pack-quantized" if num_bits == 4 else "int-quantized"
-    config = hf.config
     compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
     compressor.compress_model(hf)
     save_tiny_checkpoint(hf, path)
@@ -229,6 +237,5 @@ def _decompressed_reference(path, config, fmt, scheme):
         local = {n.rpartition(".")[2]: t for n, t in tensors.items()
                  if n.rpartition(".")[0] == m}
         state[f"{m}.weight"] = compressor.decompress(local, scheme)["weight"].float()
-    ref = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    ref.load_state_dict(state, strict=False)
-    return ref
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    return _reference_model(hf, path, state)

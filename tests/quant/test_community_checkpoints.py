@@ -197,3 +197,33 @@ def test_codes_methods_need_such_a_checkpoint(tmp_path):
     with pytest.raises(InvalidParameterError, match="is a awq checkpoint") as e:
         _engine(tmp_path / "a", quantization="gptq")
     assert e.value.param == "quantization"
+
+
+# -- MoE -----------------------------------------------------------------------------------
+
+
+def test_gptq_moe_experts_hold_the_checkpoint_codes(tmp_path):
+    """A tiny Qwen3-MoE GPTQ checkpoint: every routed expert and attention linear is an
+    int4 layer holding exactly the checkpoint's weights. Where the family's model takes
+    the checkpoint's own method the logits are the dequantized model's; where it takes only
+    the registered int4-gN (the lm_head then int8), within that head's rounding."""
+    from tiny_families import make_tiny_family_model
+
+    hf = make_tiny_family_model("qwen3_moe", hidden_size=128, intermediate_size=256)
+    ref = cc.write_gptq(hf, tmp_path / "m", 4, 32, sym=False)
+    engine = _engine(tmp_path / "m")
+    model = engine.runner.model
+    experts = model.layers[1].mlp.experts
+    ref_experts = ref.model.layers[1].mlp.experts
+    for e in (0, 5):
+        gate_up = experts.q13[e]
+        assert type(gate_up) is Int4Linear
+        assert torch.equal(gate_up.dequantize(), ref_experts.gate_up_proj[e].detach())
+        assert torch.equal(experts.q2[e].dequantize(), ref_experts.down_proj[e].detach())
+    assert type(model.layers[0].self_attn.qkv_proj) is Int4Linear
+    got, want = prefill_logits(engine, PROMPT), _reference_logits(ref)
+    err = ((got - want).norm() / want.norm()).item()
+    exact = engine.engine_args.quantization == "gptq"
+    assert err < (1e-5 if exact else 2e-2), (engine.engine_args.quantization, err)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= (1.0 if exact else 0.9), agree
