@@ -615,6 +615,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   f"{estimate_total_s(plan) / 60:.0f} min at a knee of {plan.knee_guess():g} "
                   f"req/s (the replay after it: a minute or two)")
             return 0
+        if plan.repeats < 5:
+            print(f"[validate] WARNING: --repeats {plan.repeats}: the bar's medians and ranges "
+                  "want at least 5 runs a point", file=sys.stderr, flush=True)
         if os.getloadavg()[0] > 1.0:
             print(f"[validate] WARNING: load average {os.getloadavg()[0]:.1f}: the machine is "
                   "not quiet; this will not be a record", file=sys.stderr, flush=True)
