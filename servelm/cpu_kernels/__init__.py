@@ -12,6 +12,9 @@
     quant_gemm_a8.cpp     int4_gemm_a8, int8_gemm_a8: the same weights times int8 activations
                           (avx512_vnni dot products, or AVX2's vpmaddubsw on CPUs
                           without AVX-512), int8_dot_probe, int8_dot_path
+    kquant_gemm.cpp       kquant_gemm, kquant_dequant: GGUF K-quant (Q4_K, Q5_K, Q6_K) rows as
+                          the file stores them, times activations rounded to int8 per 256
+                          columns (vpmaddubsw with vpdpwssd or vpmaddwd), or dequantized
     amx_gemm.cpp          amx_linear: bfloat16 linears on AMX tiles, weights packed as the tiles
                           read them
     dot_gemm.cpp          dot_linear: the same packed weights on avx512_bf16 dot products
@@ -55,7 +58,7 @@ __all__ = ["MODES", "PARTS", "CpuKernelChoice", "configure", "current_choice", "
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
-            "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp")
+            "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp", "kquant_gemm.cpp")
 _HEADERS = ("vec16.h", "paged_tables.h", "tile_linear.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 PREBUILT_DIR = _DIR / "prebuilt"  # where a wheel carries its prebuilt levels (prebuilt.py)

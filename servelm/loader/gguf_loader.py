@@ -393,7 +393,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig,
 
 
 class _BlocksView(_SliceView):
-    """A 2-D Q8_0/Q4_0/Q4_1 tensor read in parts as GGUFBlocks (kept quantized): rows, and
+    """A 2-D tensor of a kept type read in parts as GGUFBlocks (kept quantized): rows, and
     columns in whole blocks (a column split inside a block cannot keep its bytes)."""
 
     def __getitem__(self, index):
@@ -417,19 +417,21 @@ class _BlocksView(_SliceView):
 
 def iter_gguf_quantized_weights(path: Path, config: ModelConfig,
                                 select=None) -> Iterator[tuple[str, Any]]:
-    """Like `iter_gguf_weights`, but 2-D Q8_0/Q4_0/Q4_1 tensors come as their raw blocks.
+    """Like `iter_gguf_weights`, but 2-D tensors of the types servelm keeps quantized
+    (Q8_0/Q4_0/Q4_1/Q5_0 and the K-quants Q4_K/Q5_K/Q6_K: `is_kept_type`) come as their raw
+    blocks.
     select: a model-parallel rank's parts (see iter_gguf_weights), blocks kept quantized.
 
     Yields (HF name, `servelm.quant.gguf_blocks.GGUFBlocks` [out rows of block bytes]) for
     those, (HF name, float32 tensor) for the rest. llama's q/k row permutation is undone on the
     block rows: each row's blocks are self-contained, so moving rows moves no bits within one.
     """
-    from servelm.quant.gguf_blocks import BLOCK_BYTES, GGUFBlocks
+    from servelm.quant.gguf_blocks import GGUFBlocks, is_kept_type
 
     for name, tensor, heads, shift in _model_tensors(path, config):
-        is_blocks = tensor.tensor_type.name in BLOCK_BYTES and len(tensor.shape) == 2
+        is_blocks = is_kept_type(tensor.tensor_type.name) and len(tensor.shape) == 2
         if (select is None and _is_expert_stack(name) and len(tensor.shape) == 3
-                and tensor.tensor_type.name in BLOCK_BYTES):
+                and is_kept_type(tensor.tensor_type.name)):
             yield from _expert_blocks(name, tensor)  # each expert's rows kept quantized
             continue
         if select is not None and not _is_expert_stack(name):
@@ -460,7 +462,7 @@ def iter_gguf_quantized_weights(path: Path, config: ModelConfig,
 
 
 def _expert_blocks(name: str, tensor) -> Iterator[tuple[str, Any]]:
-    """A stacked [experts, out, in] Q8_0/Q4_0/Q4_1 tensor as one GGUFBlocks per expert
+    """A stacked [experts, out, in] tensor of a kept type as one GGUFBlocks per expert
     (rows of whole blocks: an expert's slice of the stack is its own bytes)."""
     from servelm.quant.gguf_blocks import GGUFBlocks
 

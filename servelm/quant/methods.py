@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from servelm.quant.gguf_blocks import GGUFBlocks, decode_q4, decode_q8_0
+from servelm.quant.gguf_blocks import KQUANT_BYTES, GGUFBlocks, decode_q4, decode_q5_0, decode_q8_0
 from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
 from servelm.quant.int4_linear import quantize_int4_groups
@@ -29,6 +29,10 @@ class QuantMethod:
     activations: "float" or "int8" (servelm/quant/int8_act.py): what the CPU kernels round the
     activations to; the lm_head's method gets the same.
     """
+
+    # GGUF shards of one fused layer in different types become one layer each, side by
+    # side (servelm/quant/row_parts_linear.py), rather than one layer from their float values
+    keeps_block_types = False
 
     def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
                  activations: str = "float"):
@@ -153,11 +157,17 @@ class GGUFMethod(QuantMethod):
     dtype).
     Q8_0 -> Int8Linear with the blocks' codes and their scale per 32 weights as they are
     (servelm's CPU int8 kernel takes group scales; the aten and Triton paths requantize per
-    row). The lm_head, tied or not, is int8 with groups of 32 too: from a tied Q8_0
+    row); Q5_0 the same with codes q - 16 (exact, a byte a weight).
+    Q4_K / Q5_K / Q6_K -> KQuantLinear on the file's super-blocks as they are, where servelm's
+    C++ kernels run (elsewhere, and on a GPU, their float values: an nn.Linear).
+    The lm_head, tied or not, is int8 with groups of 32 too: from a tied Q8_0
     embedding's float values, RTN per 32 gives back Q8_0's codes and scales exactly, so
     `gguf` computes with exactly the file's weights.
-    Other types (F32, F16, K-quants) are dequantized and stay float.
+    Other quantized types (Q5_1, Q2_K, ...) are requantized to int8 per row; F32 / F16
+    stay float.
     """
+
+    keeps_block_types = True
 
     def lm_head_method(self):
         return Int8HeadMethod("int8-g32-head", self.compute_dtype, group_size=32,
@@ -166,7 +176,17 @@ class GGUFMethod(QuantMethod):
     def from_blocks(self, blocks, bias, dtype=torch.float32):
         if isinstance(blocks, QuantizedWeight):
             return super().from_blocks(blocks, bias, dtype)
+        if blocks.type_name in KQUANT_BYTES:
+            return self._kquant_layer(blocks, bias, dtype)
         return self.build(self.quantize_blocks(blocks, dtype), bias)
+
+    def _kquant_layer(self, blocks: GGUFBlocks, bias, dtype) -> nn.Module:
+        from servelm.quant.kquant_linear import KQuantLinear, kquant_ops
+
+        if blocks.data.device.type == "cpu" and kquant_ops() is not None:
+            return KQuantLinear(blocks.type_name, blocks.data, blocks.shape, bias,
+                                self.compute_dtype)
+        return GGUFMethod.build(self, blocks.dequantize().to(blocks.data.device, dtype), bias)
 
     def quantize_blocks(self, blocks, dtype=torch.float32):
         if blocks.type_name in ("Q4_0", "Q4_1"):
@@ -174,8 +194,8 @@ class GGUFMethod(QuantMethod):
             # float32: d is fp16, zero = m + 8 d one float32 rounding (bf16 would move
             # perplexity by 0.06%); the CPU kernel reads float32 scales as they are.
             return QuantizedWeight("int4", q, scale.float(), zero.float(), 32)
-        if blocks.type_name == "Q8_0":
-            q, d = decode_q8_0(blocks)
+        if blocks.type_name in ("Q8_0", "Q5_0"):
+            q, d = (decode_q8_0 if blocks.type_name == "Q8_0" else decode_q5_0)(blocks)
             return QuantizedWeight("int8", q, d, None, 32)
         return Int8Method("int8", self.compute_dtype, activations=self.activations).quantize(
             blocks.dequantize())

@@ -42,6 +42,11 @@ class StagedLinear(nn.Module):
 
     def finalize(self) -> nn.Module:
         bias = None if self.bias is None else self.bias.data
+        parts = row_parts(self._blocks, self.out_features)
+        if (parts is not None and self.quant.keeps_block_types and len(parts) > 1
+                and all(isinstance(p, GGUFBlocks) for _, p in parts)
+                and len({p.type_name for _, p in parts}) > 1):
+            return self._parts_layer(parts, bias)
         blocks = self._whole_blocks()
         if blocks is not None:
             # Decode where the layer will run: a layer's kernel (and its codes' layout) is
@@ -51,6 +56,18 @@ class StagedLinear(nn.Module):
         for row, b in self._blocks.items():  # mixed types or partial: go through float
             self.weight.data[row:row + b.shape[0]].copy_(b.dequantize())
         return self.quant.from_float(self.weight.data, bias)
+
+    def _parts_layer(self, parts: list[tuple[int, GGUFBlocks]], bias) -> nn.Module:
+        """GGUF parts of different types (a Q4_K_M file's Q4_K q/k beside its Q6_K v): each
+        built as its own layer, side by side (servelm/quant/row_parts_linear.py)."""
+        from servelm.quant.row_parts_linear import RowPartsLinear
+
+        layers = []
+        for row, part in parts:
+            part_bias = None if bias is None else bias[row:row + part.shape[0]]
+            layers.append(self.quant.from_blocks(_to_device(part, self.weight.device),
+                                                 part_bias, dtype=self.weight.dtype))
+        return RowPartsLinear(layers)
 
     def quantized_weight(self):
         """The codes (QuantizedWeight) or float weight `finalize` builds its layer from, as
@@ -76,17 +93,27 @@ def fuse_row_blocks(parts: dict[int, GGUFBlocks | QuantizedWeight], num_rows: in
     then built from the float values) or when there are none."""
     if not parts:
         return None
-    rows = sorted(parts)
-    blocks = [parts[r] for r in rows]
-    contiguous = all(r == sum(p.shape[0] for p in blocks[:i]) for i, r in enumerate(rows))
-    if (not contiguous or sum(p.shape[0] for p in blocks) != num_rows
-            or len({p.type_name for p in blocks}) != 1):
+    blocks = [p for _, p in sorted(parts.items())]
+    if row_parts(parts, num_rows) is None or len({p.type_name for p in blocks}) != 1:
         logger.warning("%d x %d layer: GGUF shards of types %s are requantized from float",
                        num_rows, blocks[0].shape[1], sorted({p.type_name for p in blocks}))
         return None
     if isinstance(blocks[0], QuantizedWeight):
         return cat_quantized_rows(blocks)
     return cat_rows(blocks)
+
+
+def row_parts(parts: dict[int, GGUFBlocks | QuantizedWeight], num_rows: int
+              ) -> list[tuple[int, GGUFBlocks | QuantizedWeight]] | None:
+    """The shards sorted by first row when they cover num_rows rows contiguously, else None."""
+    ordered = sorted(parts.items())
+    covered = 0
+    for row, part in ordered:
+        if row != covered:
+            return None
+        covered += part.shape[0]
+    return ordered if ordered and covered == num_rows else None
+
 
 def _to_device(blocks: GGUFBlocks | QuantizedWeight, device: torch.device
                ) -> GGUFBlocks | QuantizedWeight:

@@ -1,0 +1,396 @@
+// GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept as the file's bytes: kquant_gemm (x @ w.T
+// with the activations rounded to int8 per 256 columns, llama.cpp's q8_K), kquant_dequant
+// (the float weight, for steps of many rows) and kquant_quantize_act (the activation step
+// alone, for tests).
+//
+// Why the file's own bytes: a Q4_K_M model's linears are 4.5-6.6 bits a weight; a decode step
+// reads every weight once, so the bytes read are the step. Repacking into servelm's int4 /
+// int8 panels would widen Q5_K and Q6_K to a byte a weight and Q4_K's 6-bit sub-block scales
+// to float16 pairs.
+//
+// A super-block is 256 columns of one row (ggml's layouts, as gguf-py's dequantize reads):
+//   Q4_K 144 B: d f16 | dmin f16 | scales 12 B (8 x 6-bit sc, 8 x 6-bit m) | qs 128 B
+//               w = d sc_j q - dmin m_j, sub-block j of 32, q 4 bits
+//   Q5_K 176 B: d | dmin | scales 12 B | qh 32 B | qs 128 B     the same with q 5 bits
+//   Q6_K 210 B: ql 128 B | qh 64 B | scales 16 x int8 | d f16  w = d sc_g (q - 32), g of 16
+// Each is decoded, once per super-block and tile of up to 4 activation rows, to one form:
+//   256 unsigned codes (0..63) in column order, an integer scale per 16 columns (sc16) and a
+//   min coefficient per 16 columns (mc16) with   w = d sc16 q - dmin mc16
+// (Q6_K: dmin = d, mc16 = 32 sc16). Against a row x rounded to q8_K (xd, xq[256], bsum16 =
+// the sum of each 16 codes):
+//   w . x = xd (d sum_c sc16 (q . xq)_c - dmin sum_g mc16_g bsum16_g)
+// The code products go through vpmaddubsw (u8 x s8 pairs into 16 bits: at most
+// 2 x 63 x 127, never saturating), then vpdpwssd (avx512_vnni) or vpmaddwd + add with the
+// pair's scale; a whole super-block sums exactly in 32 bits, then once into float.
+// AVX-512BW: 64 columns a vector; AVX2: 32; neither: scalar loops (same integer math).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kQK = 256;  // columns a super-block
+constexpr int64_t kTypeQ4K = 12, kTypeQ5K = 13, kTypeQ6K = 14;  // ggml's type numbers
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kTypeQ4K: return 144;
+    case kTypeQ5K: return 176;
+    case kTypeQ6K: return 210;
+  }
+  TORCH_CHECK(false, "kquant: type ", type, " is not a supported K-quant (12 Q4_K, 13 Q5_K, "
+              "14 Q6_K)");
+  return 0;
+}
+
+inline float f16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// One super-block decoded (see the top of the file).
+struct Decoded {
+  alignas(64) uint8_t q[kQK];
+  alignas(64) int16_t pair_scale[kQK / 2];  // sc16 of each pair of columns
+  alignas(32) int16_t mc16[16];
+  float d, dmin;
+};
+
+// Q4_K / Q5_K: 8 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* s, int16_t* sc, int16_t* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+inline void fill_pair_scales(Decoded& out, const int16_t* sc16) {
+  for (int g = 0; g < 16; ++g)
+    for (int i = 0; i < 8; ++i) out.pair_scale[g * 8 + i] = sc16[g];
+}
+
+#if defined(__AVX2__)
+inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void st256(uint8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+#endif
+
+// The low 4 bits of each code (Q4_K, Q5_K): qs's 32-byte chunk j holds sub-block 2j in its low
+// nibbles and 2j + 1 in its high ones.
+inline void nibbles_k4(const uint8_t* qs, uint8_t* q) {
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = ld256(qs + 32 * j);
+    st256(q + 64 * j, _mm256_and_si256(v, low4));
+    st256(q + 64 * j + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  }
+#else
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = qs[32 * j + l] & 0x0F;
+      q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+    }
+#endif
+}
+
+// Q5_K's fifth bit: bit i of qh[l] belongs to column 32 i + l.
+inline void high_bits_k5(const uint8_t* qh, uint8_t* q) {
+#if defined(__AVX2__)
+  const __m256i h = ld256(qh), one = _mm256_set1_epi8(1);
+  for (int i = 0; i < 8; ++i) {
+    // byte-wise (h >> i) & 1, then << 4: the 16-bit shifts move no bit across a byte that the
+    // mask keeps.
+    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(h, i), one);
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+    st256(q + 32 * i, _mm256_or_si256(v, _mm256_slli_epi16(bit, 4)));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int l = 0; l < 32; ++l) q[32 * i + l] |= ((qh[l] >> i) & 1) << 4;
+#endif
+}
+
+// Q6_K, one half of 128 columns: ql 64 bytes, qh 32 bytes. Column l (l < 32) + 32 k of the
+// half: low 4 bits from ql[l + 32 (k & 1)] (low nibble for k < 2, high for k >= 2), high 2
+// bits from qh[l] >> 2 k.
+inline void codes_q6k_half(const uint8_t* ql, const uint8_t* qh, uint8_t* q) {
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i l0 = ld256(ql), l1 = ld256(ql + 32), h = ld256(qh);
+  const __m256i lows[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                           _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+  for (int k = 0; k < 4; ++k) {
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three);
+    st256(q + 32 * k, _mm256_or_si256(lows[k], _mm256_slli_epi16(hi, 4)));
+  }
+#else
+  for (int k = 0; k < 4; ++k)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t lo = k < 2 ? ql[l + 32 * k] & 0x0F : ql[l + 32 * (k - 2)] >> 4;
+      q[32 * k + l] = lo | (((qh[l] >> (2 * k)) & 3) << 4);
+    }
+#endif
+}
+
+template <int64_t Type>
+inline void decode(const uint8_t* b, Decoded& out) {
+  int16_t sc16[16];
+  if constexpr (Type == kTypeQ6K) {
+    codes_q6k_half(b, b + 128, out.q);
+    codes_q6k_half(b + 64, b + 160, out.q + 128);
+    const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 16; ++g) sc16[g] = s[g], out.mc16[g] = int16_t(32 * s[g]);
+    out.d = out.dmin = f16_to_f32(b + 208);
+  } else {
+    int16_t sc[8], m[8];
+    scale_min_k4(b + 4, sc, m);
+    for (int g = 0; g < 16; ++g) sc16[g] = sc[g / 2], out.mc16[g] = m[g / 2];
+    out.d = f16_to_f32(b), out.dmin = f16_to_f32(b + 2);
+    if constexpr (Type == kTypeQ5K) {
+      nibbles_k4(b + 48, out.q);
+      high_bits_k5(b + 16, out.q);
+    } else {
+      nibbles_k4(b + 16, out.q);
+    }
+  }
+  fill_pair_scales(out, sc16);
+}
+
+// Activation rows rounded to q8_K: codes (row stride K), d and bsum16 (row stride K / 256 and
+// K / 16).
+struct RowsQ8K {
+  const int8_t* q;
+  const float* d;
+  const int16_t* bsum;
+  int64_t K;
+};
+
+// sum over the super-block of sc16 * (q . xq) for one activation row, exact in 32 bits.
+inline int32_t code_dot(const Decoded& w, const int8_t* xq) {
+#if defined(__AVX512BW__)
+  __m512i acc = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512(w.q + 64 * c),
+                                           _mm512_loadu_si512(xq + 64 * c));
+    const __m512i s = _mm512_load_si512(w.pair_scale + 32 * c);
+#if defined(__AVX512VNNI__)
+    acc = _mm512_dpwssd_epi32(acc, p, s);
+#else
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+#endif
+  }
+  return _mm512_reduce_add_epi32(acc);
+#elif defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i p = _mm256_maddubs_epi16(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(w.q + 32 * c)),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c)));
+    const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair_scale + 16 * c));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+  }
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+  return _mm_cvtsi128_si32(x);
+#else
+  int32_t acc = 0;
+  for (int i = 0; i < kQK; ++i) acc += int32_t(w.q[i]) * xq[i] * w.pair_scale[i / 2];
+  return acc;
+#endif
+}
+
+// sum_g mc16_g bsum16_g.
+inline int32_t min_dot(const Decoded& w, const int16_t* bsum) {
+#if defined(__AVX2__)
+  const __m256i p = _mm256_madd_epi16(
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(w.mc16)),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+  return _mm_cvtsi128_si32(x);
+#else
+  int32_t acc = 0;
+  for (int g = 0; g < 16; ++g) acc += int32_t(w.mc16[g]) * bsum[g];
+  return acc;
+#endif
+}
+
+// y[m + r, n] for r < R: one weight row (its super-blocks at `row`) against R activation rows.
+template <int64_t Type, int R>
+inline void row_dot(const uint8_t* row, int64_t S, const RowsQ8K& x, int64_t m, float* out) {
+  constexpr int64_t bytes = Type == kTypeQ4K ? 144 : Type == kTypeQ5K ? 176 : 210;
+  Decoded w;
+  float acc[R] = {};
+  for (int64_t s = 0; s < S; ++s) {
+    decode<Type>(row + s * bytes, w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xr = m + r;
+      const int32_t main = code_dot(w, x.q + xr * x.K + s * kQK);
+      const int32_t mins = min_dot(w, x.bsum + xr * (x.K / 16) + s * 16);
+      acc[r] += x.d[xr * S + s] * (w.d * float(main) - w.dmin * float(mins));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int64_t Type>
+void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y) {
+  const int64_t S = x.K / kQK, row_bytes = S * block_bytes(Type);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[4];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = codes + n * row_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        row_dot<Type, 4>(row, S, x, m, out);
+        for (int r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
+      }
+      for (; m < M; ++m) {
+        row_dot<Type, 1>(row, S, x, m, out);
+        y[m * N + n] = out[0];
+      }
+    }
+  });
+}
+
+// x [M, K] float32 / bfloat16 -> q [M, K] int8, d [M, K/256] float32 (amax / 127),
+// bsum [M, K/16] int16. q = round-half-even(x / d); d = 0: q = 0.
+template <typename X>
+void quantize_rows(const X* x, int64_t M, int64_t K, int8_t* q, float* d, int16_t* bsum) {
+  const int64_t S = K / kQK;
+  at::parallel_for(0, M * S, 4, [&](int64_t begin, int64_t end) {
+    float buf[kQK];
+    for (int64_t i = begin; i < end; ++i) {
+      const X* src = x + i * kQK;  // super-block i of the flat [M, K] rows (K % 256 == 0)
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kQK; ++k) buf[k] = float(src[k]), amax = std::max(amax, std::fabs(buf[k]));
+      const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
+      d[i] = dd;
+      for (int64_t g = 0; g < 16; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = 16 * g; k < 16 * g + 16; ++k) {
+          const int32_t v = int32_t(std::nearbyint(buf[k] * inv));
+          q[i * kQK + k] = int8_t(v);
+          sum += v;
+        }
+        bsum[i * 16 + g] = int16_t(sum);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kquant: x must be a contiguous [M, K] float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == K, "kquant: x has ", x.size(1), " columns, the weight ", K);
+  const int64_t M = x.size(0);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / kQK}, x.options().dtype(at::kFloat));
+  at::Tensor bsum = at::empty({M, K / 16}, x.options().dtype(at::kShort));
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  bsum.data_ptr<int16_t>());
+  } else {
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  bsum.data_ptr<int16_t>());
+  }
+  return {q, d, bsum};
+}
+
+// K from the codes' shape, checked: [N, K / 256 * block bytes] uint8.
+int64_t check_codes(const at::Tensor& codes, int64_t type, int64_t N, const char* op) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte &&
+                  codes.is_contiguous() && codes.dim() == 2,
+              op, ": codes must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t bytes = block_bytes(type);
+  TORCH_CHECK(codes.size(0) == N && codes.size(1) % bytes == 0, op, ": codes ", codes.sizes(),
+              " are not ", N, " rows of whole ", bytes, "-byte super-blocks");
+  return codes.size(1) / bytes * kQK;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_quantize_act(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kQK == 0,
+              "kquant_quantize_act: x must be [M, K] with K % 256 == 0");
+  return quantize_x(x, x.size(1));
+}
+
+// y[M, N] = x @ w.T in x's dtype; w: N rows of `type` super-blocks as the file stores them.
+at::Tensor kquant_gemm(const at::Tensor& x, const at::Tensor& codes, int64_t type, int64_t N) {
+  const int64_t K = check_codes(codes, type, N, "kquant_gemm");
+  auto [q, d, bsum] = quantize_x(x, K);
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  const RowsQ8K rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), bsum.data_ptr<int16_t>(), K};
+  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  float* py = y.data_ptr<float>();
+  if (type == kTypeQ4K) gemm_rows<kTypeQ4K>(rows, x.size(0), pc, N, py);
+  else if (type == kTypeQ5K) gemm_rows<kTypeQ5K>(rows, x.size(0), pc, N, py);
+  else gemm_rows<kTypeQ6K>(rows, x.size(0), pc, N, py);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+template <int64_t Type, typename T>
+void dequant_rows(const uint8_t* codes, int64_t N, int64_t K, T* w) {
+  const int64_t S = K / kQK, bytes = block_bytes(Type);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    Decoded dec;
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t s = 0; s < S; ++s) {
+        decode<Type>(codes + (n * S + s) * bytes, dec);
+        T* out = w + n * K + s * kQK;
+        for (int g = 0; g < 16; ++g) {
+          // gguf-py's order: (d sc) q - (dmin m); Q6_K: (d sc) (q - 32)
+          const float scale = dec.d * float(dec.pair_scale[8 * g]);
+          const float min = dec.dmin * float(dec.mc16[g]);
+          for (int i = 16 * g; i < 16 * g + 16; ++i) {
+            out[i] = Type == kTypeQ6K ? T(scale * float(int(dec.q[i]) - 32))
+                                      : T(scale * float(dec.q[i]) - min);
+          }
+        }
+      }
+  });
+}
+
+// The float weight [N, K] (float32 or bfloat16) the codes stand for.
+at::Tensor kquant_dequant(const at::Tensor& codes, int64_t type, int64_t N, at::ScalarType dtype) {
+  const int64_t K = check_codes(codes, type, N, "kquant_dequant");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "kquant_dequant: dtype must be float32 or bfloat16");
+  at::Tensor w = at::empty({N, K}, codes.options().dtype(dtype));
+  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  auto run = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    if (type == kTypeQ4K) dequant_rows<kTypeQ4K, T>(pc, N, K, out);
+    else if (type == kTypeQ5K) dequant_rows<kTypeQ5K, T>(pc, N, K, out);
+    else dequant_rows<kTypeQ6K, T>(pc, N, K, out);
+  };
+  if (dtype == at::kFloat) run(w.data_ptr<float>());
+  else run(w.data_ptr<c10::BFloat16>());
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
+  m.def("kquant_gemm(Tensor x, Tensor codes, int type, int n) -> Tensor", &kquant_gemm);
+  m.def("kquant_dequant(Tensor codes, int type, int n, ScalarType dtype) -> Tensor",
+        &kquant_dequant);
+  m.def("kquant_quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)", &kquant_quantize_act);
+}

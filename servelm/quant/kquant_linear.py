@@ -1,0 +1,88 @@
+"""KQuantLinear: a GGUF K-quant matrix (Q4_K, Q5_K, Q6_K) kept as the file's super-blocks.
+
+The codes are the file's bytes, unchanged: [out, in / 256 * block bytes] uint8, each row its
+256-column super-blocks (layouts in servelm/cpu_kernels/kquant_gemm.cpp). A step of at most
+`max_int8_rows` rows runs `kquant_gemm`: the rows rounded to int8 per 256 columns (llama.cpp's
+q8_K), integer dot products with the codes, the super-blocks' scales applied once per 16 or
+32 columns. A larger step (a prefill) dequantizes the matrix for that call into x's dtype and
+multiplies with torch's GEMM: the decode is cheap beside many rows' products, and the
+activations keep their precision there.
+
+What a hand-written decode stack needs to run one (its entry): `codes`, `kind` (ggml's type
+number: 12 Q4_K, 13 Q5_K, 14 Q6_K), `out_features`, `in_features`; the scales live inside the
+codes' super-blocks.
+
+Never: keeps a float copy of the weight, or runs where servelm's C++ kernels do not build (the
+method builds a float layer there: servelm/quant/methods.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelm.quant.quantized_linear import QuantizedLinear
+
+# ggml's type number and super-block bytes (256 columns) of each K-quant kept as codes
+KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+SUPER_BLOCK = 256
+# Steps of up to this many rows take the int8-activation kernel; above, a dequantized GEMM
+# (one core, a 1536 x 1536 Q4_K matrix: the two cost the same near 64 rows, ad hoc).
+MAX_INT8_ROWS = 48
+
+
+def kquant_ops():
+    """torch.ops.servelm_cpu where the kernels build and the process allows them, else None."""
+    from servelm import cpu_kernels
+
+    ops = cpu_kernels.ops_for_mode("quant")
+    return ops if ops is not None and hasattr(ops, "kquant_gemm") else None
+
+
+class KQuantLinear(QuantizedLinear):
+    def __init__(self, type_name: str, codes: torch.Tensor, shape: tuple[int, int],
+                 bias: torch.Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
+                 max_int8_rows: int = MAX_INT8_ROWS):
+        """type_name: "Q4_K" | "Q5_K" | "Q6_K"; codes: the rows' super-blocks as the file
+        stores them, [out, in / 256 * block bytes] uint8; shape: (out, in)."""
+        if type_name not in KQUANT_TYPES:
+            raise ValueError(f"type_name {type_name!r} is not a K-quant kept as codes; "
+                             f"supported: {sorted(KQUANT_TYPES)}")
+        out_features, in_features = shape
+        kind, block_bytes = KQUANT_TYPES[type_name]
+        if in_features % SUPER_BLOCK or tuple(codes.shape) != (
+                out_features, in_features // SUPER_BLOCK * block_bytes):
+            raise ValueError(f"{type_name} codes {tuple(codes.shape)} do not fit shape {shape} "
+                             f"({block_bytes} bytes a {SUPER_BLOCK}-column super-block)")
+        if codes.dtype != torch.uint8 or codes.device.type != "cpu":
+            raise ValueError("codes must be uint8 on the CPU")
+        super().__init__(in_features, out_features, bias, compute_dtype)
+        self.type_name, self.kind = type_name, kind
+        self.max_int8_rows = max_int8_rows
+        self.register_buffer("codes", codes.contiguous())
+        if kquant_ops() is None:
+            raise RuntimeError("KQuantLinear needs servelm's C++ CPU kernels (kquant_gemm)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.max_int8_rows:
+            xa = x2 if x2.dtype == torch.bfloat16 else x2.float()
+            y = torch.ops.servelm_cpu.kquant_gemm(xa.contiguous(), self.codes, self.kind,
+                                                  self.out_features)
+        else:
+            dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
+            w = torch.ops.servelm_cpu.kquant_dequant(self.codes, self.kind, self.out_features,
+                                                     dtype)
+            y = x2.to(dtype) @ w.t()
+        return self._add_bias(y).to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.ops.servelm_cpu.kquant_dequant(self.codes, self.kind, self.out_features,
+                                                    torch.float32)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.codes.numel()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", type={self.type_name}"
