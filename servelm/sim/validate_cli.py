@@ -471,12 +471,14 @@ def compare_knee(out: Path, speed: list[dict], replay: Replay, variant: str) -> 
     rates, target = summary["rates"], summary["goodput_target"]
     passes = [(s["t"], s["index"]) for s in speed if s["kind"] == "calibration" and s["index"]]
     rows = {s["rate"]: s for s in speed if s["kind"] == "sweep"}
-    sims = [replay.sweep_point(r, _scale(variant, rows[r], passes)) for r in rates]
+    scales = [_scale(variant, rows[r], passes) for r in rates]
+    sims = [replay.sweep_point(r, x) for r, x in zip(rates, scales)]
     measured = goodput_crossing(rates, [p["goodput"] for p in summary["points"]], target)
     simulated = goodput_crossing(rates, [s["goodput"] for s in sims], target)
     return {**V.knee_rate(measured, simulated),
             "simulated_goodput": [s["goodput"] for s in sims],
-            "measured_goodput": [p["goodput"] for p in summary["points"]], "rates": rates}
+            "measured_goodput": [p["goodput"] for p in summary["points"]], "rates": rates,
+            "scales": scales}
 
 
 def load_manifest(out: Path) -> tuple[dict, ValidationPlan]:
@@ -549,10 +551,18 @@ def _measured_of(out: Path, manifest: dict, name: str) -> dict:
 CI_DIR = Path("tests/sim/data/validation-record")  # what tests/sim/test_validation.py replays
 
 
+def shipped_variant(record: dict) -> str:
+    """The claim a CI record replays: the calibrated model if it meets the bar, else the
+    first drift-aware variant that does (its scales travel with the record), else base."""
+    return next((v for v in VARIANTS if record["variants"][v]["bar"]["met"]), "base")
+
+
 def write_ci_record(out: Path, manifest: dict, record: dict) -> Path:
     """out/ci: the model, one trace per point (without the prompt ids: the replica has no
     prefix cache, so a replay of random ids of the same lengths is the same run; the
-    traces shrink from ~300 KB to ~25 KB) and the measured medians and ranges."""
+    traces shrink from ~300 KB to ~27 KB), the measured medians and ranges, and the
+    shipped variant's scales (one per measured run; the base model's: 1)."""
+    variant = shipped_variant(record)
     ci = out / "ci"
     ci.mkdir(exist_ok=True)
     shutil.copy(out / "cost-model.json", ci / "cost-model.json")
@@ -565,11 +575,12 @@ def write_ci_record(out: Path, manifest: dict, record: dict) -> Path:
             row.pop("prompt_token_ids", None)
             lines.append(json.dumps(row))
         (ci / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-        points[name] = {**p, "trace": f"{name}.jsonl"}
-    base = record["variants"]["base"]
-    doc = {"source": out.name, "commit": record["commit"], "met": base["bar"]["met"],
-           "bar": record["bar"], "plan": record["plan"], "knee_rate": base["knee_rate"],
-           "points": points}
+        scales = record["variants"][variant]["points"][name]["scales"]
+        points[name] = {**p, "trace": f"{name}.jsonl", "scales": scales}
+    chosen = record["variants"][variant]
+    doc = {"source": out.name, "commit": record["commit"], "variant": variant,
+           "met": chosen["bar"]["met"], "bar": record["bar"], "plan": record["plan"],
+           "knee_rate": chosen["knee_rate"], "points": points}
     (ci / "record.json").write_text(json.dumps(doc, indent=2) + "\n")
     return ci
 
@@ -629,11 +640,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
     record = analyze(out)
-    met = record["variants"]["base"]["bar"]["met"]
+    variant = shipped_variant(record)
+    met = record["variants"][variant]["bar"]["met"]
     if met or args.ship:
         ship(out, Path(args.ci_dir))
-        print(f"[validate] CI record shipped into {args.ci_dir} (bar met: {met}); commit it",
-              file=sys.stderr)
+        print(f"[validate] CI record ({variant}) shipped into {args.ci_dir} (bar met: {met});"
+              " commit it", file=sys.stderr)
     print(V.render_markdown(record))
     print(f"[validate] wrote {out}/validation.json, .md, .png", file=sys.stderr)
     return 0

@@ -65,8 +65,9 @@ def test_the_simulation_of_a_recorded_run_is_within_tolerance(name):
 
 
 # The record `servelm sim validate` ships when the bar is met (docs/sim.md, "The accepted
-# bar"): the model, one trace per point (without prompt ids) and the measured runs' medians
-# and ranges. SERVELM_SIM_VALIDATION_RECORD=<a record's ci/ folder> replays another one.
+# bar"): the model, one trace per point (without prompt ids), the measured runs' medians
+# and ranges, and the shipped variant's drift scales. SERVELM_SIM_VALIDATION_RECORD=<a
+# record's ci/ folder> replays another one.
 RECORD = Path(os.environ.get("SERVELM_SIM_VALIDATION_RECORD", DATA / "validation-record"))
 
 
@@ -89,13 +90,18 @@ def test_the_record_replays_within_the_bar(point):
     if point not in record["points"]:
         pytest.skip(f"the record has no {point} point")
     p = record["points"][point]
-    sim = simulate_cli([*_slo_flags(record["plan"]), "--trace", str(RECORD / p["trace"])])
-    got = V.compare(p["measured"], V.simulated_values(sim), p["rule"])
+    # The shipped variant's answer: the median of one simulation per measured run, each at
+    # its run's drift scale (the calibrated model alone: one scale, 1).
+    sims = [simulate_cli([*_slo_flags(record["plan"]), "--trace", str(RECORD / p["trace"]),
+                          "--cost-scale", f"{scale:.4f}"])[0]
+            for scale in p.get("scales", [1.0])]
+    got = V.compare(p["measured"], V.simulated_values(sims), p["rule"])
     misses = {k: tuple(round(r[x], 1) for x in ("simulated", "median", "min", "max"))
               for k, r in got["percentiles"].items()
               if (p["rule"] == "median" and abs(r["error"]) > V.MEDIAN_TOLERANCE)
               or (p["rule"] == "range" and not r["in_range"])}
-    assert got["met"], f"{point} ({p['rule']}): {misses or got['goodput']}"
+    assert got["met"], f"{point} ({p['rule']}, {record.get('variant', 'base')}): " \
+        f"{misses or got['goodput']}"
 
 
 def test_the_record_replays_the_knee_rate_within_the_bar():
@@ -103,10 +109,12 @@ def test_the_record_replays_the_knee_rate_within_the_bar():
     knee, plan = record["knee_rate"], record["plan"]
     if not knee:
         pytest.skip("the record was made at a given knee, without a sweep")
-    rates = ",".join(f"{r:g}" for r in knee["rates"])
-    sims = simulate_cli([*_slo_flags(plan), "--sweep-rates", rates, "--num-prompts",
-                     str(plan["sweep_prompts"]), "--input-len", plan["input_len"],
-                     "--output-len", plan["output_len"], "--seed", "0"])
+    scales = knee.get("scales") or [1.0] * len(knee["rates"])
+    sims = [simulate_cli([*_slo_flags(plan), "--request-rate", f"{rate:g}", "--num-prompts",
+                          str(plan["sweep_prompts"]), "--input-len", plan["input_len"],
+                          "--output-len", plan["output_len"], "--seed", "0",
+                          "--cost-scale", f"{scale:.4f}"])[0]
+            for rate, scale in zip(knee["rates"], scales)]
     crossing = goodput_crossing(knee["rates"], [s["goodput"] for s in sims],
                                 plan["goodput_target"])
     assert V.knee_rate(knee["measured_req_s"], crossing)["met"], \

@@ -177,3 +177,16 @@ def test_the_knee_is_the_highest_swept_rate_meeting_the_target(tmp_path):
         _measured_knee(_sweep(tmp_path, [1.0, 1.0, 1.0, 0.95]), plan)
     with pytest.raises(RuntimeError, match="below the lowest"):
         _measured_knee(_sweep(tmp_path, [0.5, 0.3, 0.2, 0.1]), plan)
+
+
+def test_the_ci_record_replays_the_calibrated_model_unless_only_a_drift_scale_meets_the_bar():
+    from servelm.sim.validate_cli import shipped_variant
+
+    def record(*met):
+        return {"variants": {v: {"bar": {"met": m}}
+                             for v, m in zip(("base", "bracket", "in_run"), met)}}
+
+    assert shipped_variant(record(True, True, True)) == "base"
+    assert shipped_variant(record(False, False, True)) == "in_run"
+    assert shipped_variant(record(False, True, True)) == "bracket"
+    assert shipped_variant(record(False, False, False)) == "base"
