@@ -273,7 +273,7 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
 
         weights = iter_gguf_quantized_weights(source.path, config, select)
     else:
-        weights = iter_weights(source, config, select)
+        weights = iter_weights(source, config, select, _DTYPES[args.dtype])
     engine = assemble_engine(args, config, weights, tokenizer, source.name,
                              prepared_key=None if checkpoint is not None else key,
                              parallel=parallel)

@@ -131,17 +131,19 @@ def model_vocab_size(model: str) -> int:
     return load_model_config(resolve_model(model)).vocab_size
 
 
-def iter_weights(source: ModelSource, config: ModelConfig,
-                 select=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF Llama name, float32 CPU tensor) for every weight; `lm_head.weight` absent if tied.
+def iter_weights(source: ModelSource, config: ModelConfig, select=None,
+                 dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF Llama name, CPU tensor) for every weight; `lm_head.weight` absent if tied.
 
     select: a model-parallel rank's `(name, view) -> (name, tensor) | None` (servelm/parallel/
     sharding.py); safetensors and GGUF then read only the slices it asks for (GGUF: rows, and
-    column blocks where aligned), dummy weights are made whole and narrowed."""
+    column blocks where aligned), dummy weights are made whole and narrowed.
+    dtype: the model's dtype, which safetensors weights are read into (a bfloat16 model's
+    never pass through float32); None: float32, as every other source gives them."""
     from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
 
     if source.kind == "hf":
-        return hf_loader.iter_hf_weights(source.path, config, select)
+        return hf_loader.iter_hf_weights(source.path, config, select, dtype)
     if source.kind == "gguf":
         return gguf_loader.iter_gguf_weights(source.path, config, select)
     if source.kind == "dummy":

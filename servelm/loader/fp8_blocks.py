@@ -14,8 +14,9 @@ weight_block_size (rows x columns), the last blocks of a dimension partial:
 
 (the name says "inverse" from the quantizer's side: it multiplies the codes back). Tensors
 without a scale (embeddings, norms, the router, the head) are stored in bf16 as usual.
-servelm dequantizes each quantized weight as it is read, so everything after the loader sees
-a float checkpoint (`--quantization int8|int4|fp8` can then quantize it its own way).
+servelm dequantizes each quantized weight as it is read, straight into the model's dtype
+(bfloat16 where --dtype chose it), so everything after the loader sees a float checkpoint
+(`--quantization int8|int4|fp8` can then quantize it its own way).
 
 Owns reading quantization_config for this format and the dequantization. Never: accepts
 another fp8 layout (per-tensor or per-channel scales, other names): refused naming the field.
@@ -57,8 +58,10 @@ def is_scale(name: str) -> bool:
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-               name: str = "weight") -> torch.Tensor:
-    """float32 W from fp8 codes [N, K] and block scales [ceil(N/bn), ceil(K/bk)]."""
+               name: str = "weight", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W in `dtype` (the model's) from fp8 codes [N, K] and block scales [ceil(N/bn),
+    ceil(K/bk)]: each product in float32, rounded once to dtype, one block row at a time,
+    so a bfloat16 model never holds a float32 copy of the matrix (twice its bytes)."""
     bn, bk = block
     if weight.dim() != 2:
         raise ValueError(f"{name}: an fp8 block-quantized weight must be 2-D, got "
@@ -68,8 +71,14 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"{name}{SCALE_SUFFIX} is {tuple(scale_inv.shape)}, expected {want} "
                          f"for a {n} x {k} weight in {bn} x {bk} blocks")
-    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * scales
+    scales = scale_inv.float().repeat_interleave(bk, 1)[:, :k]  # [ceil(N/bn), K]
+    if dtype == torch.float32:
+        return weight.float() * scales.repeat_interleave(bn, 0)[:n]
+    out = torch.empty(n, k, dtype=dtype)
+    for i, start in enumerate(range(0, n, bn)):
+        rows = weight[start:start + bn]
+        out[start:start + bn] = (rows.float() * scales[i]).to(dtype)
+    return out
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

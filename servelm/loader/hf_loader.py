@@ -67,11 +67,13 @@ def hf_weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
-def iter_hf_weights(model_dir: Path, config: ModelConfig,
-                    select=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every weight `config` needs, read memory-mapped.
+def iter_hf_weights(model_dir: Path, config: ModelConfig, select=None,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor in `dtype`) for every weight `config` needs, read memory-mapped.
     select: `(name, safetensors slice) -> (name, tensor) | None`, a model-parallel rank's
-    part of each tensor (only those bytes are read)."""
+    part of each tensor (only those bytes are read). dtype: the model's (None: float32), so
+    a bfloat16 model's weights (and fp8 blocks' dequantized values) never pass through
+    float32."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -80,7 +82,8 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig,
             f"no *.safetensors in {model_dir}; only safetensors checkpoints are supported "
             "(re-save a pytorch_model.bin checkpoint with transformers' save_pretrained)"
         )
-    read = _Reader(files, fp8_blocks.fp8_block_size(model_dir), select)
+    read = _Reader(files, fp8_blocks.fp8_block_size(model_dir), select,
+                   torch.float32 if dtype is None else dtype)
     if config.architecture not in _LLAMA_NAMED:
         yield from _iter_all(files, read)
         return
@@ -118,14 +121,16 @@ def _iter_all(files: list[Path], read) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class _Reader:
-    """One tensor as (name, float32), through a model-parallel `select` when given; in a
-    block-quantized fp8 checkpoint (loader/fp8_blocks.py) a weight with a scale tensor is
-    read whole with it and dequantized first (select then narrows the float tensor)."""
+    """One tensor as (name, tensor in dtype), through a model-parallel `select` when given;
+    in a block-quantized fp8 checkpoint (loader/fp8_blocks.py) a weight with a scale tensor
+    is read whole with it and dequantized first (select then narrows the float tensor)."""
 
-    def __init__(self, files: list[Path], fp8_block: tuple[int, int] | None, select=None):
+    def __init__(self, files: list[Path], fp8_block: tuple[int, int] | None, select=None,
+                 dtype: torch.dtype = torch.float32):
         from safetensors import safe_open
 
         self.select = select
+        self.dtype = dtype
         self.fp8_block = fp8_block
         self.scale_files: dict[str, Path] = {}  # weight name -> file holding its scales
         if fp8_block is not None:
@@ -145,15 +150,16 @@ class _Reader:
 
             with safe_open(str(scale_file), framework="pt", device="cpu") as g:
                 scale = g.get_tensor(name + fp8_blocks.SCALE_SUFFIX)
-            dense = fp8_blocks.dequantize(f.get_tensor(name), scale, self.fp8_block, name)
+            dense = fp8_blocks.dequantize(f.get_tensor(name), scale, self.fp8_block, name,
+                                          self.dtype)
             return (name, dense) if self.select is None else self._narrowed(name, dense)
         if self.select is None:
-            return name, f.get_tensor(name).to(torch.float32)
+            return name, f.get_tensor(name).to(self.dtype)
         return self._narrowed(name, f.get_slice(name))
 
     def _narrowed(self, name, view) -> tuple[str, torch.Tensor] | None:
         picked = self.select(name, view)
-        return None if picked is None else (picked[0], picked[1].to(torch.float32))
+        return None if picked is None else (picked[0], picked[1].to(self.dtype))
 
 
 def load_hf_tokenizer(model_dir: Path) -> Tokenizer:

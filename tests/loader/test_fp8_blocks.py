@@ -108,3 +108,41 @@ def test_an_fp8_layout_without_blocks_is_refused(tmp_path):
         "quant_method": "fp8", "weight_block_size": [128]}}))
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8_block_size(tmp_path)
+
+
+def test_dequantize_into_bfloat16_rounds_the_float32_product_once():
+    w = torch.randn(40, 24)
+    codes, scale = quantize(w, BLOCK)  # 40 rows: the last block row partial
+    back = dequantize(codes, scale, BLOCK, dtype=torch.bfloat16)
+    assert back.dtype == torch.bfloat16
+    assert torch.equal(back, dequantize(codes, scale, BLOCK).to(torch.bfloat16))
+
+
+def test_a_bfloat16_model_reads_fp8_blocks_into_bfloat16(tmp_path, monkeypatch):
+    """The loader dequantizes into the model's dtype: no float32 copy of a matrix on the way
+    to a bfloat16 model, and the weights are the float32 dequantization rounded once."""
+    from servelm.config import EngineArgs
+    from servelm.engine_builder import build_engine
+    from servelm.loader import fp8_blocks
+
+    hf, _ = _write_fp8_checkpoint(_tiny("qwen3").to(torch.bfloat16), tmp_path / "fp8")
+    made = []
+    original = fp8_blocks.dequantize
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        made.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(fp8_blocks, "dequantize", spy)
+    engine = build_engine(EngineArgs(model=str(tmp_path / "fp8"), num_blocks=16,
+                                     block_size=4, dtype="bfloat16"))
+    assert len(made) >= 14 and set(made) == {torch.bfloat16}
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    want = original(tensors[name], tensors[name + "_scale_inv"], BLOCK).to(torch.bfloat16)
+    o_proj = engine.runner.model.layers[0].self_attn.o_proj
+    got = getattr(o_proj, "weight", None)
+    if got is None or got.shape != want.shape:  # packed for a bfloat16 GEMM: its values back
+        got = o_proj(torch.eye(want.shape[1], dtype=torch.bfloat16)).t()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
