@@ -130,7 +130,10 @@ class ProcessSpec:
     INHERIT (straight to the parent's: what a child that logs after the parent is gone
     needs), DEVNULL or a file path (both through the supervisor too), or TO_STDERR (stdout
     only: wherever stderr goes). `parent_death_signal` reaches
-    the child when this process ends, however it ends (None: it outlives us);
+    the child when this process ends, however it ends (None: it outlives us). SIGKILL by
+    default: a teed child cannot even log once our end of its stderr is gone (a print
+    raises), so one that must finish something (the engine core freeing its blocks) gets a
+    lifeline of its own (its socket) with stderr INHERIT and None here;
     `new_session` puts it in a process group of its own, so stopping it stops what it
     started too (and a terminal's Ctrl-C reaches only the parent, which stops it)."""
     name: str
@@ -141,7 +144,7 @@ class ProcessSpec:
     ready_timeout_s: float = 900.0
     stdout: str = INHERIT
     stderr: str = TEE
-    parent_death_signal: int | None = signal.SIGTERM
+    parent_death_signal: int | None = signal.SIGKILL
     new_session: bool = False
     stop_signal: int = signal.SIGTERM
 

@@ -1,9 +1,10 @@
 """`servelm serve --data-parallel-size N`: N replicas of the model behind one port.
 
-Owns: starting N `servelm serve` replicas (each a front end and its engine core, on loopback
-ports of their own, the machine's cores split between them), waiting until each answers
-/health, running the router in front of them on the public port, and stopping them all
-when the router stops (SIGTERM each, then SIGKILL after the drain timeout).
+Owns: describing N `servelm serve` replicas (each a front end and its engine core, on
+loopback ports of their own, the machine's cores split between them) as ProcessSpecs that
+the launcher's Supervisor (servelm/launch/) starts, waits for (/health) and stops when the
+router stops (SIGTERM each, then SIGKILL after the drain timeout); running the router in
+front of them on the public port; logging a replica's death with its last stderr lines.
 Never: restarts a replica that died: the router ejects it and the supervisor of the whole
 service decides (the same contract as one replica).
 """
@@ -11,13 +12,10 @@ service decides (the same contract as one replica).
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 
-import httpx
+from servelm.launch import HttpHealth, LaunchError, ProcessHandle, ProcessSpec, Supervisor
 
 # Flags of the parent that the replicas must not inherit (value-taking ones).
 # (The Ray backend's own flags among them: a replica is always a plain single `serve`.)
@@ -57,56 +55,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(procs, urls: list[str], timeout: float, what: str = "replica") -> None:
-    """Return once every process answers /health 200; RuntimeError if one exits first or
-    the deadline passes (naming which)."""
-    deadline = time.monotonic() + timeout
-    pending = set(range(len(urls)))
-    while pending:
-        for i in list(pending):
-            if procs[i].poll() is not None:
-                raise RuntimeError(f"{what} {urls[i]} exited with code {procs[i].returncode} "
-                                   "while starting")
-            try:
-                if httpx.get(urls[i] + "/health", timeout=1.0).status_code == 200:
-                    pending.discard(i)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}s {[urls[i] for i in sorted(pending)]} not ready in "
-                               f"{timeout:g} s")
-        time.sleep(0.2)
+def replica_spec(argv: list[str], port: int, threads: int | None, what: str = "replica",
+                 extra: tuple[str, ...] = (), timeout: float = 900.0) -> ProcessSpec:
+    """One local `servelm serve` replica on loopback `port`: ready once it answers /health;
+    its stderr reaches ours through the supervisor (which keeps its last lines for the death
+    report); it is killed when this process ends, however that happens (the router was the
+    only way in, so it has nothing left to drain; its core sees the connection end and
+    frees its blocks)."""
+    url = f"http://127.0.0.1:{port}"
+    return ProcessSpec(f"{what} {url}", (sys.executable, "-m", "servelm.cli", "serve",
+                                         *replica_argv(argv, port, threads), *extra),
+                       readiness=HttpHealth(url + "/health"), ready_timeout_s=timeout)
 
 
-def start_replicas(serve_argv: list[str], n: int, timeout: float = 900.0):
-    """(processes, urls) once every replica answers /health (or raises, killing them)."""
+def url_of(handle: ProcessHandle) -> str:
+    return handle.spec.readiness.url.removesuffix("/health")
+
+
+def start_replicas(supervisor: Supervisor, serve_argv: list[str], n: int,
+                   timeout: float = 900.0) -> list[ProcessHandle]:
+    """The replicas' handles once every one answers /health (LaunchError naming the one
+    that died or was late, the others stopped)."""
     threads = max(1, (os.cpu_count() or 1) // n)
-    procs, urls = [], []
-    try:
-        for _ in range(n):
-            port = _free_port()
-            cmd = [sys.executable, "-m", "servelm.cli", "serve",
-                   *replica_argv(serve_argv, port, threads)]
-            procs.append(subprocess.Popen(cmd))
-            urls.append(f"http://127.0.0.1:{port}")
-        wait_healthy(procs, urls, timeout)
-    except BaseException:
-        stop_replicas(procs, 5.0)
-        raise
-    return procs, urls
+    return supervisor.start_all([replica_spec(serve_argv, _free_port(), threads,
+                                              timeout=timeout) for _ in range(n)])
 
 
-def stop_replicas(procs: list[subprocess.Popen], timeout: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def report_deaths(supervisor: Supervisor, what: str):
+    """Log each replica that dies while serving, with its last stderr lines (the router
+    ejects it; nothing restarts it). Returns the watch, to stop before stopping them."""
+    def on_death(death) -> None:
+        print(f"[servelm] {what}: {death.describe()}", file=sys.stderr, flush=True)
+
+    return supervisor.watch(on_death)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -152,17 +133,20 @@ def serve_data_parallel(args, serve_argv: list[str]) -> int:
     """The router on args.host:args.port over args.data_parallel_size replicas."""
     sock = bind_socket(args.host, args.port)
     n = args.data_parallel_size
+    supervisor = Supervisor()
     try:
-        procs, urls = start_replicas(serve_argv, n)
-    except RuntimeError as exc:
+        handles = start_replicas(supervisor, serve_argv, n)
+    except LaunchError as exc:
         print(f"[servelm] data parallel: {exc}", file=sys.stderr, flush=True)
         return 1
+    watch = report_deaths(supervisor, "data parallel")
     try:
-        run_router(args, sock, urls, f"{n} replicas")
+        run_router(args, sock, [url_of(h) for h in handles], f"{n} replicas")
     finally:
-        stop_replicas(procs, args.drain_timeout + 5)
+        watch.stop()
+        supervisor.stop_all(args.drain_timeout + 5)
     return 0
 
 
-__all__ = ["PARENT_FLAGS", "bind_socket", "replica_argv", "run_router", "serve_data_parallel", "start_replicas",
-           "stop_replicas", "strip_flags"]
+__all__ = ["PARENT_FLAGS", "bind_socket", "replica_argv", "replica_spec", "report_deaths",
+           "run_router", "serve_data_parallel", "start_replicas", "strip_flags", "url_of"]

@@ -3,7 +3,8 @@ on a decode worker, and the client sees one ordinary OpenAI response.
 
 Owns: `servelm router --prefill URL... --decode URL...` and `servelm serve --disagg P:D`
 (P prefill and D decode `servelm serve --role ...` workers on this machine, the cores split
-between them, the router on the public port). Per request:
+between them, started and stopped by the launcher's Supervisor, the router on the public
+port). Per request:
 
     1. pick the least busy healthy prefill and decode workers
     2. POST the request to the prefill worker as a one-token stream (max_tokens 1, n 1)
@@ -29,7 +30,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import uuid
 from contextlib import asynccontextmanager
@@ -40,9 +40,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from servelm.disagg.http import HEADER, header_value
+from servelm.launch import ProcessSpec, Supervisor
 from servelm.router.app import _DROP_RESPONSE, _error
 from servelm.router.app import _DROP_REQUEST as _DROP_PROXY
-from servelm.router.data_parallel import wait_healthy
 from servelm.router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -298,16 +298,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_commands(serve_argv: list[str], num_prefill: int, num_decode: int,
-                    transport: str) -> tuple[list[list[str]], list[str], list[str]]:
-    """(commands, prefill URLs, decode URLs) of the workers `serve --disagg` starts."""
+def worker_specs(serve_argv: list[str], num_prefill: int, num_decode: int,
+                 transport: str) -> tuple[list[ProcessSpec], list[str], list[str]]:
+    """(the workers `serve --disagg` starts, prefill URLs, decode URLs)."""
     import tempfile
 
-    from servelm.router.data_parallel import replica_argv, strip_flags
+    from servelm.router.data_parallel import replica_spec, strip_flags
 
     base = strip_flags(serve_argv, {"--disagg", "--role", "--kv-address", "--kv-transport"})
     threads = max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
-    cmds, prefill, decode = [], [], []
+    specs, prefill, decode = [], [], []
     for role, n, urls in (("prefill", num_prefill, prefill), ("decode", num_decode, decode)):
         for _ in range(n):
             port = _free_port()
@@ -316,17 +316,16 @@ def worker_commands(serve_argv: list[str], num_prefill: int, num_decode: int,
                 address = (f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp" else
                            f"shm://{os.path.join(tempfile.gettempdir(), f'servelm-kv-{port}.sock')}")
                 extra += ["--kv-address", address]
-            cmds.append([sys.executable, "-m", "servelm.cli", "serve",
-                         *replica_argv(base, port, threads), *extra])
+            specs.append(replica_spec(base, port, threads, f"{role} worker", tuple(extra)))
             urls.append(f"http://127.0.0.1:{port}")
-    return cmds, prefill, decode
+    return specs, prefill, decode
 
 
 def serve_disagg(args, serve_argv: list[str]) -> int:
     import uvicorn
 
     from servelm.router.cli import RouterServer
-    from servelm.router.data_parallel import bind_socket, stop_replicas
+    from servelm.router.data_parallel import bind_socket, report_deaths
 
     try:
         num_prefill, num_decode = parse_disagg(args.disagg)
@@ -334,11 +333,12 @@ def serve_disagg(args, serve_argv: list[str]) -> int:
         print(f"[servelm] {exc}", file=sys.stderr, flush=True)
         return 2
     sock = bind_socket(args.host, args.port)
-    cmds, prefill, decode = worker_commands(serve_argv, num_prefill, num_decode,
-                                            args.kv_transport)
-    procs = [subprocess.Popen(c) for c in cmds]
+    specs, prefill, decode = worker_specs(serve_argv, num_prefill, num_decode,
+                                          args.kv_transport)
+    supervisor, watch = Supervisor(), None
     try:
-        wait_healthy(procs, prefill + decode, 900.0, what="worker")
+        supervisor.start_all(specs)
+        watch = report_deaths(supervisor, "disaggregation")
         app = build_disagg_app(prefill, decode, probe_interval=0.5)
         host, port = sock.getsockname()[:2]
         print(f"[servelm] serving {args.served_model_name or args.model} at "
@@ -346,13 +346,15 @@ def serve_disagg(args, serve_argv: list[str]) -> int:
               f"decode, KV over {args.kv_transport})", file=sys.stderr, flush=True)
         RouterServer(uvicorn.Config(app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=5)).run(sockets=[sock])
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # LaunchError among them
         print(f"[servelm] disaggregation: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop_replicas(procs, args.drain_timeout + 5)
+        if watch is not None:
+            watch.stop()
+        supervisor.stop_all(args.drain_timeout + 5)
     return 0
 
 
 __all__ = ["DisaggRouter", "build_disagg_app", "parse_disagg", "prefill_body", "serve_disagg",
-           "worker_commands"]
+           "worker_specs"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -54,3 +55,44 @@ def test_two_replicas_behind_one_port(default_model_path):
     for pid in replicas:  # SIGTERM reached every replica and they are gone
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+
+
+def _wait(cond, what: str, guard_s: float = 120.0) -> None:
+    """Wait for cond(); the guard only ends a wait that would never end."""
+    deadline = time.monotonic() + guard_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _healthy_replicas(url: str) -> int:
+    try:
+        return httpx.get(url + "/health").json().get("healthy_replicas", 0)
+    except (httpx.HTTPError, ValueError):
+        return 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_dead_replica_is_reported_and_the_rest_end_with_the_parent(default_model_path):
+    srv = ServeProcess("--data-parallel-size", "2")
+    try:
+        _wait(lambda: _healthy_replicas(srv.url) == 2, "".join(srv.stderr))
+        replicas = [c for c in _children(srv.proc.pid)
+                    if b"serve" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(replicas) == 2
+        os.kill(replicas[0], signal.SIGKILL)
+        said = f"(pid {replicas[0]}) killed by SIGKILL"
+        _wait(lambda: any("[servelm] data parallel: replica http://127.0.0.1:" in line
+                          and said in line for line in srv.stderr), "".join(srv.stderr[-20:]))
+        srv.proc.kill()  # no drain, no stop_all: the other replica goes by its own signal
+        srv.proc.wait()
+        _wait(lambda: _gone(replicas[1]), "the surviving replica outlived its parent")
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
