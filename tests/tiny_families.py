@@ -32,6 +32,13 @@ FAMILIES = {
                                   "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                   "long_factor": [2.0 + 0.5 * i for i in range(8)],
                                   "original_max_position_embeddings": 256}}),
+    # Phi-3 without a window (the 128k models): the C++ decode stack takes it
+    "phi3_full": ("Phi3Config", "Phi3ForCausalLM",
+                  {"original_max_position_embeddings": 256, "sliding_window": None,
+                   "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                       "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                                       "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                       "original_max_position_embeddings": 256}}),
     # MLA; V2: one q_proj, softmax routing limited to 2 of 4 groups; V3: low-rank q, sigmoid
     # scores with a correction bias, renormalised and scaled. One leading dense layer each.
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",

@@ -70,6 +70,13 @@ class AmxLinear(nn.Module):
                                                self.out_features)
         return y.view(*shape[:-1], width)
 
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py): its float32 bias."""
+        from servelm.layers.decode_entry import KIND_AMX, KIND_DOT, plain_entry
+
+        return plain_entry(KIND_AMX if self.op == "amx_linear" else KIND_DOT, self,
+                           self.packed_weight, self.bias)
+
     def dense_weight(self) -> torch.Tensor:
         """The plain weight [N, K] (exact: the packing only moves values)."""
         return unpack_weight(self.packed_weight, self.out_features, self.in_features)

@@ -52,6 +52,12 @@ class DetLinear(nn.Module):
         return torch.ops.servelm_cpu.det_linear(x, self.packed_weight, self.bias,
                                                 self.out_features)
 
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py)."""
+        from servelm.layers.decode_entry import KIND_DET, plain_entry
+
+        return plain_entry(KIND_DET, self, self.packed_weight, self.bias)
+
 
 class TritonDetLinear(nn.Module):
     """The GPU's batch-invariant linear: y = x @ W.T + b through bi_matmul (fixed tiles, no

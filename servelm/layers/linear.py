@@ -36,6 +36,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [], "")
 
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py): the bias as passed."""
+        from servelm.layers.decode_entry import KIND_PACKED, plain_entry
+
+        return plain_entry(KIND_PACKED, self, self.packed_weight, self.bias)
+
     def dense_weight(self) -> torch.Tensor:
         """The plain weight [N, K] back from oneDNN's blocked copy (deterministic mode
         repacks it for its own kernel): the identity's rows through the layer. Exact: each

@@ -129,6 +129,10 @@ class TensorParallelModel(nn.Module):
                                      self.model.embed_tokens.weight.dtype)
         return self.model(input_ids, positions, batch, **kwargs)
 
+    def fast_path(self):
+        """The family model's (its shard's) decode-stack form."""
+        return self.model.fast_path()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local logits [T, V/size] (soft-capped where the family caps: elementwise, so
         before the gather), gathered to [T, V]."""

@@ -183,6 +183,13 @@ class DecoderLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 
+    def fast_path(self):
+        """The C++ decode stack's form of this model, or the reason it has none
+        (servelm/models/fast_path.py)."""
+        from servelm.models.fast_path import describe
+
+        return describe(self)
+
     # -- weights ---------------------------------------------------------------------------
 
     def process_weights_after_loading(self) -> None:

@@ -181,6 +181,12 @@ class ImageTextLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
+    def fast_path(self):
+        """Image rows (and M-RoPE positions) are not in the C++ decode stack."""
+        from servelm.models.fast_path import Refusal
+
+        return Refusal(f"{self.family}: a vision-language model's rows are not in the stack")
+
 
 class Qwen2VLForConditionalGeneration(ImageTextLM):
     family = "qwen2_vl"

@@ -18,12 +18,15 @@ AmxLinear at every row count where AMX runs: servelm/layers/det_linear.py) and a
 do not depend on the batch it came in. An all-decode step may still run in slices of rows
 (row_parts): every kernel computes a row the same way in a slice as in the whole step.
 
-Applies when: the model is LlamaForCausalLM (Qwen2, Qwen3 included), on the CPU in float32
+Applies when: the model describes itself to the stack (`model.fast_path()`, a
+DecodeStackSpec: servelm/models/fast_path.py; a family whose layers the stack cannot take
+gives the reason instead, and it is logged at start-up with the layer), on the CPU in float32
 or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
-(TorchAttentionBackend), and every linear of the layers is an nn.Linear, a PackedLinear
-(oneDNN) or, in float32, a quantized layer on servelm's C++ kernels (Int4Linear / Int8Linear
-with kernel "cpu") or a DetLinear, in bfloat16 a DotLinear (an AmxLinear alone in
-deterministic mode). Steps with a prefill chunk and other models run eagerly, as before.
+(TorchAttentionBackend), and every linear of the layers has a stack form
+(layers/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
+layer on servelm's C++ kernels (Int4Linear / Int8Linear with kernel "cpu") or a DetLinear, in
+bfloat16 a DotLinear (an AmxLinear alone in deterministic mode). Steps with a prefill chunk
+and models without the stack run eagerly; `CpuDecodeStack.steps` counts the steps it ran.
 
 The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
 given it as `cpu_decode`) chooses:
@@ -35,11 +38,17 @@ given it as `cpu_decode`) chooses:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from servelm import cpu_kernels
 from servelm.attention.forward_batch import ForwardBatch
+from servelm.layers.decode_entry import (BF16_ROW_KINDS, KIND_AMX, KIND_DOT, decode_entry,
+                                         forms, is_mixed)
+
+logger = logging.getLogger(__name__)
 
 PART = "decode"  # of CpuKernelChoice
 # A plain decode step of many rows on a bfloat16 model's DotLinears runs as two slices of
@@ -62,10 +71,6 @@ ROW_COST_POSITIONS = 512
 # 26.3, 25.1 and 27.2 ms.
 GEMM_ROW_BLOCK = 8
 MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 drafts
-_KIND_FLOAT, _KIND_INT4, _KIND_INT8, _KIND_PACKED, _KIND_DET = 0, 1, 2, 3, 4
-_KIND_INT4_A8, _KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (quant_gemm_a8.cpp)
-_KIND_AMX = 7  # a bfloat16 AmxLinear (amx_gemm.cpp)
-_KIND_DOT = 8  # a bfloat16 DotLinear (dot_gemm.cpp)
 
 
 class CpuDecodeStack:
@@ -73,34 +78,46 @@ class CpuDecodeStack:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self._stacks = {}  # form -> the C++ stack ("small": MixedLinears' few-row form)
         self._built_for = None  # (K cache pointer, number of layers) the stacks were built on
-        self._small_rows = min((m.max_rows for layer in model.layers
-                                for m in _linears(layer) if _is_mixed(m)), default=0)
+        linears = model.fast_path().linears
+        self._small_rows = min((m.max_rows for m in linears if is_mixed(m)), default=0)
         self.steps = 0  # steps run through the stack
         self.verify_steps = 0  # of which with speculative verifications
         self.split_steps = 0  # of which in slices of rows (row_parts)
         self._row_split = self.row_split and all(
-            _linear_kind(_form(m, "full")) == _KIND_DOT
-            for layer in model.layers for m in _linears(layer))
+            decode_entry(forms(m)["full"]).kind == KIND_DOT for m in linears)
 
     # whether plain decode steps may run in slices of rows (row_parts); a tensor-parallel
     # stack's all-reduces cannot (servelm/parallel/decode_stack.py)
     row_split = True
 
     @classmethod
-    def for_model(cls, model, kv_cache, backend, mode: str | None = None
-                  ) -> CpuDecodeStack | None:
-        """The stack for this model, or None where it does not apply (see the module doc).
+    def build(cls, model, kv_cache, backend, mode: str | None = None
+              ) -> tuple[CpuDecodeStack | None, str | None]:
+        """(the stack for this model, None), or (None, why not) where it does not apply
+        (see the module doc); the reason a model's layers cannot take it is logged.
         kv_cache None: the backend's. mode: 'auto' | 'kernel' | 'torch'; None: the
         process's choice."""
         mode = cpu_kernels.mode(PART) if mode is None else mode
         if mode not in cpu_kernels.MODES:
             raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
         kv_cache = kv_cache if kv_cache is not None else getattr(backend, "kv_cache", None)
-        if mode == "torch" or kv_cache is None or not _applies(model, kv_cache, backend):
-            return None
+        if mode == "torch":
+            return None, f"--cpu-kernels {PART}=torch"
+        if kv_cache is None:
+            return None, "no KV cache"
+        why = refusal(model, kv_cache, backend)
+        if why is not None:
+            logger.info("decode stack: %s; decode steps run eagerly", why)
+            return None, why
         if cpu_kernels.ops_for_mode(PART, mode) is None:  # a failed build in mode 'auto'
-            return None
-        return cls(model, kv_cache, backend)
+            return None, "the C++ kernels did not build"
+        return cls(model, kv_cache, backend), None
+
+    @classmethod
+    def for_model(cls, model, kv_cache, backend, mode: str | None = None
+                  ) -> CpuDecodeStack | None:
+        """The stack for this model, or None where it does not apply (`build`)."""
+        return cls.build(model, kv_cache, backend, mode)[0]
 
     def maybe_run(self, fb: ForwardBatch, num_layers: int | None = None) -> torch.Tensor | None:
         """Final hidden states [T, hidden] for a batch of decodes and speculative
@@ -137,7 +154,7 @@ class CpuDecodeStack:
         stack = self._stacks.get(form)
         if stack is None:
             stack = self._stacks[form] = self._new_stack(form)
-        x = self.model.embed_tokens(fb.input_ids)
+        x = self.model.embed(fb.input_ids)
         self.steps += 1
         layers = -1 if num_layers is None else num_layers
         # one row a sequence (deterministic mode too: its rows are then the plain form's, and
@@ -181,142 +198,75 @@ def row_parts(seq_lens: list[int], threads: int, min_rows: int = ROW_PART_MIN_RO
     return [0, cut, rows]
 
 
-def _applies(model, kv_cache, backend) -> bool:
+def refusal(model, kv_cache, backend) -> str | None:
+    """Why the stack cannot run this model's decode steps over this KV cache and backend,
+    or None: the model's own reason (models/fast_path.py), then the runner's (device,
+    dtype, cache, backend, each linear's form)."""
     from servelm.attention.torch_backend import TorchAttentionBackend
-    from servelm.models.llama import LlamaForCausalLM
 
-    if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, TorchAttentionBackend):
-        return False  # other families (models/decoder.py DecoderLM) run eagerly
-    if model.config.sliding_window:  # the stack's attention reads the whole context
-        return False
+    describe = getattr(model, "fast_path", None)
+    spec = describe() if describe is not None else f"{type(model).__name__} has no fast path"
+    if not hasattr(spec, "layers"):
+        return str(spec)
+    if not isinstance(backend, TorchAttentionBackend):
+        return f"attention backend {getattr(backend, 'name', type(backend).__name__)!r}"
     embed = model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if (kv_cache.k.dtype != embed.dtype and not kv_cache.is_fp8
-            or backend.kv_cache is not kv_cache or backend.decode_kernel is None):
-        return False
-    eps = model.norm.eps
-    for layer in model.layers:
-        attn = layer.self_attn
-        if attn.backend is not backend or type(attn.rotary).forward is not _rotary_forward():
-            return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
-        if any(n is not None and n.eps != eps for n in norms):
-            return False
-        linears = _linears(layer)
-        kinds = [_linear_kind(_form(m, f)) for m in linears for f in _FORMS]
-        if None in kinds:
-            return False
-        # bfloat16 rows: oneDNN's linears and the int8-activation kernels; the other
-        # quantized kernels take float32 rows, which the stack widens to only for a
-        # MixedLinear's few-row form (its eager forward does the same)
-        small_kinds = {_linear_kind(m.small) for m in linears if _is_mixed(m)}
-        if embed.dtype != torch.float32 and set(kinds) - {
-                _KIND_FLOAT, _KIND_PACKED, _KIND_DOT, _KIND_INT4_A8, _KIND_INT8_A8,
-                *small_kinds, *({_KIND_AMX} if backend.deterministic else ())}:
-            return False
-    return True
-
-
-def _rotary_forward():
-    from servelm.layers.rotary import RotaryEmbedding
-
-    return RotaryEmbedding.forward
-
-
-_FORMS = ("full", "small")
-
-
-def _linears(layer) -> tuple[nn.Module, ...]:
-    """A decoder layer's four linears, in the stack's order."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-
-def _is_mixed(m: nn.Module) -> bool:
-    from servelm.quant.mixed_linear import MixedLinear
-
-    return type(m) is MixedLinear
-
-
-def _form(m: nn.Module, form: str) -> nn.Module:
-    """A MixedLinear's form for steps of many rows ("full") or few ("small"); other layers
-    are their own."""
-    return getattr(m, form) if _is_mixed(m) else m
-
-
-def _linear_kind(m: nn.Module) -> int | None:
-    from servelm.layers.amx_linear import AmxLinear
-    from servelm.layers.det_linear import DetLinear
-    from servelm.layers.dot_linear import DotLinear
-    from servelm.layers.linear import PackedLinear
-    from servelm.quant.int4_linear import Int4Linear
-    from servelm.quant.int8_linear import Int8Linear
-
-    if type(m) is PackedLinear:
-        return _KIND_PACKED
-    if type(m) is AmxLinear:
-        return _KIND_AMX
-    if type(m) is DotLinear:
-        return _KIND_DOT
-    if type(m) is DetLinear:
-        return _KIND_DET
-    if type(m) is nn.Linear:
-        ok = m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
-        return _KIND_FLOAT if ok else None
-    if type(m) is Int4Linear and m.kernel == "cpu":
-        return _KIND_INT4_A8 if m.activations == "int8" else _KIND_INT4
-    if type(m) is Int8Linear and m.kernel == "cpu":
-        return _KIND_INT8_A8 if m.activations == "int8" else _KIND_INT8
+        return f"a {embed.dtype} model on {embed.device.type} (float32 or bfloat16 CPU only)"
+    if kv_cache.k.dtype != embed.dtype and not kv_cache.is_fp8:
+        return f"a {kv_cache.k.dtype} KV cache for a {embed.dtype} model"
+    if backend.kv_cache is not kv_cache or backend.decode_kernel is None:
+        return "the attention backend has no C++ decode kernel over this cache"
+    for i, layer in enumerate(spec.layers):
+        for name, m in zip(_LINEAR_NAMES, layer.linears):
+            why = _linear_refusal(m, embed.dtype, backend.deterministic)
+            if why is not None:
+                return f"layer {i}: {name}: {why}"
     return None
 
 
-def _linear_entries(m: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """(a, b, bias) tensors and (kind, n, group, k_padded) for one linear; absent = empty."""
-    none = torch.empty(0)
-    kind = _linear_kind(m)
-    bias = none if m.bias is None else m.bias.detach().float().contiguous()
-    if kind == _KIND_FLOAT:  # at::linear takes the bias in the weight's dtype
-        bias = none if m.bias is None else m.bias.detach().to(m.weight.dtype).contiguous()
-        return [m.weight.detach(), none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind == _KIND_DET:
-        bias = none if m.bias is None else m.bias
-        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind in (_KIND_AMX, _KIND_DOT):  # its float32 bias
-        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind == _KIND_PACKED:  # its bias as PackedLinear passes it
-        bias = none if m.bias is None else m.bias
-        return [m.packed_weight, none, bias], [kind, m.out_features, 0, m.in_features]
-    if kind in (_KIND_INT4_A8, _KIND_INT8_A8):  # y in x's dtype: the bias as the layer adds it
-        bias = none if m.bias is None else m.bias
-    if kind == _KIND_INT4_A8:
-        return [m.codes, m.so, bias], [kind, m.out_features, m.group_size, m.k_padded]
-    if kind == _KIND_INT4:
-        return [m.codes, m.sz, bias], [kind, m.out_features, m.group_size, m.k_padded]
-    return [m.codes, m.scale32, bias], [kind, m.out_features, m.group_size, m.in_features]
+_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _linear_refusal(m: nn.Module, dtype: torch.dtype, deterministic: bool) -> str | None:
+    """Why the stack cannot take linear `m` (each of a MixedLinear's forms) in a model of
+    `dtype`, or None."""
+    entries = {f: decode_entry(layer) for f, layer in forms(m).items()}
+    for f, entry in entries.items():
+        if entry is None:
+            return f"{type(forms(m)[f]).__name__} has no decode-stack form"
+    if dtype == torch.float32:
+        return None
+    # bfloat16 rows: oneDNN's linears and the int8-activation kernels; the other quantized
+    # kernels take float32 rows, which the stack widens to only for a MixedLinear's few-row
+    # form (its eager forward does the same)
+    allowed = set(BF16_ROW_KINDS) | ({KIND_AMX} if deterministic else set())
+    if is_mixed(m):
+        allowed.add(entries["small"].kind)
+    if entries["full"].kind not in allowed:
+        return f"{type(forms(m)['full']).__name__} takes float32 rows; the model is {dtype}"
+    return None
 
 
 def _build(model, kv_cache, backend, form: str = "full"):
+    """The C++ stack over the model's current tensors (its spec now: the runner may have
+    replaced linears since), each MixedLinear in `form`."""
     cpu_kernels.load()
-    first = model.layers[0].self_attn
-    rotary = first.rotary
-    tensors = [rotary.cos.contiguous(), rotary.sin.contiguous(), model.norm.weight.detach()]
-    ints = [len(model.layers), first.num_heads, first.num_kv_heads, first.head_dim,
+    spec = model.fast_path()
+    tensors = [spec.cos, spec.sin, spec.final_norm]
+    ints = [len(spec.layers), spec.num_heads, spec.num_kv_heads, spec.head_dim,
             kv_cache.block_size]
     none = torch.empty(0)
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        k_cache, v_cache = kv_cache.layer(attn.layer)
-        k_scale, v_scale = kv_cache.layer_scales(attn.layer)  # fp8; else (None, None)
-        tensors += [layer.input_layernorm.weight.detach(),
-                    layer.post_attention_layernorm.weight.detach(),
-                    none if attn.q_norm is None else attn.q_norm.weight.detach(),
-                    none if attn.k_norm is None else attn.k_norm.weight.detach(),
-                    k_cache, v_cache]
-        for m in _linears(layer):
-            t, meta = _linear_entries(_form(m, form))
-            tensors += t
-            ints += meta
+    for layer in spec.layers:
+        k_cache, v_cache = kv_cache.layer(layer.kv_layer)
+        k_scale, v_scale = kv_cache.layer_scales(layer.kv_layer)  # fp8; else (None, None)
+        tensors += [layer.input_norm, layer.post_attention_norm,
+                    none if layer.q_norm is None else layer.q_norm,
+                    none if layer.k_norm is None else layer.k_norm, k_cache, v_cache]
+        for m in layer.linears:
+            entry = decode_entry(forms(m)[form])
+            tensors += entry.tensors
+            ints += entry.ints
         tensors += [none if k_scale is None else k_scale, none if v_scale is None else v_scale]
     return torch.classes.servelm_cpu.DecodeStack(tensors, ints,
-                                                 [float(model.norm.eps), float(backend.scale)])
+                                                 [spec.norm_eps, float(backend.scale)])

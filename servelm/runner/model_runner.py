@@ -103,10 +103,12 @@ class ModelRunner:
         self.deterministic = deterministic
         if deterministic:
             enable_deterministic(model, model_config, backend, device, graphs)
-        # CPU, float32: all-decode steps in one C++ call (runner/cpu_decode.py), or None.
-        # cpu_decode: its mode, the engine option's `decode` part (auto | kernel | torch).
-        self.cpu_stack = (CpuDecodeStack.for_model(model, kv_cache, backend, mode=cpu_decode)
-                          if graphs is None else None)
+        # CPU: all-decode steps in one C++ call (runner/cpu_decode.py), or None and why not
+        # (logged where the model's layers are the reason). cpu_decode: its mode, the engine
+        # option's `decode` part (auto | kernel | torch).
+        self.cpu_stack, self.cpu_stack_refusal = (
+            CpuDecodeStack.build(model, kv_cache, backend, mode=cpu_decode)
+            if graphs is None else (None, "CUDA graphs"))
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 
     def _forget(self, seq_id: int) -> None:

@@ -1,8 +1,13 @@
 """Parity with Hugging Face transformers for the MoE and other non-Llama families, on tiny
 random-weight checkpoints transformers builds: prefill logits, 32 greedy decode steps with
 their top logprobs, and the same tokens when requests are batched, chunked, hit the prefix
-cache and are preempted. The planner's parameter counts equal the loaded model's.
+cache and are preempted. The planner's parameter counts equal the loaded model's. The C++
+decode stack takes a family's decode steps with the eager model's bits, or the start-up log
+names the layer and the part it cannot take; an early exit at N layers is the first N
+layers of the full model.
 """
+
+import logging
 
 import pytest
 import torch
@@ -15,6 +20,12 @@ from servelm.llm import LLM
 from servelm.protocol import SamplingParams
 
 ALL = sorted(FAMILIES)
+# Whether the C++ decode stack (runner/cpu_decode.py) takes a family's decode steps (None),
+# else words of the reason its fast path (models/fast_path.py) gives
+STACK = {"phi3_full": None, "qwen2_yarn": None, "mistral_window": "sliding window",
+         "phi3": "sliding window", "gemma2": "embedding scaled", "gemma3": "embedding scaled",
+         "mixtral": "MoE", "qwen2_moe": "MoE", "qwen3_moe": "MoE",
+         "deepseek_v2": "MLAttention", "deepseek_v3": "MLAttention"}
 
 
 @pytest.fixture(scope="module", params=ALL)
@@ -124,3 +135,33 @@ def test_early_exit_forward_runs_the_first_layers(hf):
         out = model(ids, pos, fb, layers=1)
     torch.testing.assert_close(out, ref)
     assert not torch.allclose(out, model(ids, pos, fb))
+
+
+def test_every_family_says_whether_the_stack_takes_it():
+    assert set(STACK) == set(FAMILIES)
+
+
+def test_decode_stack_runs_the_family_bit_for_bit_or_says_why_not(family, hf, caplog):
+    """Where the stack takes the family: its decode steps (counted) give the eager model's
+    tokens and logprobs exactly; elsewhere the start-up log names the layer and the reason."""
+    with caplog.at_level(logging.INFO, logger="servelm.runner.cpu_decode"):
+        engine = make_tiny_engine(hf, cpu_kernels="decode=kernel")
+    runner, reason = engine.runner, STACK[family]
+    if reason is not None:
+        assert runner.cpu_stack is None and reason in runner.cpu_stack_refusal
+        assert any(r.message.startswith("decode stack: ") and reason in r.message
+                   and "run eagerly" in r.message for r in caplog.records)
+        return
+    assert runner.cpu_stack_refusal is None
+    prompts = [[5, 17, 99, 3, 250, 11, 42], list(range(100, 160)), [7]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    ours = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
+    assert runner.cpu_stack.steps >= 14  # the decode-only steps after the prompts
+    eager = make_tiny_engine(hf, cpu_kernels="decode=torch")
+    assert eager.runner.cpu_stack is None
+    theirs = LLM(engine=eager).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, theirs):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]

@@ -32,11 +32,23 @@ def _run(path: str, **kwargs):
     return tokens, lps, facts
 
 
-def test_tp1_pp2_is_the_single_process_computation(models):
-    path = save_tiny("llama", models, num_hidden_layers=4)
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3_full",
+                                    pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_tp1_pp2_is_the_single_process_computation(models, family):
+    """Every family's stages run the model's one forward (layers, then the stream handed
+    on): a Gemma stage embeds with its scale, the last alone applies the final norm.
+    Within float32 rounding where a micro-batch changes a row's arithmetic, bitwise
+    elsewhere: Gemma's sliding-window layers take the window's kernel only in a batch with a
+    context past the window, and a mixture of experts multiplies each expert's rows of the
+    (micro-)batch together."""
+    path = save_tiny(family, models, num_hidden_layers=4)
     ref_tokens, ref_lps = run_greedy(build(path))
     tokens, lps, facts = _run(path, pipeline_parallel_size=2)
-    assert tokens == ref_tokens and lps == ref_lps
+    assert tokens == ref_tokens
+    if family in ("llama", "phi3_full"):
+        assert lps == ref_lps
+    else:
+        assert max_logprob_diff(lps, ref_lps) < 1e-5
     assert facts["num_layers"] == facts["kv_layers"] == 2  # stage 0: layers 0-1 and their KV
     # micro-batches: 3 prompts in 2 micro-batches in the prefill, hidden and residual each
     assert facts["sends"] >= 4 + 2 * 7
