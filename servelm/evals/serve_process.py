@@ -1,13 +1,14 @@
 """`servelm serve` as a child process on a free port of 127.0.0.1: what the behaviour evals
-and lm-eval talk to, exactly as a user would run it."""
+and lm-eval talk to, exactly as a user would run it (a ProcessSpec the launcher's Supervisor
+starts, waits for on /health and stops; servelm/launch/)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import sys
-import time
+
+from servelm.launch import DEVNULL, TO_STDERR, HttpHealth, ProcessHandle, ProcessSpec, \
+    Resources, Supervisor
 
 
 def free_port() -> int:
@@ -31,35 +32,26 @@ class ServeProcess:
                      "--no-log-requests", *(extra_args or [])]
         self.startup_timeout = startup_timeout
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.handle: ProcessHandle | None = None
+
+    @property
+    def spec(self) -> ProcessSpec:
+        """Its output to log_path (or nowhere; either way the supervisor keeps the last
+        lines for the error if it dies), without the caller's API key."""
+        return ProcessSpec(f"`{' '.join(self.args[2:])}`", tuple(self.args),
+                           resources=Resources(unset_env=("SERVELM_API_KEY",)),
+                           readiness=HttpHealth(f"{self.url}/health", probe_timeout_s=2.0),
+                           ready_timeout_s=self.startup_timeout, stdout=TO_STDERR,
+                           stderr=self.log_path or DEVNULL)
+
+    @property
+    def proc(self):
+        return None if self.handle is None else self.handle.proc
 
     def __enter__(self) -> ServeProcess:
-        import httpx
-
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        env = {k: v for k, v in os.environ.items() if k != "SERVELM_API_KEY"}
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`{' '.join(self.args[2:])}` exited with "
-                                   f"{self.proc.returncode} before serving")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"servelm serve did not start within "
-                                   f"{self.startup_timeout:.0f}s")
-            time.sleep(0.25)
+        self.handle = Supervisor(stop_at_exit=False).start(self.spec)  # LaunchError: why not
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: drains, then exits
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.handle is not None:
+            self.handle.stop(grace_s=60.0)  # SIGTERM: drains, then exits

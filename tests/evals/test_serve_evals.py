@@ -110,3 +110,14 @@ def test_lm_eval_local_completions_against_serve(float_server):
     # the task: the same number.
     assert r.score == pytest.approx(_own_arith_score(float_server.url))
     assert 0.15 <= r.score <= 0.4  # measured 0.24 (1 of the 40 two-digit sums)
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    from servelm.launch import LaunchError
+
+    log = tmp_path / "serve.log"
+    with pytest.raises(LaunchError, match="exited with code") as info:
+        with ServeProcess(str(tmp_path / "no-such-model"), log_path=str(log)):
+            pass
+    assert any("no-such-model" in line for line in info.value.death.stderr_tail)
+    assert "no-such-model" in log.read_text()
