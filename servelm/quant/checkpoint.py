@@ -90,6 +90,10 @@ def read_quantized_checkpoint(path: Path) -> QuantizedCheckpoint | CommunityChec
         return None
     hf = json.loads(config_path.read_text(encoding="utf-8"))
     qc = hf.get("quantization_config")
+    legacy = Path(path) / "quantize_config.json"  # AutoGPTQ's, beside a plain config.json
+    if qc is None and legacy.is_file():
+        qc = {"quant_method": "gptq", **json.loads(legacy.read_text(encoding="utf-8"))}
+        hf = {**hf, "quantization_config": qc}
     if qc is None:
         return None
     tag = qc.get("quant_method") if isinstance(qc, dict) else None

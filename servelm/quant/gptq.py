@@ -14,9 +14,11 @@ Each quantized linear `X` stores (K inputs, N outputs, bits 4 or 8, 32 / bits co
 
     W[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]
 
-with z the stored zero point plus one in the original format ("checkpoint_format": "gptq",
-or none: AutoGPTQ subtracted 1 before packing, so a stored 15 reads back as 16, the
-"v1 off-by-one" every GPTQ kernel reproduces) and as stored in GPTQModel's "gptq_v2".
+with z the stored zero point plus one in the original format ("checkpoint_format" or
+GPTQModel's "format": "gptq", or none: AutoGPTQ subtracted 1 before packing, so a stored 15
+reads back as 16, the "v1 off-by-one" every GPTQ kernel reproduces) and as stored in
+GPTQModel's "gptq_v2". Older AutoGPTQ checkpoints keep these fields in quantize_config.json
+beside config.json (servelm/quant/checkpoint.py reads it there).
 
 Act-order (`desc_act`) quantizes columns in the order of the Hessian's diagonal, so g_idx
 scatters each group's columns over the row. servelm's int4 kernels take groups of
@@ -62,7 +64,7 @@ def parse_config(qc: dict[str, Any], where: str) -> GPTQSpec:
     if not isinstance(group, int) or (group <= 0 and group != -1):
         raise InvalidParameterError(f"{where}: GPTQ quantization_config.group_size {group!r} "
                                     "must be a positive integer or -1", param="model")
-    fmt = qc.get("checkpoint_format", "gptq")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))  # GPTQModel writes either
     if fmt not in _FORMATS:
         raise InvalidParameterError(
             f"{where}: GPTQ quantization_config.checkpoint_format {fmt!r} is not loaded "

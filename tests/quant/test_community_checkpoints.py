@@ -227,3 +227,42 @@ def test_gptq_moe_experts_hold_the_checkpoint_codes(tmp_path):
     assert err < (1e-5 if exact else 2e-2), (engine.engine_args.quantization, err)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= (1.0 if exact else 0.9), agree
+
+
+def test_autogptq_quantize_config_json_beside_the_config(tmp_path, no_requantizing):
+    """Older AutoGPTQ checkpoints keep their settings in quantize_config.json, not in
+    config.json's quantization_config."""
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, 64, sym=False)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    qc.pop("quant_method"), qc.pop("checkpoint_format")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "m" / "quantize_config.json").write_text(json.dumps(qc))
+    _check(tmp_path / "m", ref, {Int4Linear})
+
+
+def test_gptq_8bit_under_int8_activations(tmp_path):
+    """Symmetric 8-bit codes span -128..127 once centred; the int8-activation kernel takes
+    -128 as it takes the other codes: its output is its integer math on them, exactly."""
+    from servelm.quant.int8_act import int8_dot_usable
+
+    if not int8_dot_usable():
+        pytest.skip("no int8 dot products on this CPU")
+    hf = _hf()
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.q_proj.weight[:, 0] = -1.0  # each row's min: code 0
+    cc.write_gptq(hf, tmp_path / "m", 8, -1, sym=True)
+    engine = _engine(tmp_path / "m", quant_activations="int8")
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is Int8Linear and qkv.activations == "int8"
+    codes = qkv.codes_int8()
+    assert int(codes.min()) == -128
+    # the kernel's integer math in float64: x per 32 columns to int8 (d = max|x| / 127,
+    # round half to even), integer dots with the codes, times d and the row's scale
+    x = torch.randn(3, qkv.in_features)
+    xg = x.double().view(3, -1, 32)
+    d = xg.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(xg / d)
+    dots = torch.einsum("tgk,ngk->tng", xq, codes.double().view(codes.shape[0], -1, 32))
+    want = (dots * d.squeeze(-1)[:, None, :]).sum(-1) * qkv.scale.double()
+    torch.testing.assert_close(qkv(x).double(), want, rtol=1e-5, atol=1e-5)
