@@ -313,8 +313,9 @@ def worker_specs(serve_argv: list[str], num_prefill: int, num_decode: int,
             port = _free_port()
             extra = ["--role", role, "--kv-transport", transport]
             if role == "prefill":
+                shm_path = os.path.join(tempfile.gettempdir(), f"servelm-kv-{port}.sock")
                 address = (f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp" else
-                           f"shm://{os.path.join(tempfile.gettempdir(), f'servelm-kv-{port}.sock')}")
+                           f"shm://{shm_path}")
                 extra += ["--kv-address", address]
             specs.append(replica_spec(base, port, threads, f"{role} worker", tuple(extra)))
             urls.append(f"http://127.0.0.1:{port}")

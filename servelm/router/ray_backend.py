@@ -25,20 +25,21 @@ through `RayReplicas` while the router runs (docs/autoscale.md).
     a TP=2 replica: placement group [bundle 0: ReplicaActor -> serve -> core (rank 0)]
                                     [bundle 1: WorkerActor rank 1, started by the core ]
 
-The replica process is the actor's child with PR_SET_PDEATHSIG: when Ray kills the actor
-(or its node's raylet dies) the replica gets SIGTERM and drains, never outliving its actor.
+The replica process is the actor's child, a ProcessSpec started by the launcher's Supervisor
+(servelm/launch/) with parent-death signal SIGTERM: when Ray kills the actor (or its node's
+raylet dies) the replica gets SIGTERM and drains, never outliving its actor.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from typing import NamedTuple
+
+from servelm.launch import INHERIT, HttpHealth, ProcessHandle, ProcessSpec, Resources, Supervisor
 
 # The environment the replica's `servelm serve` gets from its actor: the hex id of the
 # replica's placement group, read by servelm/parallel/ray_launcher.py (its ranks go there).
@@ -59,16 +60,12 @@ def _import_ray():
     return ray
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class ReplicaActor:
-    """One replica on one node: a `servelm serve` child process, its URL and its end."""
+    """One replica on one node: a `servelm serve` child process (started by the launcher's
+    Supervisor in this actor), its URL and its end."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.handle: ProcessHandle | None = None
         self.url: str | None = None
 
     def node_address(self) -> str:
@@ -88,56 +85,41 @@ class ReplicaActor:
         joins this actor's cluster ($RAY_ADDRESS: its GCS address; the rest of the
         environment, an auth token included, is this actor's) and, given the replica's
         placement group id, places its other ranks there."""
-        import httpx
         import ray
 
-        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         if placement_group is not None:
             env[PLACEMENT_GROUP_ENV] = placement_group
         host = self.node_address()
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "servelm.cli", "serve", *serve_argv,
-               "--host", host, "--port", str(port)]
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        self.proc = subprocess.Popen(cmd, preexec_fn=preexec, env=env)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"replica on {host} exited with code "
-                                   f"{self.proc.returncode} while starting")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop(5.0)
-                raise RuntimeError(f"replica on {host} not ready in {timeout:g} s")
-            time.sleep(0.2)
+        spec = ProcessSpec(f"replica on {host}", (sys.executable, "-m", "servelm.cli", "serve",
+                                                  *serve_argv, "--host", host, "--port",
+                                                  str(port)),
+                           resources=Resources(env=env), readiness=HttpHealth(
+                               self.url + "/health"), ready_timeout_s=timeout,
+                           # Ray keeps the actor's output; the replica drains on the signal
+                           stderr=INHERIT, parent_death_signal=signal.SIGTERM)
+        supervisor = Supervisor(stop_at_exit=False)
+        self.handle = supervisor.start(spec, wait=False)
+        supervisor.wait_ready([self.handle])  # LaunchError (it is stopped) if not
+        return self.url
 
     def pid(self) -> int | None:
         """The replica process's pid (tests kill it to see the router eject it)."""
-        return self.proc.pid if self.proc is not None else None
+        return self.handle.pid if self.handle is not None else None
 
     def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        return None if self.handle is None else self.handle.poll()
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM (the replica drains), SIGKILL after `timeout`; the exit code."""
-        if self.proc is None:
+        if self.handle is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return self.handle.stop(timeout)
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
