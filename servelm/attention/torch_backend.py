@@ -66,6 +66,7 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend:
     name = "torch"
     supports_variants = True  # forward takes window= and softcap=
+    supports_cuda_graphs = False  # decode metadata built per step (not over static buffers)
 
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float,
                  decode_kernel_mode: str | None = None):

@@ -60,6 +60,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True
+    supports_variants = False  # no sliding window or soft-cap kernels yet
+    decode_kernel = None  # no C++ decode kernel: the CPU decode stack does not apply
 
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float):
         self.kv_cache = kv_cache
@@ -124,8 +126,12 @@ class TritonAttentionBackend:
                                        seq_lens if nd else None)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache."""
+                batch: ForwardBatch, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, K, D] -> out: [T, H, D]. Writes k, v into the cache.
+        window, softcap: not implemented (supports_variants is False)."""
+        if window or softcap:
+            raise ValueError("attention backend 'triton' implements neither sliding_window nor "
+                             "attn_logit_softcapping; use attention_backend 'torch'")
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_slots, K, D]
         k_scale, v_scale = self.kv_cache.layer_scales(layer)  # fp8 cache: [K] each, else None
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)

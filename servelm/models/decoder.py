@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from servelm.attention import AttentionBackend
 from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.activation import act_and_mul, gate_up_silu, silu_and_mul
@@ -76,7 +77,8 @@ class DecoderLM(nn.Module):
     sandwich_norms = False  # Gemma: a norm after attention and after the MLP as well
     scales_embedding = False  # Gemma: the embedding times sqrt(hidden)
 
-    def __init__(self, config: ModelConfig, backend=None, quant=None):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
+                 quant=None):
         """backend: the attention backend (bound later when None: servelm/engine_builder.py);
         quant: a `servelm.quant` method, its layers quantized after loading."""
         super().__init__()
@@ -360,8 +362,8 @@ class Attention(nn.Module):
     """GQA attention with a fused qkv projection and the variants a config asks for: q/k
     norms, a sliding window on this layer, soft-capped scores, a query_pre_attn_scalar."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend,
-                 norm: type[RMSNorm] = RMSNorm, quant=None):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend | None, norm: type[RMSNorm] = RMSNorm, quant=None):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -404,8 +406,8 @@ class Attention(nn.Module):
             extra["window"] = self.window  # shorter contexts: the window changes nothing
         if self.softcap:
             extra["softcap"] = self.softcap
-        if extra and not getattr(self.backend, "supports_variants", False):
-            raise ValueError(f"attention backend {getattr(self.backend, 'name', '?')!r} "
+        if extra and not self.backend.supports_variants:
+            raise ValueError(f"attention backend {self.backend.name!r} "
                              f"implements neither sliding_window nor attn_logit_softcapping; "
                              "use attention_backend 'torch'")
         return extra

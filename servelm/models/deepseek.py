@@ -98,9 +98,6 @@ class MLAttention(nn.Module):
         nd = batch.num_decodes
         q_decode = torch.cat((torch.einsum("thn,hnl->thl", q_nope[:nd], w_k), q_pe[:nd]), -1)
         q_prefill = torch.cat((q_nope[nd:], q_pe[nd:]), dim=-1)
-        if not hasattr(self.backend, "forward_mla"):
-            raise ValueError(f"attention backend {getattr(self.backend, 'name', '?')!r} does "
-                             "not implement MLA (kv_lora_rank); use attention_backend 'torch'")
         decode_lat, prefill_out = self.backend.forward_mla(
             self.layer, entry, batch, q_decode, q_prefill, self._expand, self.scale,
             self.latent)

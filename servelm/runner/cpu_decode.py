@@ -44,7 +44,9 @@ import torch
 from torch import nn
 
 from servelm import cpu_kernels
+from servelm.attention import AttentionBackend
 from servelm.attention.forward_batch import ForwardBatch
+from servelm.attention.kv_cache import KVCache
 from servelm.layers.decode_entry import (BF16_ROW_KINDS, KIND_AMX, KIND_DOT, decode_entry,
                                          forms, is_mixed)
 
@@ -74,7 +76,7 @@ MAX_VERIFY_ROWS = 9  # query tokens of a sequence the stack takes: 1 + up to 8 d
 
 
 class CpuDecodeStack:
-    def __init__(self, model, kv_cache, backend):
+    def __init__(self, model, kv_cache: KVCache, backend: AttentionBackend):
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self._stacks = {}  # form -> the C++ stack ("small": MixedLinears' few-row form)
         self._built_for = None  # (K cache pointer, number of layers) the stacks were built on
@@ -100,7 +102,7 @@ class CpuDecodeStack:
         mode = cpu_kernels.mode(PART) if mode is None else mode
         if mode not in cpu_kernels.MODES:
             raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
-        kv_cache = kv_cache if kv_cache is not None else getattr(backend, "kv_cache", None)
+        kv_cache = kv_cache if kv_cache is not None else backend.kv_cache
         if mode == "torch":
             return None, f"--cpu-kernels {PART}=torch"
         if kv_cache is None:
@@ -209,7 +211,7 @@ def refusal(model, kv_cache, backend) -> str | None:
     if not hasattr(spec, "layers"):
         return str(spec)
     if not isinstance(backend, TorchAttentionBackend):
-        return f"attention backend {getattr(backend, 'name', type(backend).__name__)!r}"
+        return f"attention backend {backend.name!r} (the stack reads the torch backend's cache)"
     embed = model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16):
         return f"a {embed.dtype} model on {embed.device.type} (float32 or bfloat16 CPU only)"

@@ -28,6 +28,8 @@ from typing import Protocol
 
 import torch
 
+from servelm.attention import GraphAttentionBackend
+
 from servelm.attention.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -116,10 +118,11 @@ class CudaGraphRunner:
     """Decode-only forward passes by graph replay. `maybe_run(batch) -> hidden [B, hidden] |
     None`; the hidden states are a view of a static buffer, valid until the next replay."""
 
-    def __init__(self, model: torch.nn.Module, backend, max_batch: int, max_blocks: int,
+    def __init__(self, model: torch.nn.Module, backend: GraphAttentionBackend,
+                 max_batch: int, max_blocks: int,
                  device: torch.device, sizes: list[int] | None = None,
                  make_graph: Callable[[], Graph] | None = None):
-        if not getattr(backend, "supports_cuda_graphs", False):
+        if not backend.supports_cuda_graphs:
             raise ValueError(f"attention_backend {backend.name!r} does not support CUDA graphs; "
                              "use --attention-backend triton")
         self.model, self.backend = model, backend

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from servelm.attention import AttentionBackend
 from servelm.attention.forward_batch import ForwardBatch
 from servelm.attention.kv_cache import KVCache
 from servelm.config import CacheConfig, ModelConfig
@@ -66,9 +67,10 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, dtype: t
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
-                 backend, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0,
-                 graphs=None, proposer=None, cpu_decode: str = "auto", grammars=None,
-                 lora=None, deterministic: bool = False):
+                 backend: AttentionBackend, eos_token_ids: tuple[int, ...],
+                 device: torch.device, seed: int = 0, graphs=None, proposer=None,
+                 cpu_decode: str = "auto", grammars=None, lora=None,
+                 deterministic: bool = False):
         self.model = model
         self.lora = lora  # servelm.lora.manager.LoraManager, or None (LoRA off)
         # A 16-bit head's near-maximum logits are recomputed in float32 (runner/logits.py).
