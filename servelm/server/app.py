@@ -32,8 +32,12 @@ from servelm.tracing import install_from_config as install_tracing
 from servelm.server.idempotency import IdempotencyStore
 from servelm.server.metrics import CostModel, ServerMetrics
 from servelm.server.server_config import ServerConfig
-from servelm.server.state_store import state_store_path
+from servelm.server.state_store import state_store_scheme
 from servelm.parsers import get_reasoning_parser, get_tool_parser
+from servelm.server.async_store import AsyncStore
+from servelm.server.batch_runner import BatchLimits, BatchRunner
+from servelm.server.batches_serving import BatchesServing
+from servelm.server.files_serving import FilesServing
 from servelm.server.responses_serving import ResponsesServing
 from servelm.server.serving import OpenAIServing
 
@@ -136,7 +140,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     get_tool_parser(config.tool_call_parser)  # an unknown name fails here, not per request
     if config.reasoning_parser is not None:
         get_reasoning_parser(config.reasoning_parser)
-    state_store_path(config.state_store)  # a bad --state-store URL fails here (opened lazily)
+    state_store_scheme(config.state_store)  # a bad --state-store URL fails here (opened lazily)
     async_engine = engine if isinstance(engine, StreamRouter) else AsyncEngine(engine)
     cost = _cost_model(async_engine, config)
     metrics = ServerMetrics(config.served_model_name, config.slo_ttft_ms / 1000,
@@ -149,17 +153,26 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     _observe_loras(state)
     _observe_experts(state)
     serving = OpenAIServing(state)
-    responses = ResponsesServing(serving, config.state_store)
+    store = AsyncStore(config.state_store)
+    responses = ResponsesServing(serving, store)
+    files = FilesServing(store.call, config.max_file_bytes)
+    runner = _batch_runner(config, serving, responses, store, metrics)
+    batches = BatchesServing(store.call, runner, config.served_model_name,
+                             config.max_body_bytes, config.max_active_batches)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
+        batch_task = asyncio.ensure_future(runner.run())
         try:
             yield
         finally:
+            await runner.stop()  # its unfinished lines run again where the batch resumes
+            batch_task.cancel()
             state.draining = True
             state.idempotency.cancel_all()
             await responses.close()
+            await store.close()
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="servelm", version=servelm.__version__, lifespan=lifespan,
@@ -213,6 +226,42 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request) -> Response:
         return await responses.list_input_items(response_id, request)
+
+    @app.post("/v1/files")
+    async def create_file(request: Request) -> Response:
+        return await files.create(request)
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> Response:
+        return await files.list(request)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str) -> Response:
+        return await files.retrieve(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
+        return await files.content(file_id)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> Response:
+        return await files.delete(file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> Response:
+        return await batches.create(request)
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> Response:
+        return await batches.list(request)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str) -> Response:
+        return await batches.retrieve(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> Response:
+        return await batches.cancel(batch_id)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -288,6 +337,21 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     install_tracing(app, state)  # --otlp-traces-endpoint; inside the API-key check
     app.add_middleware(AuthMiddleware, api_key=config.api_key, metrics=metrics)
     return app
+
+
+def _batch_runner(config: ServerConfig, serving: OpenAIServing, responses: ResponsesServing,
+                  store: AsyncStore, metrics: ServerMetrics) -> BatchRunner:
+    """The runner of the store's batches: each endpoint's own handler per line, in the
+    lowest SLO class (the highest priority number)."""
+    handlers = {"/v1/chat/completions": lambda r: serving.handle(r, "chat"),
+                "/v1/completions": lambda r: serving.handle(r, "completion"),
+                "/v1/embeddings": lambda r: serving.handle(r, "embedding"),
+                "/v1/responses": responses.create}
+    lowest = max(metrics.slo_spec.classes, key=lambda c: c.priority).name
+    limits = BatchLimits(max_inflight=config.batch_max_inflight,
+                         max_lines=config.max_batch_lines)
+    return BatchRunner(handlers, store.call, serving.state.async_engine, lowest,
+                       config.served_model_name, limits, registry=metrics.registry)
 
 
 def _observe_experts(state: ServerState) -> None:

@@ -34,7 +34,8 @@ from servelm.server.responses_schema import (ResponsesRequest, chat_messages, ch
 from servelm.server.serving import (ClientGone, Generation, OpenAIServing, Prepared,
                                     _wait_disconnect)
 from servelm.server.sse import SSEResponse
-from servelm.server.state_store import ACTIVE_STATUSES, StateStore, open_state_store
+from servelm.server.async_store import AsyncStore
+from servelm.server.state_store import ACTIVE_STATUSES
 
 logger = logging.getLogger(__name__)
 
@@ -75,25 +76,14 @@ def _not_found(response_id: str) -> APIError:
 
 
 class ResponsesServing:
-    def __init__(self, serving: OpenAIServing, store_url: str | None):
+    def __init__(self, serving: OpenAIServing, store: AsyncStore):
         self.serving = serving
         self.state = serving.state
-        self.store_url = store_url
-        self._store: StateStore | None = None
-        self._store_lock = asyncio.Lock()
+        self._db = store.call  # on a worker thread; the store is opened on first use
         self._runs: dict[str, _Run] = {}
 
-    async def _db(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A store call on a worker thread; the store is opened on first use."""
-        if self._store is None:
-            async with self._store_lock:
-                if self._store is None:
-                    self._store = await asyncio.to_thread(open_state_store, self.store_url)
-        return await asyncio.to_thread(getattr(self._store, method), *args, **kwargs)
-
     async def close(self) -> None:
-        """Stop this process's background runs (their responses are stored as failed) and
-        close the store."""
+        """Stop this process's background runs (their responses are stored as failed)."""
         for run in list(self._runs.values()):
             run.cancel()
             if run.task is not None:
@@ -101,8 +91,6 @@ class ResponsesServing:
             failed = dict(run.body, status="failed", output=[], error={
                 "code": "server_error", "message": "the server stopped before it finished"})
             await self._db("update_response", failed, only_if_active=True)
-        if self._store is not None:
-            await asyncio.to_thread(self._store.close)
 
     # -- POST /v1/responses ------------------------------------------------------------------
 

@@ -49,9 +49,16 @@ class ServerConfig:
     # JSON-lines file (`servelm doctor --log`), and OpenTelemetry spans sent over OTLP/HTTP.
     request_log: str | None = None
     otlp_traces_endpoint: str | None = None
-    # Where the Responses API keeps its responses (servelm/server/state_store.py):
-    # sqlite:///PATH; None: $SERVELM_HOME/state.sqlite3.
+    # Where responses, files and batches are kept (servelm/server/state_store.py):
+    # sqlite:///PATH or postgresql://USER@HOST/DB; None: $SERVELM_HOME/state.sqlite3.
     state_store: str | None = None
+    # Files and Batches (docs/server.md): an uploaded file's size, requests in one batch,
+    # batches not yet finished (all replicas sharing the store), and the batch lines this
+    # replica keeps in the engine at once (submitted only while nothing else waits).
+    max_file_bytes: int = 200 * 2**20
+    max_batch_lines: int = 50_000
+    max_active_batches: int = 100
+    batch_max_inflight: int = 8
 
     def load_slo_spec(self):
         """The server's SLO spec: the --slo-spec file, else the TTFT/TPOT flags' one class."""

@@ -46,6 +46,10 @@ from servelm.vision.pipeline import ImagePipeline, image_limits, vision_of
 request_logger = logging.getLogger("servelm.requests")
 logger = logging.getLogger(__name__)
 
+# An ASGI scope key: the SLO class the server itself gives a request (a batch line runs in
+# the lowest class, servelm/server/batch_runner.py), over what its body asks for.
+SLO_CLASS_SCOPE_KEY = "servelm.slo_class"
+
 # Prompts longer than this many characters are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 16_384
 
@@ -221,6 +225,7 @@ class Prepared:
     images: list | None = None  # a chat prompt's ImageInputs (vision models)
     kv_transfer: Any = None  # KVTransferParams from x-servelm-kv-transfer (disaggregation)
     endpoint: str | None = None  # the route's name in logs and records (default: kind)
+    slo_class: str | None = None  # set by the server (SLO_CLASS_SCOPE_KEY), not the body
 
 
 class OpenAIServing:
@@ -311,7 +316,8 @@ class OpenAIServing:
             raise APIError.from_invalid(exc) from None
         return Prepared(kind, body, req, params, prompts, texts,
                         self._timeout(request), arrival, self._lora_name(req.model),
-                        images if kind == "chat" else None)
+                        images if kind == "chat" else None,
+                        slo_class=request.scope.get(SLO_CLASS_SCOPE_KEY))
 
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
@@ -532,13 +538,15 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _attach_slo(self, gen: Generation, req) -> None:
+    def _attach_slo(self, gen: Generation, req, forced: str | None = None) -> None:
         """Each engine request carries its SLO class's targets (the slo scheduling policy
-        reads them; the goodput gauges count it in its class)."""
+        reads them; the goodput gauges count it in its class); `forced`: the server's
+        choice (Prepared.slo_class), over the body's."""
         metrics = self.state.metrics
         try:  # embeddings name no class (their schema has no such fields): the default one
-            cls = metrics.slo_spec.resolve(getattr(req, "priority", None),
-                                           getattr(req, "slo_class", None))
+            cls = metrics.slo_spec.get(forced) if forced is not None else \
+                metrics.slo_spec.resolve(getattr(req, "priority", None),
+                                         getattr(req, "slo_class", None))
         except InvalidParameterError as exc:
             raise APIError.from_invalid(exc) from None
         for r in gen.requests:
@@ -560,7 +568,7 @@ class OpenAIServing:
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.state.async_engine, base_id, p.prompts, p.params, p.arrival,
                          p.timeout_s, p.request.client_param, p.lora_name, p.images)
-        self._attach_slo(gen, p.request)
+        self._attach_slo(gen, p.request, p.slo_class)
         if p.kv_transfer is not None:  # one transfer per prompt (servelm/disagg/http.py)
             for i, r in enumerate(gen.requests):
                 r.kv_transfer = per_prompt(p.kv_transfer, i)
