@@ -38,6 +38,7 @@ ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 class AWQSpec(NamedTuple):
     group_size: int
+    keep_act_order: bool = False  # AWQ has no act-order: unused
 
 
 def parse_config(qc: dict[str, Any], where: str) -> AWQSpec:

@@ -4,10 +4,11 @@
 Each linear arrives as a QuantizedWeight (servelm/quant/community_codes.py) and becomes the
 layer of its format: int4 with any group size servelm's kernels take -> Int4Linear (float32
 scale and zero: exactly the checkpoint's weights), int8 per row or per group -> Int8Linear
-(a per-row scale kept in float32 where bfloat16 would round it). A linear the checkpoint
-stores as float, or that its reader dequantized (GPTQ act-order, asymmetric 8-bit), stays a
-float layer, and so does the lm_head: its publisher left it unquantized, and servelm computes
-the model the checkpoint describes rather than requantizing parts of it.
+(a per-row scale kept in float32 where bfloat16 would round it); act-order codes (with a
+`perm`) -> that layer inside a PermutedLinear. A linear the checkpoint stores as float, or
+that its reader dequantized (asymmetric 8-bit), stays a float layer, and so does the
+lm_head: its publisher left it unquantized, and servelm computes the model the checkpoint
+describes rather than requantizing parts of it.
 
 Never: quantizes a float weight. `--quantization gptq` (or awq, compressed-tensors) on
 anything but such a checkpoint is refused where the engine is built (servelm/quant/community.py
@@ -52,6 +53,10 @@ class CodesMethod(QuantMethod):
             if bias is not None:
                 layer.bias.copy_(bias)
             return layer
+        if weight.perm is not None:  # act-order: codes in group order (permuted_linear.py)
+            from servelm.quant.permuted_linear import PermutedLinear
+
+            return PermutedLinear(self.build(weight._replace(perm=None), bias), weight.perm)
         if weight.format == "int4":
             return Int4Linear(weight.q, weight.scale, weight.zero, weight.group_size, bias,
                               self.compute_dtype, activations=self.activations)

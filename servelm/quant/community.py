@@ -7,7 +7,7 @@ checkpoint as (HF name, float32 tensor or QuantizedWeight) pairs, the same strea
 layers from the codes once, at load, with no float round trip:
 
     quant_method          module                          layers
-    gptq                  servelm/quant/gptq.py           int4 / int8 (act-order: float)
+    gptq                  servelm/quant/gptq.py           int4 / int8 (act-order: + a perm)
     awq                   servelm/quant/awq.py            int4
     compressed-tensors    servelm/quant/compressed_tensors.py   int4 / int8
 
@@ -22,6 +22,7 @@ Never: guesses a format from tensor names (the config names it) or loads the pic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -184,6 +185,10 @@ def iter_community_weights(checkpoint: CommunityCheckpoint,
         raise FileNotFoundError(f"{checkpoint.path} has no *.safetensors (pickled *.bin "
                                 "checkpoints are never loaded)")
     fmt = _module_of(checkpoint)
+    # act-order codes keep a perm only for the checkpoint's own method (codes_method.py)
+    spec = checkpoint.spec._replace(keep_act_order=family_method(checkpoint)
+                                    == checkpoint.method)
+    checkpoint = dataclasses.replace(checkpoint, spec=spec)
     wanted = set(hf_weight_names(config)) if config.architecture in _LLAMA_NAMED else None
     seen: set[str] = set()
     with ExitStack() as stack:

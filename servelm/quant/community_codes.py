@@ -43,6 +43,14 @@ def is_trivial_g_idx(g_idx: torch.Tensor | None, group_size: int, k: int) -> boo
     return torch.equal(g_idx.to(torch.int64).flatten(), plain)
 
 
+def group_order(g_idx: torch.Tensor, group_size: int, k: int) -> torch.Tensor | None:
+    """The permutation of the input columns that makes each group's columns contiguous
+    (act-order: columns sorted by group, stably), when the groups are then exactly
+    k // group_size; None for a g_idx that sorts into anything else."""
+    perm = torch.argsort(g_idx.to(torch.int64).flatten(), stable=True)
+    return perm if is_trivial_g_idx(g_idx.flatten()[perm], group_size, k) else None
+
+
 def dequantize_codes(q: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,
                      g_idx: torch.Tensor) -> torch.Tensor:
     """float32 [N, K]: (q - z[:, g_idx]) * s[:, g_idx]; q, z, s as [N, K] / [N, G]."""

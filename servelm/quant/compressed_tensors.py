@@ -16,7 +16,7 @@ Formats servelm reads (per quantized linear `X`, N outputs, K inputs):
                      X.weight_scale       [N, G] (group) or [N, 1] (channel)
                      X.weight_zero_point  int32 [ceil(N / 8), G], packed along N the same way
                                           (asymmetric only)
-                     X.weight_g_idx       [K] (actorder, optional)
+                     X.weight_g_idx       [K] (actorder, optional: kept as GPTQ's)
     int-quantized /  X.weight             int8 [N, K]
     naive-quantized  X.weight_scale       [N, 1] | [N, G] | [1];  X.weight_zero_point (zeros)
 
@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 import torch
 
 from servelm.protocol import InvalidParameterError
-from servelm.quant.community_codes import (dequantize_codes, int4_weight, int8_weight,
-                                           is_trivial_g_idx, unpack_int32)
+from servelm.quant.community_codes import (dequantize_codes, group_order, int4_weight,
+                                           int8_weight, is_trivial_g_idx, unpack_int32)
 from servelm.quant.quantized_weight import QuantizedWeight
 
 SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
@@ -53,6 +53,7 @@ FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 class CTSpec(NamedTuple):
     group_sizes: tuple[int, ...]  # of the config groups' weights (0: channel / tensor)
+    keep_act_order: bool = False  # actorder codes kept with a perm (else dequantized)
 
 
 def _check_args(args: dict[str, Any] | None, what: str, where: str) -> None:
@@ -132,7 +133,7 @@ def read_linear(spec: CTSpec, get, name: str) -> QuantizedWeight | torch.Tensor:
         zp = get("weight_zero_point")
         zp = None if zp is None else _per_row(zp, n).to(torch.int32) + 128
         gs = _group_size(spec, k, scale.shape[1], name)
-        return _finish(q.to(torch.int32) + 128, zp, scale, gs, 8, get("weight_g_idx"), k)
+        return _finish(spec, q.to(torch.int32) + 128, zp, scale, gs, 8, get("weight_g_idx"))
     n, k = (int(v) for v in get("weight_shape").tolist())
     bits = 4 if packed.shape[1] == -(-k // 8) else 8
     q = unpack_int32(packed, bits, 1, k)  # codes + 2^(bits-1), as stored
@@ -141,7 +142,7 @@ def read_linear(spec: CTSpec, get, name: str) -> QuantizedWeight | torch.Tensor:
     if zp is not None:
         zp = unpack_int32(zp, bits, 0, n)  # [N, G], offset as the codes
     gs = _group_size(spec, k, scale.shape[1], name)
-    return _finish(q, zp, scale, gs, bits, get("weight_g_idx"), k)
+    return _finish(spec, q, zp, scale, gs, bits, get("weight_g_idx"))
 
 
 def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -149,18 +150,25 @@ def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(1, 1).expand(n, 1).contiguous() if t.numel() == 1 else t.reshape(n, -1)
 
 
-def _finish(q, zp_unsigned, scale, group_size, bits, g_idx, k):
-    """q and zero points with the 2^(bits-1) offset (unsigned) -> the weight."""
+def _finish(spec: CTSpec, q, zp_unsigned, scale, group_size, bits, g_idx):
+    """q and zero points with the 2^(bits-1) offset (unsigned) -> the weight; act-order
+    codes are kept with a perm, as GPTQ's (servelm/quant/gptq.py)."""
     mid = 1 << (bits - 1)
-    n = q.shape[0]
+    n, k = q.shape
     zp = (torch.full((n, scale.shape[1]), mid, dtype=torch.int32) if zp_unsigned is None
           else zp_unsigned.to(torch.int32))
+    if g_idx is None:
+        g_idx = torch.arange(k) // (group_size if group_size > 0 else k)
+    perm = None
     if not is_trivial_g_idx(g_idx, group_size, k):
-        return dequantize_codes(q, zp, scale, g_idx)
+        perm = group_order(g_idx, group_size, k) if spec.keep_act_order else None
+        if perm is None:
+            return dequantize_codes(q, zp, scale, g_idx)
+    codes = q if perm is None else q[:, perm]
     if bits == 4:
-        return int4_weight(q, zp, scale, group_size, "compressed-tensors group_size")
-    weight = int8_weight(q - mid, zp - mid, scale, group_size)
-    if weight is None:  # asymmetric 8-bit
-        plain = torch.arange(k) // (group_size if group_size > 0 else k)
-        return dequantize_codes(q, zp, scale, plain)
-    return weight
+        weight = int4_weight(codes, zp, scale, group_size, "compressed-tensors group_size")
+    else:
+        weight = int8_weight(codes - mid, zp - mid, scale, group_size)
+        if weight is None:  # asymmetric 8-bit
+            return dequantize_codes(q, zp, scale, g_idx)
+    return weight if perm is None else weight._replace(perm=perm).validate()

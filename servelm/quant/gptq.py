@@ -22,11 +22,13 @@ beside config.json (servelm/quant/checkpoint.py reads it there).
 
 Act-order (`desc_act`) quantizes columns in the order of the Hessian's diagonal, so g_idx
 scatters each group's columns over the row. servelm's int4 kernels take groups of
-contiguous columns; keeping the codes would need every call's activations gathered into the
-checkpoint's column order first (a gather per layer per call, and a layer the C++ decode stack
-does not take). Such a layer is dequantized to float instead: exact, at float's bytes. A
-g_idx that is the plain k // group_size (act-order with one group a row, or columns left in
-order) keeps its codes.
+contiguous columns, so the codes' columns are sorted by group once here and the layer
+gathers its activations into that order each call (a `perm`: servelm/quant/
+permuted_linear.py; exact, and a 4-bit layer's bytes, where float would be 8x them). A g_idx
+that is the plain k // group_size (act-order with one group a row, or columns left in order)
+needs no perm. Where the method building the layers cannot take a perm (a family's
+registered int4-gN fallback, servelm/quant/community.py), such a layer is dequantized to
+float instead: exact, at float's bytes.
 
 Never: reads files (servelm/quant/community.py does) or builds layers.
 """
@@ -38,8 +40,8 @@ from typing import Any, NamedTuple
 import torch
 
 from servelm.protocol import InvalidParameterError
-from servelm.quant.community_codes import (dequantize_codes, int4_weight, int8_weight,
-                                           is_trivial_g_idx, unpack_int32)
+from servelm.quant.community_codes import (dequantize_codes, group_order, int4_weight,
+                                           int8_weight, is_trivial_g_idx, unpack_int32)
 from servelm.quant.quantized_weight import QuantizedWeight
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -51,6 +53,7 @@ class GPTQSpec(NamedTuple):
     bits: int
     group_size: int  # -1: one group a row
     zero_offset: int  # 1 for the original (v1) zero points, 0 for v2
+    keep_act_order: bool = False  # act-order codes kept with a perm (else dequantized)
 
 
 def parse_config(qc: dict[str, Any], where: str) -> GPTQSpec:
@@ -87,12 +90,18 @@ def read_linear(spec: GPTQSpec, get, name: str) -> QuantizedWeight | torch.Tenso
     q = unpack_int32(qweight, spec.bits, 0, k).t()  # [N, K]
     zeros = (unpack_int32(qzeros, spec.bits, 1, n) + spec.zero_offset).t()  # [N, G]
     scale = scales.t()
+    if g_idx is None:
+        g_idx = torch.arange(k) // (spec.group_size if spec.group_size > 0 else k)
+    perm = None
     if not is_trivial_g_idx(g_idx, spec.group_size, k):
-        return dequantize_codes(q, zeros, scale, g_idx)
+        perm = group_order(g_idx, spec.group_size, k) if spec.keep_act_order else None
+        if perm is None:
+            return dequantize_codes(q, zeros, scale, g_idx)
+    codes = q if perm is None else q[:, perm]
     if spec.bits == 4:
-        return int4_weight(q, zeros, scale, spec.group_size, "GPTQ group_size")
-    weight = int8_weight(q - 128, zeros - 128, scale, spec.group_size)
-    if weight is None:  # asymmetric 8-bit
-        plain = torch.arange(k) // (spec.group_size if spec.group_size > 0 else k)
-        return dequantize_codes(q, zeros, scale, plain)
-    return weight
+        weight = int4_weight(codes, zeros, scale, spec.group_size, "GPTQ group_size")
+    else:
+        weight = int8_weight(codes - 128, zeros - 128, scale, spec.group_size)
+        if weight is None:  # asymmetric 8-bit
+            return dequantize_codes(q, zeros, scale, g_idx)
+    return weight if perm is None else weight._replace(perm=perm).validate()

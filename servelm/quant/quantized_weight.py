@@ -10,6 +10,8 @@ HF tensors in a checkpoint):
            (G = ceil(in / group_size); tinygemm's convention, see int4_linear.py)
 
 and the int4 codes' on-disk packing (two codes a byte, `pack_int4` / `unpack_int4`).
+With `perm` (GPTQ act-order), the codes' columns are the layer's inputs in that order:
+column i of q multiplies x[perm[i]] (servelm/quant/permuted_linear.py gathers x first).
 
 Never: builds layers (a QuantMethod does) or reads files (servelm/quant/checkpoint.py does).
 """
@@ -29,6 +31,7 @@ class QuantizedWeight(NamedTuple):
     scale: torch.Tensor  # [out] (int8), [out, G] (int4, grouped int8)
     zero: torch.Tensor | None  # [out, G] (int4) or None
     group_size: int  # int4; grouped int8; 0 for per-row int8
+    perm: torch.Tensor | None = None  # [in] int64: the input column of each code column
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -36,10 +39,18 @@ class QuantizedWeight(NamedTuple):
 
     @property
     def type_name(self) -> str:
-        """One name per format and group size: shards fuse only when these agree."""
+        """One name per format, group size and input order: shards fuse only when these
+        agree (shards with different act-order permutations do not)."""
         if self.format == "int8":
-            return f"int8-g{self.group_size}" if self.group_size else "int8"
-        return f"int4-g{self.group_size}"
+            name = f"int8-g{self.group_size}" if self.group_size else "int8"
+        else:
+            name = f"int4-g{self.group_size}"
+        if self.perm is None:
+            return name
+        import hashlib
+
+        digest = hashlib.sha1(self.perm.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
+        return f"{name}-perm{digest}"
 
     def to(self, *args, **kwargs) -> QuantizedWeight:
         return self  # dtype casts apply to float tensors only; codes stay codes
@@ -47,10 +58,14 @@ class QuantizedWeight(NamedTuple):
     def rows(self, start: int, length: int) -> QuantizedWeight:
         zero = None if self.zero is None else self.zero[start:start + length]
         return QuantizedWeight(self.format, self.q[start:start + length],
-                               self.scale[start:start + length], zero, self.group_size)
+                               self.scale[start:start + length], zero, self.group_size,
+                               self.perm)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in]."""
+        """float32 [out, in], columns in the layer's input order."""
+        if self.perm is not None:
+            w = self._replace(perm=None).dequantize()
+            return w[:, torch.argsort(self.perm)].contiguous()
         if self.format == "int8" and not self.group_size:
             return self.q.float() * self.scale.float()[:, None]
         out, k = self.shape
@@ -87,6 +102,9 @@ class QuantizedWeight(NamedTuple):
         if tuple(self.scale.shape) != want_scale:
             raise ValueError(f"{self.format} scales must be {list(want_scale)}, got "
                              f"{list(self.scale.shape)}")
+        if self.perm is not None and not torch.equal(
+                torch.sort(self.perm.to(torch.int64)).values, torch.arange(k)):
+            raise ValueError(f"perm must be a permutation of the {k} input columns")
         return self
 
 
@@ -99,7 +117,8 @@ def cat_quantized_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     zero = None if first.zero is None else torch.cat([p.zero for p in parts])
     return QuantizedWeight(first.format, torch.cat([p.q for p in parts]),
-                           torch.cat([p.scale for p in parts]), zero, first.group_size)
+                           torch.cat([p.scale for p in parts]), zero, first.group_size,
+                           first.perm)  # one perm: type_name says they agree
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

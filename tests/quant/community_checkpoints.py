@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import zlib
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -162,12 +163,23 @@ def _reference_model(hf, path, state):
     return type(hf).from_pretrained(ref_dir, dtype=torch.float32).eval()
 
 
-def write_gptq(hf, path, bits=4, group_size=128, sym=True, act_order=False, v1=True):
+def _input_of(name: str, shared: bool) -> str:
+    """The key act-order's column order follows: GPTQ orders by the Hessian of the layer's
+    input, so q/k/v (and gate/up) share one order; `shared=False` gives each its own."""
+    if shared:
+        for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+            name = name.replace(a, b)
+    return name
+
+
+def write_gptq(hf, path, bits=4, group_size=128, sym=True, act_order=False, v1=True,
+               shared_order=True):
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
           "desc_act": act_order, "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
 
     def convert(name, w):
-        t = gptq_tensors(w, bits, group_size, sym, act_order, v1, seed=hash(name) % 1000)
+        seed = zlib.crc32(_input_of(name, shared_order).encode())
+        t = gptq_tensors(w, bits, group_size, sym, act_order, v1, seed=seed)
         return t, gptq_reference(t, bits, v1)
 
     return _rewrite(hf, path, qc, convert)

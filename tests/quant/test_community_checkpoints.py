@@ -95,9 +95,34 @@ def test_gptq_v1_zero_point_off_by_one(tmp_path):
     _check(tmp_path / "m", ref, {Int4Linear})
 
 
-def test_gptq_act_order_is_exact_in_float(tmp_path):
-    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, 32, sym=False, act_order=True)
-    _check(tmp_path / "m", ref, {nn.Linear})
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_act_order_keeps_codes_with_a_perm(bits, tmp_path, no_requantizing):
+    """Act-order's scattered groups: the codes sorted by group once at load, the activations
+    gathered into that order per call; q/k/v (gate/up) share their input's order and fuse."""
+    from servelm.quant.permuted_linear import PermutedLinear
+
+    ref = cc.write_gptq(_hf(), tmp_path / "m", bits, 32, sym=bits == 8, act_order=True)
+    engine = _check(tmp_path / "m", ref, {PermutedLinear})
+    layer = engine.runner.model.layers[1]
+    kind = Int4Linear if bits == 4 else Int8Linear
+    assert type(layer.mlp.down_proj.inner) is kind
+    want = ref.model.layers[1].mlp.down_proj.weight.detach()
+    assert torch.equal(layer.mlp.down_proj.dequantize(), want)
+
+
+def test_gptq_act_order_orders_that_differ_within_a_fused_layer_go_float(tmp_path):
+    """q, k and v each in its own column order cannot share one gather: that fused layer
+    is built from the exact float values; o_proj and down_proj keep their codes."""
+    from servelm.quant.permuted_linear import PermutedLinear
+
+    ref = cc.write_gptq(_hf(), tmp_path / "m", 4, 32, sym=False, act_order=True,
+                        shared_order=False)
+    engine = _engine(tmp_path / "m")
+    layer = engine.runner.model.layers[0]
+    assert type(layer.self_attn.qkv_proj) is nn.Linear
+    assert type(layer.self_attn.o_proj) is PermutedLinear
+    got, want = prefill_logits(engine, PROMPT), _reference_logits(ref)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
 def test_gptq_act_order_with_one_group_a_row_keeps_codes(tmp_path, no_requantizing):
