@@ -1,7 +1,9 @@
 """`servelm serve --data-parallel-size N`: N replicas of the model behind one port.
 
 Owns: describing N `servelm serve` replicas (each a front end and its engine core, on
-loopback ports of their own, the machine's cores split between them) as ProcessSpecs that
+loopback ports of their own, the machine's cores split between them) as ProcessSpecs, each
+handed its options by value (the parent's parsed serve options as JSON on its stdin, read by
+servelm/server/cli.py options_from_stdin; no command line is edited), that
 the launcher's Supervisor (servelm/launch/) starts, waits for (/health) and stops when the
 router stops (SIGTERM each, then SIGKILL after the drain timeout); running the router in
 front of them on the public port; logging a replica's death with its last stderr lines.
@@ -11,17 +13,20 @@ service decides (the same contract as one replica).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 
 from servelm.launch import HttpHealth, LaunchError, ProcessHandle, ProcessSpec, Supervisor
 
-# Flags of the parent that the replicas must not inherit (value-taking ones).
-# (The Ray backend's own flags among them: a replica is always a plain single `serve`.)
-PARENT_FLAGS = {"--port", "--host", "--data-parallel-size", "--router-policy", "--backend",
-                "--num-replicas", "--ray-address", "--replica-cpus", "--replica-gpus",
-                "--autoscale"}
+# The parent's serve options a replica does not inherit (it keeps its own defaults): it is
+# one plain `serve` on a loopback port of its own. The Ray backend's options among them;
+# PARENT_FLAGS are the same options as flags, for the Ray backend's replica command line.
+PARENT_OPTIONS = ("host", "port", "data_parallel_size", "router_policy", "backend",
+                  "num_replicas", "ray_address", "replica_cpus", "replica_gpus", "autoscale")
+PARENT_FLAGS = {"--" + name.replace("_", "-") for name in PARENT_OPTIONS}
+_NOT_SERVE_OPTIONS = ("func", "command", "verbose", "options_from_stdin")
 
 
 def strip_flags(argv: list[str], flags: set[str]) -> list[str]:
@@ -39,13 +44,18 @@ def strip_flags(argv: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-def replica_argv(argv: list[str], port: int, threads: int | None) -> list[str]:
-    """The parent's `serve` arguments for one replica: its own port on loopback, its share of
-    the cores unless --threads was given."""
-    out = strip_flags(argv, PARENT_FLAGS)
-    out += ["--host", "127.0.0.1", "--port", str(port)]
-    if threads is not None and not any(a.split("=", 1)[0] == "--threads" for a in argv):
-        out += ["--threads", str(threads)]
+def replica_options(args, port: int, threads: int | None,
+                    drop: tuple[str, ...] = (), **changes) -> dict:
+    """The parent's parsed serve options for one replica (JSON-ready): its own port on
+    loopback, its share of the cores unless --threads was given, without PARENT_OPTIONS
+    and `drop` (the replica keeps its defaults for those), with `changes` on top."""
+    skip = set(PARENT_OPTIONS) | set(_NOT_SERVE_OPTIONS) | set(drop)
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()
+           if k not in skip}
+    out.update(host="127.0.0.1", port=port)
+    if threads is not None and args.num_threads is None:
+        out["num_threads"] = threads
+    out.update(changes)
     return out
 
 
@@ -55,16 +65,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_spec(argv: list[str], port: int, threads: int | None, what: str = "replica",
-                 extra: tuple[str, ...] = (), timeout: float = 900.0) -> ProcessSpec:
-    """One local `servelm serve` replica on loopback `port`: ready once it answers /health;
-    its stderr reaches ours through the supervisor (which keeps its last lines for the death
-    report); it is killed when this process ends, however that happens (the router was the
-    only way in, so it has nothing left to drain; its core sees the connection end and
-    frees its blocks)."""
-    url = f"http://127.0.0.1:{port}"
+def replica_spec(options: dict, what: str = "replica", timeout: float = 900.0) -> ProcessSpec:
+    """One local `servelm serve` replica with `options` (replica_options) as JSON on its
+    stdin: ready once it answers /health; its stderr reaches ours through the supervisor
+    (which keeps its last lines for the death report); it is killed when this process ends,
+    however that happens (the router was the only way in, so it has nothing left to drain;
+    its core sees the connection end and frees its blocks)."""
+    url = f"http://127.0.0.1:{options['port']}"
     return ProcessSpec(f"{what} {url}", (sys.executable, "-m", "servelm.cli", "serve",
-                                         *replica_argv(argv, port, threads), *extra),
+                                         options["model"], "--options-from-stdin"),
+                       config=json.dumps(options).encode(),
                        readiness=HttpHealth(url + "/health"), ready_timeout_s=timeout)
 
 
@@ -72,12 +82,12 @@ def url_of(handle: ProcessHandle) -> str:
     return handle.spec.readiness.url.removesuffix("/health")
 
 
-def start_replicas(supervisor: Supervisor, serve_argv: list[str], n: int,
+def start_replicas(supervisor: Supervisor, args, n: int,
                    timeout: float = 900.0) -> list[ProcessHandle]:
     """The replicas' handles once every one answers /health (LaunchError naming the one
     that died or was late, the others stopped)."""
     threads = max(1, (os.cpu_count() or 1) // n)
-    return supervisor.start_all([replica_spec(serve_argv, _free_port(), threads,
+    return supervisor.start_all([replica_spec(replica_options(args, _free_port(), threads),
                                               timeout=timeout) for _ in range(n)])
 
 
@@ -129,13 +139,13 @@ def run_router(args, sock: socket.socket, urls: list[str], what: str,
     server.run(sockets=[sock])
 
 
-def serve_data_parallel(args, serve_argv: list[str]) -> int:
+def serve_data_parallel(args) -> int:
     """The router on args.host:args.port over args.data_parallel_size replicas."""
     sock = bind_socket(args.host, args.port)
     n = args.data_parallel_size
     supervisor = Supervisor()
     try:
-        handles = start_replicas(supervisor, serve_argv, n)
+        handles = start_replicas(supervisor, args, n)
     except LaunchError as exc:
         print(f"[servelm] data parallel: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -148,5 +158,6 @@ def serve_data_parallel(args, serve_argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["PARENT_FLAGS", "bind_socket", "replica_argv", "replica_spec", "report_deaths",
-           "run_router", "serve_data_parallel", "start_replicas", "strip_flags", "url_of"]
+__all__ = ["PARENT_FLAGS", "PARENT_OPTIONS", "bind_socket", "replica_options", "replica_spec",
+           "report_deaths", "run_router", "serve_data_parallel", "start_replicas", "strip_flags",
+           "url_of"]

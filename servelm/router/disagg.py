@@ -298,31 +298,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_specs(serve_argv: list[str], num_prefill: int, num_decode: int,
+def worker_specs(args, num_prefill: int, num_decode: int,
                  transport: str) -> tuple[list[ProcessSpec], list[str], list[str]]:
-    """(the workers `serve --disagg` starts, prefill URLs, decode URLs)."""
+    """(the workers `serve --disagg` starts, prefill URLs, decode URLs): each the parent's
+    options with its role and KV transport (a prefill worker's KV address its own)."""
     import tempfile
 
-    from servelm.router.data_parallel import replica_spec, strip_flags
+    from servelm.router.data_parallel import replica_options, replica_spec
 
-    base = strip_flags(serve_argv, {"--disagg", "--role", "--kv-address", "--kv-transport"})
     threads = max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
+    drop = ("disagg", "disagg_role", "kv_address", "kv_transport")
     specs, prefill, decode = [], [], []
     for role, n, urls in (("prefill", num_prefill, prefill), ("decode", num_decode, decode)):
         for _ in range(n):
             port = _free_port()
-            extra = ["--role", role, "--kv-transport", transport]
+            changes = {"disagg_role": role, "kv_transport": transport}
             if role == "prefill":
                 shm_path = os.path.join(tempfile.gettempdir(), f"servelm-kv-{port}.sock")
-                address = (f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp" else
-                           f"shm://{shm_path}")
-                extra += ["--kv-address", address]
-            specs.append(replica_spec(base, port, threads, f"{role} worker", tuple(extra)))
+                changes["kv_address"] = (f"tcp://127.0.0.1:{_free_port()}"
+                                         if transport == "tcp" else f"shm://{shm_path}")
+            options = replica_options(args, port, threads, drop, **changes)
+            specs.append(replica_spec(options, f"{role} worker"))
             urls.append(f"http://127.0.0.1:{port}")
     return specs, prefill, decode
 
 
-def serve_disagg(args, serve_argv: list[str]) -> int:
+def serve_disagg(args) -> int:
     import uvicorn
 
     from servelm.router.cli import RouterServer
@@ -334,8 +335,7 @@ def serve_disagg(args, serve_argv: list[str]) -> int:
         print(f"[servelm] {exc}", file=sys.stderr, flush=True)
         return 2
     sock = bind_socket(args.host, args.port)
-    specs, prefill, decode = worker_specs(serve_argv, num_prefill, num_decode,
-                                          args.kv_transport)
+    specs, prefill, decode = worker_specs(args, num_prefill, num_decode, args.kv_transport)
     supervisor, watch = Supervisor(), None
     try:
         supervisor.start_all(specs)

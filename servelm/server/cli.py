@@ -154,8 +154,25 @@ def add_parser(subparsers) -> None:
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
+    g.add_argument("--options-from-stdin", action="store_true", help=argparse.SUPPRESS)
     add_engine_cli_args(p)
     p.set_defaults(func=handler)
+
+
+def options_from_stdin(args):
+    """A replica's options: the parent's parsed serve options as a JSON object on stdin
+    (servelm/router/data_parallel.py replica_options), laid over this process's own
+    defaults, so a replica is configured by value, never by an edited command line."""
+    import json
+
+    for dest, value in json.loads(sys.stdin.read()).items():
+        if dest == "options_from_stdin" or not hasattr(args, dest):
+            raise ValueError(f"--options-from-stdin: {dest!r} is not a serve option")
+        if isinstance(getattr(args, dest), tuple) and isinstance(value, list):
+            value = tuple(value)  # JSON has no tuples
+        setattr(args, dest, value)
+    args.options_from_stdin = False
+    return args
 
 
 def server_config_from_cli(args, model_name: str):
@@ -195,6 +212,8 @@ def _setup_request_log(enabled: bool) -> None:
 
 
 def handler(args) -> int:
+    if getattr(args, "options_from_stdin", False):
+        args = options_from_stdin(args)
     if args.backend == "ray":
         from servelm.router.ray_backend import serve_ray
 
@@ -206,12 +225,12 @@ def handler(args) -> int:
         from servelm.router.disagg import serve_disagg
 
         _setup_request_log(args.log_requests)
-        return serve_disagg(args, _serve_argv())
+        return serve_disagg(args)
     if args.data_parallel_size > 1:
         from servelm.router.data_parallel import serve_data_parallel
 
         _setup_request_log(args.log_requests)
-        return serve_data_parallel(args, _serve_argv())
+        return serve_data_parallel(args)
     from servelm.config import engine_args_from_cli
 
     _setup_request_log(args.log_requests)
@@ -294,7 +313,7 @@ def _with_kv_address(engine_args, args):
 
 
 def _serve_argv() -> list[str]:
-    """This command's arguments after `serve` (what each data-parallel replica re-runs)."""
+    """This command's arguments after `serve` (what each Ray replica re-runs)."""
     argv = sys.argv[1:]
     return argv[argv.index("serve") + 1:] if "serve" in argv else argv
 

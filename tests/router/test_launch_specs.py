@@ -4,51 +4,97 @@ is reported with its own last words."""
 
 from __future__ import annotations
 
+import io
+import os
+import sys
+
 import pytest
 
 from servelm.launch import HttpHealth, LaunchError, Supervisor
-from servelm.router.data_parallel import replica_spec, start_replicas, url_of
+from servelm.router.data_parallel import (PARENT_FLAGS, replica_options, replica_spec,
+                                          start_replicas, strip_flags, url_of)
 from servelm.router.disagg import worker_specs
 
 
-def _flag(argv, name):
-    return argv[argv.index(name) + 1]
+def _parse(argv: list[str]):
+    from servelm.cli import build_parser
+
+    return build_parser(["serve"]).parse_args(["serve", *argv])
 
 
-def test_a_replica_spec_serves_on_its_own_loopback_port_with_the_parents_flags():
-    argv = ["MODEL", "--port", "8000", "--host", "0.0.0.0", "--data-parallel-size", "2",
-            "--router-policy=session", "--max-num-seqs", "8"]
-    spec = replica_spec(argv, 41234, threads=3)
-    assert spec.name == "replica http://127.0.0.1:41234"
+def _received(spec, monkeypatch) -> dict:
+    """What the replica's own `serve` makes of its command line and the options it was
+    handed on stdin."""
+    from servelm.server.cli import options_from_stdin
+
     assert spec.argv[1:4] == ("-m", "servelm.cli", "serve")
-    run = list(spec.argv[4:])
-    assert run[0] == "MODEL" and _flag(run, "--max-num-seqs") == "8"
-    assert _flag(run, "--port") == "41234" and _flag(run, "--host") == "127.0.0.1"
-    assert _flag(run, "--threads") == "3"
-    assert "--data-parallel-size" not in run and not any("router-policy" in a for a in run)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(spec.config.decode()))
+    return vars(options_from_stdin(_parse(list(spec.argv[4:]))))
+
+
+def _edited_argv(argv: list[str], port: int, threads: int, drop=(), extra=()) -> dict:
+    """What a replica got before options were handed over by value: the parent's argv with
+    its own flags cut out and the replica's added (the reference the options must equal)."""
+    out = strip_flags(strip_flags(argv, set(drop)), PARENT_FLAGS)
+    out += ["--host", "127.0.0.1", "--port", str(port)]
+    if not any(a.split("=", 1)[0] == "--threads" for a in argv):
+        out += ["--threads", str(threads)]
+    return vars(_parse(out + list(extra)))
+
+
+ARGVS = [
+    ["MODEL", "--port", "8000", "--host", "0.0.0.0", "--data-parallel-size", "2",
+     "--router-policy=session", "--max-num-seqs", "8", "--allowed-image-hosts", "a.com,b.org",
+     "--kv-cache-memory", "64MiB", "--no-log-requests", "--cpu-kernels", "torch",
+     "--backend", "local", "--replica-cpus", "2", "--autoscale", "p.json"],
+    ["other-model", "--threads", "1", "--data-parallel-size=3", "--max-model-len", "512",
+     "--engine-core", "thread", "--served-model-name", "m", "--api-key", "k"],
+]
+
+
+@pytest.mark.parametrize("argv", ARGVS)
+def test_a_replica_receives_the_options_an_edited_command_line_gave_it(argv, monkeypatch):
+    spec = replica_spec(replica_options(_parse(argv), 41234, threads=3))
+    assert spec.name == "replica http://127.0.0.1:41234"
     assert spec.readiness == HttpHealth("http://127.0.0.1:41234/health")
+    assert _received(spec, monkeypatch) == _edited_argv(argv, 41234, 3)
 
 
-def test_disagg_worker_specs_name_their_roles_and_kv_addresses():
-    specs, prefill, decode = worker_specs(["MODEL", "--disagg", "1:2", "--kv-transport", "shm"],
-                                          1, 2, "tcp")
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_disagg_workers_receive_their_roles_and_kv_addresses(transport, monkeypatch):
+    argv = ["MODEL", "--disagg", "1:2", "--kv-transport", "inproc", "--role", "decode",
+            "--kv-address", "tcp://x:1", "--max-num-seqs", "4", "--port", "9000"]
+    specs, prefill, decode = worker_specs(_parse(argv), 1, 2, transport)
     assert len(prefill) == 1 and len(decode) == 2
-    assert [s.name.split()[0] for s in specs] == ["prefill", "decode", "decode"]
-    assert [s.name.split()[-1] for s in specs] == prefill + decode
-    for spec in specs:
-        run = list(spec.argv[4:])
-        role = _flag(run, "--role")
-        assert spec.name.startswith(f"{role} worker ")
-        assert "--disagg" not in run and run.count("--kv-transport") == 1
-        assert _flag(run, "--kv-transport") == "tcp"
-        assert ("--kv-address" in run) == (role == "prefill")
-    assert _flag(list(specs[0].argv), "--kv-address").startswith("tcp://127.0.0.1:")
+    assert [s.name for s in specs] == [f"prefill worker {prefill[0]}",
+                                       *(f"decode worker {u}" for u in decode)]
+    threads = max(1, (os.cpu_count() or 1) // 3)
+    for spec, url in zip(specs, prefill + decode):
+        got = _received(spec, monkeypatch)
+        role = got["disagg_role"]
+        extra = ["--role", role, "--kv-transport", transport]
+        if role == "prefill":
+            assert got["kv_address"].startswith(f"{transport}://")
+            extra += ["--kv-address", got["kv_address"]]
+        else:
+            assert got["kv_address"] == _parse(["MODEL"]).kv_address
+        port = int(url.rsplit(":", 1)[1])
+        assert got == _edited_argv(argv, port, threads, drop=(
+            "--disagg", "--role", "--kv-address", "--kv-transport"), extra=extra)
+
+
+def test_an_unknown_option_is_refused_by_name(monkeypatch):
+    from servelm.server.cli import options_from_stdin
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"no_such_option": 1}'))
+    with pytest.raises(ValueError, match="'no_such_option' is not a serve option"):
+        options_from_stdin(_parse(["MODEL", "--options-from-stdin"]))
 
 
 def test_a_replica_that_cannot_start_is_reported_with_its_last_stderr_lines():
     supervisor = Supervisor(stop_at_exit=False)
     with pytest.raises(LaunchError) as info:
-        start_replicas(supervisor, ["/nonexistent/model", "--engine-core", "thread"], 1)
+        start_replicas(supervisor, _parse(["/nonexistent/model", "--engine-core", "thread"]), 1)
     death = info.value.death
     assert death is not None and death.exit_code not in (None, 0)
     assert death.name.startswith("replica http://127.0.0.1:")
@@ -59,6 +105,6 @@ def test_a_replica_that_cannot_start_is_reported_with_its_last_stderr_lines():
 
 def test_url_of_a_replica_handle():
     class Handle:
-        spec = replica_spec(["M"], 5, None)
+        spec = replica_spec(replica_options(_parse(["M"]), 5, None))
 
     assert url_of(Handle()) == "http://127.0.0.1:5"
