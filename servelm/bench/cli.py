@@ -11,7 +11,7 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +21,7 @@ from servelm.bench.results import render_table
 from servelm.bench.vocab import workload_vocab_size
 from servelm.bench.workloads import (RangeError, Request, format_range, parse_range,
                                      random_lengths, shared_prefix)
+from servelm.launch import DEVNULL, ProcessSpec, Resources, Supervisor
 from servelm.loader.model_cache import DEFAULT_MODEL
 
 PEERS = ("llama.cpp", "llama-server", "vllm", "vllm-bf16", "hf")
@@ -151,24 +152,14 @@ def peer_command(args: argparse.Namespace, peer: str, python: str, model: str,
     return cmd
 
 
-def _tee_stderr(proc: subprocess.Popen, keep: int = 4000) -> str:
-    """Forward the child's stderr as it comes (progress bars) and keep its tail."""
-    tail = b""
-    while True:
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk:
-            break
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.flush()
-        tail = (tail + chunk)[-keep:]
-    return tail.decode(errors="replace")
-
-
-def peer_env() -> dict[str, str]:
-    """The environment a user would run the peer in: without servelm's own defaults."""
+def peer_spec(peer: str, cmd: list[str]) -> ProcessSpec:
+    """A peer's benchmark run: its stderr (progress bars) forwarded as it comes, the last
+    lines kept for the error; the environment a user would run it in, without servelm's own
+    defaults (servelm/own_env.py)."""
     from servelm.own_env import OWN_ENV
 
-    return {k: v for k, v in os.environ.items() if k not in OWN_ENV}
+    return ProcessSpec(f"peer {peer}", tuple(cmd), stdout=DEVNULL,
+                       resources=Resources(unset_env=tuple(OWN_ENV)))
 
 
 def run_peer(args: argparse.Namespace, peer: str, python: str, model: str,
@@ -177,23 +168,21 @@ def run_peer(args: argparse.Namespace, peer: str, python: str, model: str,
         out_path = os.path.join(tmp, "result.json")
         cmd = peer_command(args, peer, python, model, workload_path, out_path)
         print(f"[bench] {peer}: {' '.join(cmd)}", file=sys.stderr)
+        supervisor = Supervisor(stop_at_exit=False)
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    env=peer_env())
+            handle = supervisor.start(peer_spec(peer, cmd))
         except OSError as e:
             return {"system": peer, "model": model, "error": f"cannot start {python}: {e}"}
-        try:
-            tail = _tee_stderr(proc)
-            rc = proc.wait(timeout=args.peer_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        death = handle.death(settle_s=args.peer_timeout)
+        if death is None:
+            handle.signal(signal.SIGKILL)
+            handle.proc.wait()
             return {"system": peer, "model": model,
                     "error": f"timed out after {args.peer_timeout}s"}
-        if rc != 0 or not os.path.exists(out_path):
-            last = [line for line in tail.replace("\r", "\n").splitlines() if line.strip()]
-            reason = last[-1] if last else "no output"
-            return {"system": peer, "model": model, "error": f"exit {rc}: {reason[:300]}"}
+        if death.returncode != 0 or not os.path.exists(out_path):
+            reason = death.stderr_tail[-1] if death.stderr_tail else "no output"
+            return {"system": peer, "model": model,
+                    "error": f"exit {death.returncode}: {reason[:300]}"}
         with open(out_path) as f:
             return json.load(f)
 

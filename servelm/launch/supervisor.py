@@ -324,6 +324,9 @@ class Supervisor:
         last_said = start
         while True:
             for h in list(pending):
+                if isinstance(h.spec.readiness, AtOnce):  # ready when started, even if done
+                    pending.remove(h)
+                    continue
                 death = h.death()
                 if death is not None:
                     raise LaunchError(death.describe("while starting"), death)
@@ -339,7 +342,7 @@ class Supervisor:
                 logger.info("waiting for %s: %.0f s", ", ".join(
                     f"{h.name} ({h.spec.readiness.what})" for h in pending), now - start)
                 last_said = now
-            time.sleep(0.05 if isinstance(pending[0].spec.readiness, AtOnce) else 0.2)
+            time.sleep(0.2)
 
     def stop_all(self, grace_s: float = 10.0,
                  handles: Sequence[ProcessHandle] | None = None) -> None:

@@ -335,3 +335,8 @@ def test_stderr_reaches_ours_teed_with_its_tail_or_inherited_without(sup, capfd,
     assert death.exit_code == 1
     assert death.stderr_tail == (("a line of stderr",) if kept else ())
     assert "a line of stderr" in capfd.readouterr().err
+
+
+def test_at_once_is_ready_even_if_it_has_already_ended(sup):
+    handle = sup.start(ProcessSpec("quick", (PY, "-c", "raise SystemExit(4)")))
+    assert handle.death(settle_s=HANG_GUARD_S).exit_code == 4
