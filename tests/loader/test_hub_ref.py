@@ -90,6 +90,14 @@ def test_safetensors_repo_fetches_config_tokenizer_and_shards_only():
     }
 
 
+def test_an_autogptq_repo_fetches_its_quantize_config():
+    """Older AutoGPTQ repositories keep the GPTQ settings in quantize_config.json."""
+    chosen = _select(["config.json", "quantize_config.json", "tokenizer.json",
+                      "model.safetensors", "README.md"])
+    assert set(chosen.files) == {"config.json", "quantize_config.json", "tokenizer.json",
+                                 "model.safetensors"}
+
+
 def test_index_narrows_to_its_shards():
     chosen = _select(SAFETENSORS_REPO)
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
