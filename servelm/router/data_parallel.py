@@ -93,9 +93,12 @@ def start_replicas(supervisor: Supervisor, args, n: int,
 
 def report_deaths(supervisor: Supervisor, what: str):
     """Log each replica that dies while serving, with its last stderr lines (the router
-    ejects it; nothing restarts it). Returns the watch, to stop before stopping them."""
+    ejects it; nothing restarts it). One that drained and exited 0 is not reported: a
+    terminal's Ctrl-C reaches the replicas too. Returns the watch, to stop before stopping
+    them."""
     def on_death(death) -> None:
-        print(f"[servelm] {what}: {death.describe()}", file=sys.stderr, flush=True)
+        if death.returncode != 0:
+            print(f"[servelm] {what}: {death.describe()}", file=sys.stderr, flush=True)
 
     return supervisor.watch(on_death)
 

@@ -108,3 +108,26 @@ def test_url_of_a_replica_handle():
         spec = replica_spec(replica_options(_parse(["M"]), 5, None))
 
     assert url_of(Handle()) == "http://127.0.0.1:5"
+
+
+def test_a_replica_that_failed_is_reported_one_that_drained_is_not(capfd):
+    import time
+
+    from servelm.launch import ProcessSpec
+    from servelm.router.data_parallel import report_deaths
+
+    supervisor = Supervisor(stop_at_exit=False)
+    drained, failed = (supervisor.start(ProcessSpec(name, (sys.executable, "-c", code)))
+                       for name, code in (("replica A", "pass"),
+                                          ("replica B", "raise SystemExit(3)")))
+    for handle in (drained, failed):
+        handle.death(settle_s=120.0)
+    watch = report_deaths(supervisor, "data parallel")  # one pass sees A, then B
+    deadline = time.monotonic() + 120.0  # only so that a broken watch fails, not hangs
+    err = ""
+    while "replica B" not in err and time.monotonic() < deadline:
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    watch.stop()
+    assert f"[servelm] data parallel: replica B (pid {failed.pid}) exited with code 3" in err
+    assert "replica A" not in err
