@@ -148,9 +148,19 @@ def add_parser(subparsers) -> None:
                         "decode, stream) to this OTLP/HTTP endpoint, e.g. "
                         "http://127.0.0.1:4318/v1/traces (needs servelm[otel]; default: off)")
     g.add_argument("--state-store", default=d("state_store"), metavar="URL",
-                   help="where /v1/responses stores responses: sqlite:///PATH (a file shared "
-                        "by the replicas of this machine; default "
-                        "$SERVELM_HOME/state.sqlite3)")
+                   help="where responses, files and batches are kept: sqlite:///PATH (a file "
+                        "shared by the replicas of this machine; default "
+                        "$SERVELM_HOME/state.sqlite3) or postgresql://USER@HOST/DB (replicas "
+                        "on several machines; needs servelm[postgres])")
+    g.add_argument("--max-file-bytes", type=int, default=d("max_file_bytes"),
+                   help="largest file POST /v1/files takes (413 beyond)")
+    g.add_argument("--max-batch-lines", type=int, default=d("max_batch_lines"),
+                   help="requests in one batch's input file (the batch fails beyond)")
+    g.add_argument("--max-active-batches", type=int, default=d("max_active_batches"),
+                   help="batches not yet finished in the state store (429 beyond)")
+    g.add_argument("--batch-max-inflight", type=int, default=d("batch_max_inflight"),
+                   help="batch lines this replica keeps in the engine at once (each enters "
+                        "only while no other request waits)")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")
@@ -189,6 +199,9 @@ def server_config_from_cli(args, model_name: str):
         peak_flops=args.peak_flops, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, request_log=args.request_log,
         otlp_traces_endpoint=args.otlp_traces_endpoint, state_store=args.state_store,
+        max_file_bytes=args.max_file_bytes, max_batch_lines=args.max_batch_lines,
+        max_active_batches=args.max_active_batches,
+        batch_max_inflight=args.batch_max_inflight,
         **{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
 
@@ -245,10 +258,10 @@ def handler(args) -> int:
         except SLOSpecError as exc:
             print(f"servelm serve: error: {exc}", file=sys.stderr)
             return 2
-    from servelm.server.state_store import state_store_path
+    from servelm.server.state_store import check_state_store
 
-    try:  # and if the state store's URL names none
-        state_store_path(args.state_store)
+    try:  # and if the state store's URL is unusable or its server unreachable
+        check_state_store(args.state_store)
     except ValueError as exc:
         print(f"servelm serve: error: {exc}", file=sys.stderr)
         return 2

@@ -60,6 +60,14 @@ class ServerConfig:
     max_active_batches: int = 100
     batch_max_inflight: int = 8
 
+    def __post_init__(self):
+        for name in ("max_file_bytes", "max_batch_lines", "max_active_batches",
+                     "batch_max_inflight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got "
+                                 f"{value!r}")
+
     def load_slo_spec(self):
         """The server's SLO spec: the --slo-spec file, else the TTFT/TPOT flags' one class."""
         from servelm.slo import spec_from_flags

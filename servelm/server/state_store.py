@@ -501,6 +501,13 @@ def state_store_path(url: str | None) -> str:
     return rest[1:]
 
 
+def check_state_store(url: str | None) -> None:
+    """At start-up: a ValueError naming the flag for a URL servelm cannot use, or a
+    PostgreSQL server it cannot reach (a SQLite file is created when first used)."""
+    if state_store_scheme(url) == "postgresql":
+        open_state_store(url).close()
+
+
 def open_state_store(url: str | None, lease_s: float = DEFAULT_LEASE_S) -> StateStore:
     """The store a `--state-store` URL names (None: the default file)."""
     if state_store_scheme(url) == "postgresql":
@@ -511,5 +518,6 @@ def open_state_store(url: str | None, lease_s: float = DEFAULT_LEASE_S) -> State
 
 
 __all__ = ["ACTIVE_BATCH_STATUSES", "ACTIVE_STATUSES", "BatchResult", "ItemPage",
-           "SQLStateStore", "SQLiteStateStore", "StateStore", "default_state_store_url",
+           "SQLStateStore", "SQLiteStateStore", "StateStore", "check_state_store",
+           "default_state_store_url",
            "open_state_store", "state_store_path", "state_store_scheme"]

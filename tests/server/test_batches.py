@@ -3,8 +3,9 @@ live server on the default model: upload, list, content and delete of files; cha
 completion, embedding and responses batches run to completed with their output and error
 files; a malformed input file failing the batch with each bad line and field named; cancel;
 expiry; list pages; refusals by name; a restarted server resuming a batch without running a
-finished line again; and interactive requests keeping their place while a batch runs (in
-the lowest SLO class, never more than its seats in the engine)."""
+finished line again (on a SQLite and on a PostgreSQL store); and interactive requests
+keeping their place while a batch runs (in the lowest SLO class, never more than its seats
+in the engine)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from live_server import MODEL, LiveServer
+from postgres_server import postgres_server, postgres_url  # noqa: F401 - fixtures
 
 FINISHED = ("completed", "failed", "expired", "cancelled")
 
@@ -59,28 +61,38 @@ def _store_url(path) -> str:
     return f"sqlite:///{path}"
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store(request, tmp_path):
+    """The state store's URL: a SQLite file, or a database on a real PostgreSQL server."""
+    if request.param == "sqlite":
+        return _store_url(tmp_path / "state.sqlite3")
+    return request.getfixturevalue("postgres_url")
+
+
 # First in the file: these run their own servers on the session's engine before this
 # module's shared server starts (two servers must not step one engine at once).
-def test_a_restarted_server_resumes_without_rerunning_finished_lines(engine, tmp_path):
-    from servelm.server.state_store import SQLiteStateStore
+def test_a_restarted_server_resumes_without_rerunning_finished_lines(engine, any_store):
+    from servelm.server.state_store import open_state_store
 
-    path = tmp_path / "state.sqlite3"
     rows = [_chat_line(i, max_tokens=24, ignore_eos=True) for i in range(12)]
-    first = LiveServer(engine, state_store=_store_url(path), batch_max_inflight=1)
+    first = LiveServer(engine, state_store=any_store, batch_max_inflight=1)
     try:
         client = _client(first)
         batch = _submit(client, rows)
         _wait(client, batch.id, lambda b: b.request_counts.completed >= 2)
+        response = client.responses.create(model=MODEL, input="Name a colour.",
+                                           max_output_tokens=4)
     finally:
         first.stop()
-    store = SQLiteStateStore(path)
+    store = open_state_store(any_store)
     before = {r.line: r.body for r in store.batch_results(batch.id)}
     assert store.get_batch(batch.id)["status"] == "in_progress"
     store.close()
     assert 2 <= len(before) < len(rows)
-    second = LiveServer(engine, state_store=_store_url(path), batch_max_inflight=1)
+    second = LiveServer(engine, state_store=any_store, batch_max_inflight=1)
     try:
         client = _client(second)
+        assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
         done = _wait(client, batch.id)
         ran = sum(v for k, v in second.metrics().items()
                   if k.startswith("servelm_requests_finished_total{"))
