@@ -78,7 +78,7 @@ def parse_config(qc: dict[str, Any], where: str) -> CTSpec:
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
     formats = {fmt} | {g.get("format") for g in groups.values() if g.get("format")}
-    formats.discard(None)
+    formats -= {None, "mixed-precision"}  # mixed: each config group names its own
     bad = sorted(f for f in formats if f not in FORMATS)
     if bad:
         raise InvalidParameterError(

@@ -291,3 +291,21 @@ def test_gptq_8bit_under_int8_activations(tmp_path):
     dots = torch.einsum("tgk,ngk->tng", xq, codes.double().view(codes.shape[0], -1, 32))
     want = (dots * d.squeeze(-1)[:, None, :]).sum(-1) * qkv.scale.double()
     torch.testing.assert_close(qkv(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_tensors_mixed_precision_reads_each_groups_format(tmp_path):
+    """A top-level format "mixed-precision" defers to the config groups' own formats: a
+    group in a refused format is still refused by name."""
+    pytest.importorskip("compressed_tensors")
+    ref = cc.write_compressed_tensors(_hf(), tmp_path / "m", 4, "group", 32, True)
+    path = tmp_path / "m" / "config.json"
+    cfg = json.loads(path.read_text())
+    qc = cfg["quantization_config"]
+    qc["format"] = "mixed-precision"
+    qc["config_groups"]["group_0"]["format"] = "pack-quantized"
+    path.write_text(json.dumps(cfg))
+    _check(tmp_path / "m", ref, {Int4Linear})
+    qc["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(InvalidParameterError, match="format 'nvfp4-pack-quantized'"):
+        _engine(tmp_path / "m")
