@@ -309,3 +309,25 @@ def test_compressed_tensors_mixed_precision_reads_each_groups_format(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(InvalidParameterError, match="format 'nvfp4-pack-quantized'"):
         _engine(tmp_path / "m")
+
+
+def test_dtype_auto_reads_the_checkpoints_method(tmp_path):
+    """A GPTQ checkpoint stored in bfloat16 runs float32 under --dtype auto, as every
+    quantized build with float activations (its kernels take float32 rows)."""
+    cc.write_gptq(_hf(), tmp_path / "m", 4, 128)
+    path = tmp_path / "m" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
+    path.write_text(json.dumps(cfg))
+    engine = build_engine(EngineArgs(model=str(tmp_path / "m"), num_blocks=16, block_size=4))
+    assert engine.engine_args.dtype == "float32"
+    assert engine.engine_args.quantization == "gptq"
+
+
+def test_servelm_quantize_refuses_a_gptq_checkpoint(tmp_path):
+    from servelm.quant.checkpoint import quantize_checkpoint
+
+    cc.write_gptq(_hf(), tmp_path / "m", 4, 128)
+    with pytest.raises(InvalidParameterError, match="already a quantized") as e:
+        quantize_checkpoint(str(tmp_path / "m"), "int8", tmp_path / "out")
+    assert e.value.param == "model"
