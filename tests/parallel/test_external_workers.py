@@ -4,12 +4,12 @@ variables and the same engine flags joins it, and the replica serves as one star
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import sys
 
 from parallel_helpers import build, run_greedy, save_tiny
+
+from servelm.launch import ProcessSpec, Resources, Supervisor, torchrun_env
 
 
 def test_a_worker_started_by_environment_variables_joins_rank_0(tmp_path):
@@ -18,18 +18,19 @@ def test_a_worker_started_by_environment_variables_joins_rank_0(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "LOCAL_RANK": "1"}
-    worker = subprocess.Popen([sys.executable, "-m", "servelm.parallel.worker", "--from-env",
-                               path, "--tensor-parallel-size", "2", "--block-size", "4"],
-                              env=env)
+    # the launcher's torchrun-style variant: the rank told its place by environment variables
+    spec = ProcessSpec("external worker rank 1", (
+        sys.executable, "-m", "servelm.parallel.worker", "--from-env", path,
+        "--tensor-parallel-size", "2", "--block-size", "4"),
+        resources=Resources(env=torchrun_env(1, 2, "127.0.0.1", port, local_rank=1)))
+    supervisor = Supervisor(stop_at_exit=False)
+    worker = supervisor.start(spec)
     try:
         engine = build(path, tensor_parallel_size=2, parallel_master=f"127.0.0.1:{port}")
         assert engine.runner.workers.procs == {}  # nothing spawned here
         tokens, _ = run_greedy(engine)
         engine.runner.close()  # tells the worker to stop
-        assert worker.wait(30) == 0
+        assert worker.death(settle_s=30).returncode == 0
     finally:
-        if worker.poll() is None:
-            worker.kill()
+        supervisor.stop_all(5.0)
     assert tokens == ref_tokens
