@@ -18,6 +18,7 @@ from servelm.attention.kv_cache import PREFAULT_BYTES, KVCache, kv_storage_dtype
 from servelm.config import EngineArgs, ModelConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
+from servelm.engine.kv_connector import KVConnector, combine
 from servelm.layers.linear import can_pack, pack_linears
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.loader import (iter_weights, load_model_config, load_tokenizer, prepared,
@@ -392,9 +393,11 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                                  cache_config.enable_prefix_caching,
                                  sliding_window=config.uniform_sliding_window)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
+    kv_connector = _build_kv_connector(args, config, kv_cache.block_nbytes, str(kv_dtype),
+                                       name, prepared_key, model)
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
                     config.vocab_size, eos, model_name=name or config.name,
-                    speculator=speculator, loras=lora_slots)
+                    speculator=speculator, loras=lora_slots, kv_connector=kv_connector)
     engine.model_config = config
     if args.slo_cost_model is not None and engine.scheduler.policy is not None:
         from servelm.sim.cost_model import StepCostModel  # torch-free (docs/slo.md)
@@ -406,21 +409,30 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         if vision is not None:
             vision.cache.capacity_tokens = args.encoder_cache_tokens
     engine.engine_args = args
-    if args.kv_tiers_config().is_enabled:  # host memory and disk below the pool
-        from servelm.kv_tiers.build import attach_kv_tiers, weights_digest
-
-        attach_kv_tiers(engine, args, config, kv_cache.block_nbytes, str(kv_dtype),
-                        name, prepared_key or weights_digest(model))
-    if args.disagg_role != "colocated":  # --role prefill | decode (servelm/disagg/)
-        from servelm.disagg.roles import attach_role
-
-        attach_role(engine, args, kv_cache.block_nbytes)
     logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
                 cache_config.block_size,
                 num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,
                                                      kv_dtype) / 1e9,
                 max_model_len)
     return engine
+
+
+def _build_kv_connector(args: EngineArgs, config: ModelConfig, block_nbytes: int,
+                        kv_dtype: str, name: str, prepared_key, model) -> KVConnector:
+    """KV entering or leaving the pool: --role prefill | decode (servelm/disagg/) and host
+    memory and disk below the pool (servelm/kv_tiers/); none, one, or both at once (the
+    role's hooks first). The tiers are built first: a role listens once built."""
+    parts = []
+    if args.kv_tiers_config().is_enabled:
+        from servelm.kv_tiers.build import kv_tiers_from_args, weights_digest
+
+        parts.append(kv_tiers_from_args(args, config, block_nbytes, kv_dtype, name,
+                                        prepared_key or weights_digest(model)))
+    if args.disagg_role != "colocated":
+        from servelm.disagg.roles import role_from_args
+
+        parts.insert(0, role_from_args(args, block_nbytes))
+    return combine(parts)
 
 
 def _build_lora(args: EngineArgs, config: ModelConfig, model, dtype, device):

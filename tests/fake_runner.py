@@ -91,7 +91,8 @@ class FakeRunner:
 
 
 def make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
-                max_model_len=512, chunked=True, prefix_caching=False, runner=None):
+                max_model_len=512, chunked=True, prefix_caching=False, runner=None,
+                kv_connector=None):
     from servelm.config import SchedulerConfig
     from servelm.engine.block_manager import BlockManager
     from servelm.engine.engine import Engine
@@ -99,4 +100,4 @@ def make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_
     return Engine(runner or FakeRunner(block_size=block_size), None,
                   BlockManager(num_blocks, block_size, prefix_caching),
                   SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked),
-                  max_model_len, 1000, (1,))
+                  max_model_len, 1000, (1,), kv_connector=kv_connector)

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from servelm.bench.results import git_commit, machine_info
 from servelm.config import EngineArgs
+from servelm.engine.kv_connector import find_connector
 from servelm.engine_builder import build_engine
+from servelm.kv_tiers.tiers import KVTiers
 from servelm.protocol import EngineRequest, SamplingParams
 
 MODES = ("recompute", "host", "disk", "cost")
@@ -45,6 +47,10 @@ def _engine(model: str, mode: str, pool_bytes: int, threads: int, disk_dir: str)
         kw.update(kv_reload_policy="always")
     return build_engine(EngineArgs(model=model, kv_cache_memory=pool_bytes, num_threads=threads,
                                    max_num_batched_tokens=2048, **kw))
+
+
+def _tiers(engine) -> KVTiers | None:
+    return find_connector(engine.kv_connector, KVTiers)
 
 
 def _one(engine, rid: str, prompt: list[int], max_tokens: int):
@@ -77,8 +83,8 @@ def run_mode(engine, args, mode: str, lengths: list[int]) -> list[dict]:
         n = min(2048, pool_tokens // 2)
         _one(engine, f"flush-{flushed}", tokens(n), 1)
         flushed += n
-    if engine.kv_tiers is not None:
-        engine.kv_tiers.io.drain()
+    if _tiers(engine) is not None:
+        _tiers(engine).io.drain()
     rows = []
     for i, (n, h) in enumerate(convs):
         prompt = h + tokens(16)
@@ -88,8 +94,8 @@ def run_mode(engine, args, mode: str, lengths: list[int]) -> list[dict]:
                      "cache_explain": t.cache_explain})
         print(f"{mode:9s} L={n:5d}: TTFT {t.ttft_s * 1e3:.1f} ms "
               f"{(t.cache_explain or {}).get('decision', '')}", flush=True)
-    if engine.kv_tiers is not None:
-        rows[-1]["tier_stats"] = engine.kv_tiers.stats()
+    if _tiers(engine) is not None:
+        rows[-1]["tier_stats"] = _tiers(engine).stats()
     return rows
 
 
@@ -176,8 +182,8 @@ def main() -> None:
         try:
             engine = _engine(args.model, mode, args.pool_bytes, args.threads, disk_dir)
             rows += run_mode(engine, args, mode, [int(x) for x in args.lengths.split(",")])
-            if engine.kv_tiers is not None:
-                engine.kv_tiers.close()
+            if _tiers(engine) is not None:
+                _tiers(engine).close()
         finally:
             shutil.rmtree(disk_dir, ignore_errors=True)
     bw = {}

@@ -1,11 +1,12 @@
 """The prefill and decode roles: an engine's side of KV transfers.
 
-Owns: `PrefillRole` and `DecodeRole`, the objects an Engine calls through its `kv_transfer`
-hooks (servelm/engine/engine.py: on_add, on_abort, on_finish, poll, has_work). Everything a
-role does to the engine happens on the engine's own thread, inside those hooks; transports
-deliver messages from their I/O threads into the role's inbox, which `poll` drains between
-steps. Block contents move only through the step contract (Engine.execute_kv: kv_saves on
-the prefill side, kv_loads on the decode side).
+Owns: `PrefillRole` and `DecodeRole`, two KVConnectors (servelm/engine/kv_connector.py) an
+Engine is built with (alone, or beside the KV tiers in a MultiKVConnector) and calls through
+its hooks: on_add, on_abort, on_finish, poll, has_work. Everything a role does to the engine
+happens on the engine's own thread, inside those hooks; transports deliver messages from
+their I/O threads into the role's inbox, which `poll` drains between steps. Block contents
+move only through the step contract (the engine's KVWorker: the prefill side saves blocks,
+the decode side starts loads, each then waits for its KV-only step).
 Never: trusts a peer (every frame is checked: transfer, index, chain hash, crc32, size),
 frees a block another party may still read, or leaves a request waiting without a bound.
 
@@ -32,6 +33,7 @@ import queue
 import time
 
 from servelm.core.contract import KVBlock
+from servelm.engine.kv_connector import KVConnector, KVConnectorHost
 from servelm.disagg.messages import (KV_PROTOCOL_VERSION, Ack, Cancel, KVFrame, KVHello, Pull,
                                      Sent, checksum)
 from servelm.disagg.transfer import (RecvState, RecvTransfer, SendState, SendTransfer,
@@ -45,24 +47,32 @@ logger = logging.getLogger(__name__)
 _CLOSED = object()  # inbox marker: (channel, _CLOSED, reason)
 
 
-class _Role:
-    """What both roles share: the inbox, the engine and its clock, the stats."""
+class _Role(KVConnector):
+    """What both roles share: the inbox, the engine (once bound) and its clock, the stats."""
 
     role = ""
+    reads_prompt_blocks = True  # a prompt's blocks are sent or cached after they filled
 
-    def __init__(self, engine, transport: KVTransport, block_nbytes: int,
+    def __init__(self, transport: KVTransport, block_nbytes: int,
                  timeouts: TransferTimeouts | None = None, clock=None):
-        self.engine = engine
-        self.bm = engine.block_manager
-        self.block_size = self.bm.block_size
+        self.name = f"{self.role}_role"
         self.transport = transport
         self.block_nbytes = block_nbytes
         self.timeouts = timeouts or TransferTimeouts()
-        self.clock = clock or engine.clock
+        self.clock = clock
         self.stats = TransferStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seen = (0, 0)  # take_changed's last (started, finished)
         self.wake = None  # set by the engine loop: a message arrived, step soon
+
+    def bind(self, host: KVConnectorHost) -> None:
+        self.host = host
+        self.bm = host.block_manager
+        self.block_size = self.bm.block_size
+        self.clock = self.clock or host.clock
+
+    def set_wake(self, wake) -> None:
+        self.wake = wake
 
     # -- KVEndpoint (transport I/O threads: enqueue only) ----------------------------------
 
@@ -99,8 +109,8 @@ class _Role:
     def _hashes(self, tokens: list[int], extra_key, num_blocks: int) -> list[int]:
         return block_hashes(tokens[:num_blocks * self.block_size], self.block_size, extra_key)
 
-    def report(self) -> dict[str, float]:
-        return self.stats.as_dict()
+    def report(self) -> dict[str, dict]:
+        return {"kv_transfer": self.stats.as_dict()}
 
     def take_changed(self) -> bool:
         """Whether a transfer began or ended since the last call (the engine loop then
@@ -115,9 +125,9 @@ class PrefillRole(_Role):
 
     role = "prefill"
 
-    def __init__(self, engine, transport: KVTransport, address: str, block_nbytes: int,
+    def __init__(self, transport: KVTransport, address: str, block_nbytes: int,
                  timeouts: TransferTimeouts | None = None, clock=None):
-        super().__init__(engine, transport, block_nbytes, timeouts, clock)
+        super().__init__(transport, block_nbytes, timeouts, clock)
         self._transfers: dict[str, SendTransfer] = {}
         self._by_seq: dict[int, SendTransfer] = {}
         # transfer id -> until when: decode said "not needed" before the request came
@@ -258,7 +268,9 @@ class PrefillRole(_Role):
                 batch.append((t, i))
                 i += 1
         if batch:
-            saved = self.engine.execute_kv([t.pinned[i] for t, i in batch], [])
+            worker = self.host.kv_worker
+            worker.save_blocks([t.pinned[i] for t, i in batch])
+            saved = worker.wait()
             for (t, i), block in zip(batch, saved):
                 self._send_block(t, i, block.data)
         for t in list(self._transfers.values()):
@@ -321,16 +333,19 @@ class DecodeRole(_Role):
 
     role = "decode"
 
-    def __init__(self, engine, transport: KVTransport, block_nbytes: int,
+    def __init__(self, transport: KVTransport, block_nbytes: int,
                  timeouts: TransferTimeouts | None = None, clock=None):
-        super().__init__(engine, transport, block_nbytes, timeouts, clock)
-        if self.bm.prefix_cache is None:
-            raise ValueError("the decode role caches the blocks it receives: it needs the "
-                             "prefix cache (drop --no-prefix-cache)")
+        super().__init__(transport, block_nbytes, timeouts, clock)
         self._channels: dict[str, object] = {}  # prefill KV address -> channel
         self._transfers: dict[str, RecvTransfer] = {}
         self._by_request: dict[str, RecvTransfer] = {}
         self._admitting: list[RecvTransfer] = []  # committed, pins kept until admitted
+
+    def bind(self, host: KVConnectorHost) -> None:
+        if host.block_manager.prefix_cache is None:
+            raise ValueError("the decode role caches the blocks it receives: it needs the "
+                             "prefix cache (drop --no-prefix-cache)")
+        super().bind(host)
 
     @property
     def has_work(self) -> bool:
@@ -382,7 +397,7 @@ class DecodeRole(_Role):
         if want == 0:
             channel.send(Cancel(tid, "cached"))  # it holds them all: nothing to move
             return False
-        if want > self.bm.num_free_blocks - self.engine.scheduler.admission_reserve:
+        if want > self.bm.num_free_blocks - self.host.admission_reserve:
             channel.send(Cancel(tid, "no_blocks"))
             self.stats.fallback("no_blocks")
             return False
@@ -488,7 +503,9 @@ class DecodeRole(_Role):
                 done.append((t, i))
             t.pending.clear()
         if loads:
-            self.engine.execute_kv([], loads)
+            worker = self.host.kv_worker
+            worker.start_loads(loads)
+            worker.wait()
             for t, i in done:
                 t.loaded.add(i)
 
@@ -518,8 +535,7 @@ class DecodeRole(_Role):
             self.stats.fallback(cause or "frame_lost")
         self.stats.num_blocks += kept
         self.stats.finish(kept * self.block_nbytes, self.clock() - t.started)
-        for seq in t.seqs:
-            self.engine.scheduler.add(seq)
+        self.host.admit(t.seqs)
         self._admitting.append(t)
 
     def _release_admitted(self) -> None:
@@ -538,24 +554,22 @@ class DecodeRole(_Role):
             ch.close()
 
 
-def attach_role(engine, args, block_nbytes: int):
-    """Give an engine its --role (EngineArgs.disagg_role): the role object, set as
-    engine.kv_transfer."""
+def role_from_args(args, block_nbytes: int) -> _Role:
+    """--role (EngineArgs.disagg_role) -> the role an engine is built with."""
     timeouts = TransferTimeouts(lease_s=args.kv_lease_s, pull_timeout_s=args.kv_lease_s)
     transport = make_transport(args.kv_transport)
     if args.disagg_role == "prefill":
         if not args.kv_address:
             raise InvalidParameterError("the prefill role needs --kv-address", "kv_address")
-        role = PrefillRole(engine, transport, args.kv_address, block_nbytes, timeouts)
+        role = PrefillRole(transport, args.kv_address, block_nbytes, timeouts)
         logger.info("prefill role: KV pulls on %s (%s)", role.address, transport.name)
     elif args.disagg_role == "decode":
-        role = DecodeRole(engine, transport, block_nbytes, timeouts)
+        role = DecodeRole(transport, block_nbytes, timeouts)
         logger.info("decode role: KV pulled over %s", transport.name)
     else:
         raise InvalidParameterError(f"role must be colocated, prefill or decode, got "
                                     f"{args.disagg_role!r}", "role")
-    engine.kv_transfer = role
     return role
 
 
-__all__ = ["DecodeRole", "PrefillRole", "attach_role"]
+__all__ = ["DecodeRole", "PrefillRole", "role_from_args"]

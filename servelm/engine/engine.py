@@ -20,6 +20,7 @@ from servelm.core.contract import (KVBlock, KVEvent, NewSequence, Runner, Schedu
                                    StepDescription, StepReport, StepResult)
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.kv_connector import KVConnector, NoKVConnector, StepKVWorker
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
 from servelm.engine.slo_policy import make_scheduling_policy
 from servelm.engine.sequence import Sequence, SequenceStatus
@@ -98,7 +99,8 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], model_name: str = "", speculator=None,
-                 clock: Callable[[], float] = time.monotonic, loras=None):
+                 clock: Callable[[], float] = time.monotonic, loras=None,
+                 kv_connector: KVConnector | None = None):
         self.runner = runner
         self.clock = clock  # every timestamp the engine takes (a simulator's virtual clock)
         self.tokenizer = tokenizer
@@ -111,8 +113,12 @@ class Engine:
         self.speculator = speculator  # servelm.spec.SpecController, or None
         # LoRA adapters and slots (servelm/lora/slots.py LoraSlots), or None: LoRA off.
         self.loras = loras
+        # KV entering or leaving the pool (servelm/engine/kv_connector.py): disaggregation's
+        # transfers, the host/disk tiers, or both; NoKVConnector: none.
+        self.kv_connector = kv_connector or NoKVConnector()
+        self.kv_worker = StepKVWorker(self.execute_kv)
         self.scheduler = Scheduler(scheduler_config, block_manager, speculator, max_model_len,
-                                   loras)
+                                   loras, self.kv_connector)
         # --scheduling-policy (servelm/engine/slo_policy.py); its step-time model, if any, is
         # set by whoever built the engine (engine_builder, the simulator).
         self.scheduler.policy = make_scheduling_policy(scheduler_config.scheduling_policy, clock)
@@ -133,14 +139,10 @@ class Engine:
         self._finished_ids: list[int] = []  # sequences the runner saw that have finished
         self._preempted_ids: list[int] = []
         self._step_id = 0
-        # Prefill/decode disaggregation (servelm/disagg/roles.py): the role's hooks into
-        # admission, each step, finishing and aborts; None: a colocated engine.
-        self.kv_transfer = None
-        # KV tiers below the pool (servelm/kv_tiers/, use_kv_tiers); None: off.
-        self.kv_tiers = None
         # The last step's StepDescription (its shape is what a step trace records,
         # servelm/sim/step_trace.py); None before the first step.
         self.last_step_description: StepDescription | None = None
+        self.kv_connector.bind(self)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -177,10 +179,18 @@ class Engine:
             seq.images = request.images
             self._seqs[seq.seq_id] = seq
         # A disaggregated decode role holds the sequences back until their KV has arrived.
-        if self.kv_transfer is None or not self.kv_transfer.on_add(request, seqs):
-            for seq in seqs:
-                self.scheduler.add(seq)
+        if not self.kv_connector.on_add(request, seqs):
+            self.admit(seqs)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * params.n
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Into the scheduler's waiting queue (a KV connector hands back what it held)."""
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    @property
+    def admission_reserve(self) -> int:
+        return self.scheduler.admission_reserve
 
     def _lora_entry(self, name: str | None):
         if name is None:
@@ -262,8 +272,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return False
-        if self.kv_transfer is not None:  # a held request goes back to the queue to finish
-            self.kv_transfer.on_abort(request_id)
+        self.kv_connector.on_abort(request_id)  # a held request goes back to be finished
         for seq in state.seqs:
             if not seq.is_finished:
                 self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "",
@@ -274,8 +283,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or (
-            self.kv_transfer is not None and self.kv_transfer.has_work)
+        return bool(self._requests) or bool(self._pending) or self.kv_connector.has_work
 
     @property
     def num_requests(self) -> int:
@@ -292,16 +300,14 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
-        if self.kv_transfer is not None:
-            self.kv_transfer.poll()  # transfer messages and timeouts, between steps
-        if self.kv_tiers is not None:
-            self.kv_tiers.poll()  # disk reads and writes finished since the last step
+        # transfer messages and timeouts, disk reads and writes finished since the last step
+        self.kv_connector.poll()
         batch = self.scheduler.schedule()
         self._note_preempted(batch.preempted)
         if batch.is_empty:
-            if self.kv_tiers is not None and self._kv_tiers_idle_step():
+            if self._idle_kv_step():
                 return deltas
-            if self.kv_transfer is not None and self.block_manager.num_pinned_blocks:
+            if self.block_manager.num_pinned_blocks:
                 return deltas  # blocks come back when the transfers holding them end
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission guarantees every request fits an empty pool: this is a bug.
@@ -315,8 +321,8 @@ class Engine:
         step = self.last_step_description = self.describe(batch)
         result: StepResult = self.runner.execute(step)
         now = self.clock()
-        if self.kv_tiers is not None:  # saved blocks move down; the step feeds the estimate
-            self.kv_tiers.on_step(step, result, now - start)
+        self.kv_connector.on_saved(result.kv_saved)  # e.g. saved blocks move down a tier
+        self.kv_connector.on_step(step, now - start)  # e.g. the step feeds a cost estimate
         if result.expert_tokens:
             self._expert_tokens = result.expert_tokens  # the next report carries it
         if result.num_images_encoded or result.num_encoder_cache_hits:
@@ -338,7 +344,7 @@ class Engine:
             if first:
                 self._attach_prompt_outputs(seq, delta, result, kept)
             deltas.append(delta)
-        if self.block_manager.sliding_window and self.kv_transfer is None:
+        if self.block_manager.sliding_window and not self.kv_connector.reads_prompt_blocks:
             for s in batch.seqs:  # blocks the window has passed go back to the pool
                 if not s.seq.is_finished:
                     self.block_manager.drop_out_of_window(s.seq)
@@ -387,40 +393,37 @@ class Engine:
         step = StepDescription(self._step_id, seqs, self._finished_ids, self._preempted_ids,
                                self.loras.drain() if self.loras is not None else None)
         self._finished_ids, self._preempted_ids = [], []
-        if self.kv_tiers is not None:  # evicted blocks read, reloaded ones written, first
-            step.kv_saves, step.kv_loads = self.kv_tiers.take_saves(), self.kv_tiers.take_loads()
+        # evicted blocks read, reloaded ones written, first
+        step.kv_saves = self.kv_connector.take_saves()
+        step.kv_loads = self.kv_connector.take_loads()
         return step
 
-    def use_kv_tiers(self, tiers) -> None:
-        """Put KV tiers (servelm/kv_tiers/tiers.py KVTiers) below the device pool."""
-        tiers.attach(self.block_manager)
-        self.kv_tiers = self.scheduler.kv_tiers = tiers
-
-    def _kv_tiers_idle_step(self) -> bool:
-        """Nothing to compute: run the tiers' pending block moves, or wait a moment for
-        their reads (a request waiting on them is admitted once they finish)."""
-        tiers = self.kv_tiers
-        if tiers.has_step_work:
+    def _idle_kv_step(self) -> bool:
+        """Nothing to compute: run the connector's pending block moves, or wait a moment for
+        its reads (a request waiting on them is admitted once they finish)."""
+        kv = self.kv_connector
+        if kv.has_step_work:
             self._step_id += 1
-            step = StepDescription(self._step_id, [], kv_saves=tiers.take_saves(),
-                                   kv_loads=tiers.take_loads())
-            tiers.on_step(step, self.runner.execute(step), None)
+            step = StepDescription(self._step_id, [], kv_saves=kv.take_saves(),
+                                   kv_loads=kv.take_loads())
+            kv.on_saved(self.runner.execute(step).kv_saved)
             return True
-        if tiers.is_busy:
-            tiers.wait(0.01)
+        if kv.is_busy:
+            kv.wait(0.01)
             return True
         return False
 
     def execute_kv(self, saves: list[int], loads: list[KVBlock]) -> list[KVBlock]:
         """A step with no sequences: read `saves`, then write `loads` (the step contract's
-        KV ops); returns the saved blocks' contents."""
+        KV ops); returns the saved blocks' contents (a connector calls it through
+        kv_worker)."""
         self._step_id += 1
         # Blocks the pool evicted to make room for `loads` are saved first (KV tiers).
-        mine = self.kv_tiers.take_saves() if self.kv_tiers is not None else []
+        mine = self.kv_connector.take_saves()
         saved = self.runner.execute(StepDescription(self._step_id, [], kv_saves=mine + saves,
                                                     kv_loads=loads)).kv_saved
         if mine:
-            self.kv_tiers.on_saved(saved[:len(mine)])
+            self.kv_connector.on_saved(saved[:len(mine)])
         return saved[len(mine):]
 
     def _note_preempted(self, victims: list[Sequence]) -> None:
@@ -528,10 +531,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus, text: str, token_ids: list[int],
                 logprobs, now: float) -> TokenDelta:
-        if self.kv_transfer is not None:  # a prefill role pins the blocks it still sends
-            self.kv_transfer.on_finish(seq, status)
-        if self.kv_tiers is not None:
-            self.kv_tiers.forget(seq.seq_id)
+        self.kv_connector.on_finish(seq, status)  # a prefill role pins what it still sends
         self.scheduler.finish(seq, status)
         if seq.lora_id is not None:
             self.loras.finish_live(seq.lora_id)
@@ -587,8 +587,7 @@ class Engine:
             moe_expert_tokens=self._take_expert_tokens(),
             num_images_encoded=st.num_images_encoded,
             num_encoder_cache_hits=st.num_encoder_cache_hits, encoder_time_s=st.encoder_time_s,
-            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else {},
-            kv_transfer=self.kv_transfer.report() if self.kv_transfer is not None else {})
+            **self.kv_connector.report())
 
     def _take_expert_tokens(self) -> list[list[int]]:
         tokens, self._expert_tokens = self._expert_tokens, []
@@ -609,8 +608,7 @@ class Engine:
         if self.loras is not None:
             self.loras.check_invariants([s.lora_id for s in self.scheduler.running
                                          if s.lora_id is not None])
-        if self.kv_tiers is not None:
-            self.kv_tiers.check_invariants()
+        self.kv_connector.check_invariants()
 
 
 FINISH_REASONS = [r.value for r in FinishReason]

@@ -72,8 +72,7 @@ class EngineLoop:
         self._live_ids: set[str] = set()  # loop thread only: admitted, not finished
         self.report: StepReport = engine.report()  # the last published (read anywhere)
         engine.enable_kv_events()  # a server publishes what its prefix cache holds
-        if engine.kv_transfer is not None:  # KV transfer messages wake an idle loop
-            engine.kv_transfer.wake = self.wake
+        engine.kv_connector.set_wake(self.wake)  # e.g. KV transfer messages wake an idle loop
         # --step-trace FILE: each step's shape and wall time (servelm/sim/step_trace.py).
         self.step_trace = None
         if getattr(getattr(engine, "engine_args", None), "step_trace", None):
@@ -213,15 +212,14 @@ class EngineLoop:
             if d.timings is not None:
                 self._live_ids.discard(d.request_id)
         self.report = self.engine.report(step_s)
-        kv = self.engine.kv_transfer  # a transfer that began or ended between steps counts
-        if deltas or step_s is not None or (kv is not None and kv.take_changed()):
+        # a KV transfer that began or ended between steps counts
+        if deltas or step_s is not None or self.engine.kv_connector.take_changed():
             self.sink.outputs(deltas, self.report, self.engine.drain_kv_events())
 
     def _abort_all(self) -> None:
         for rid in list(self._live_ids):
             self.engine.abort(rid)
-        if self.engine.kv_transfer is not None:  # its channels close: transfers end now
-            self.engine.kv_transfer.close()
+        self.engine.kv_connector.close()  # e.g. transfer channels close: transfers end now
         while self.engine.has_unfinished:
             num_steps = self.engine.stats.num_steps
             self._deliver(self.engine.step(), None)

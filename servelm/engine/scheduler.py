@@ -23,6 +23,7 @@ from typing import Protocol
 
 from servelm.config import SchedulerConfig
 from servelm.engine.block_manager import BlockManager
+from servelm.engine.kv_connector import KVConnector, NoKVConnector
 from servelm.engine.sequence import Sequence, SequenceStatus
 from servelm.vision.budget import EncoderBudget
 
@@ -81,7 +82,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  speculator: Speculator | None = None, max_model_len: int | None = None,
-                 loras=None):
+                 loras=None, kv_connector: KVConnector | None = None):
         self.config = config
         self.loras = loras  # servelm.lora.LoraSlots, or None (LoRA off)
         self.block_manager = block_manager
@@ -95,10 +96,10 @@ class Scheduler:
         # Keep a few blocks free when admitting new work, so that sequences already running
         # can grow by a block without immediately preempting what was just admitted.
         self.admission_reserve = max(1, block_manager.num_blocks // 100)
-        # KV tiers below the pool (servelm/kv_tiers/tiers.py KVTiers; None: off): a waiting
-        # sequence's prefix found there is reloaded with its admission, or it waits, skipped,
-        # while its blocks are read.
-        self.kv_tiers = None
+        # KV from outside the pool (servelm/engine/kv_connector.py, e.g. the host/disk tiers):
+        # a waiting sequence's prefix found there is loaded with its admission, or it waits,
+        # skipped, while its blocks are fetched.
+        self.kv_connector = kv_connector or NoKVConnector()
         # Vision encoder work a step may start, in image tokens (servelm/vision/budget.py)
         self.encoder_budget = EncoderBudget(config.max_num_encoder_tokens)
         # A scheduling policy beside FCFS (servelm/engine/slo_policy.py; None: FCFS): it
@@ -244,9 +245,7 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         """Admit waiting sequences in order; returns the budget left."""
-        if self.loras is None and self.kv_tiers is None:
-            return self._admit_waiting(batch, budget)
-        # their adapter has no slot this step, or their KV is being read: they keep places
+        # their adapter has no slot this step, or their KV is being fetched: they keep places
         skipped: list[Sequence] = []
         try:
             return self._admit_waiting(batch, budget, skipped)
@@ -254,15 +253,14 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int,
-                       skipped: list[Sequence] | None = None) -> int:
+                       skipped: list[Sequence]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if skipped is not None and seq.lora_id is not None \
-                    and not self.loras.can_acquire(seq.lora_id):
+            if seq.lora_id is not None and not self.loras.can_acquire(seq.lora_id):
                 skipped.append(self.waiting.popleft())
                 continue
             match = self.block_manager.match_prefix(seq)
-            load = self.kv_tiers.plan_load(seq, match) if self.kv_tiers is not None else None
+            load = self.kv_connector.plan_load(seq, match)
             if load is not None and load.is_pending:
                 skipped.append(self.waiting.popleft())
                 continue
@@ -288,14 +286,14 @@ class Scheduler:
             self.block_manager.allocate(seq, num_loaded + num_new, match)
             if self._prefill_left is not None and num_new > 1:
                 self._prefill_left -= num_new
-            if skipped is not None and seq.lora_id is not None:
+            if seq.lora_id is not None:
                 self.loras.acquire(seq.lora_id)
             if seq.status == SequenceStatus.WAITING:  # first admission, not a resume
                 seq.num_cached_tokens = match.num_tokens
                 seq.timings.num_cached_tokens = max(seq.timings.num_cached_tokens,
                                                     match.num_tokens)
-            if load is not None:  # the reloaded blocks' bytes go with this step
-                self.kv_tiers.on_admitted(seq, len(match.blocks), load)
+            if load is not None:  # the loaded blocks' bytes go with this step
+                self.kv_connector.on_admitted(seq, len(match.blocks), load)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))

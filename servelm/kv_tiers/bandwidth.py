@@ -2,7 +2,7 @@
 
 Owns: a start-up probe (timing real copies of a block-sized buffer through the tier's own
 read path) and an exponentially weighted average of the reads the tier then serves;
-MeteredTier, a tier's KVConnector bandwidth_Bps and observe_read from its meter. Never:
+MeteredTier, a tier's TierStore bandwidth_Bps and observe_read from its meter. Never:
 a figure from a table; the planner's tier bandwidths (servelm/planner/hardware.py) are
 estimates for machines that are not this one, `servelm plan offload` uses those.
 """
@@ -46,7 +46,7 @@ class BandwidthMeter:
 
 
 class MeteredTier:
-    """A tier's bandwidth_Bps and observe_read (KVConnector), from its BandwidthMeter."""
+    """A tier's bandwidth_Bps and observe_read (TierStore), from its BandwidthMeter."""
 
     _meter: BandwidthMeter
 

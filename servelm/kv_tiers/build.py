@@ -77,9 +77,9 @@ def build_kv_tiers(config: KVTiersConfig, block_size: int, block_nbytes: int,
     return KVTiers(tiers, block_size, block_nbytes, config.reload_policy, estimate, io)
 
 
-def attach_kv_tiers(engine, args, config: ModelConfig, block_nbytes: int, kv_dtype: str,
-                    name: str, weights_id: str) -> KVTiers:
-    """The engine builder's hook: --kv-* flags -> tiers under `engine`'s pool."""
+def kv_tiers_from_args(args, config: ModelConfig, block_nbytes: int, kv_dtype: str,
+                       name: str, weights_id: str) -> KVTiers:
+    """The engine builder's: --kv-* flags -> the tiers it builds its engine with."""
     if args.kv_disk_dir is not None and args.is_lora_enabled:
         # An adapter's blocks are namespaced by its name and this run's id, not its weights:
         # a later run could give another adapter the same name and id.
@@ -89,6 +89,4 @@ def attach_kv_tiers(engine, args, config: ModelConfig, block_nbytes: int, kv_dty
     block_size = args.block_size
     fingerprint = model_fingerprint(name, config, weights_id, block_size, block_nbytes,
                                     kv_dtype, args.quantization)
-    tiers = build_kv_tiers(args.kv_tiers_config(), block_size, block_nbytes, fingerprint)
-    engine.use_kv_tiers(tiers)
-    return tiers
+    return build_kv_tiers(args.kv_tiers_config(), block_size, block_nbytes, fingerprint)

@@ -1,7 +1,7 @@
-"""KVConnector: what a store of KV blocks below the device pool implements.
+"""TierStore: what a store of KV blocks below the device pool implements.
 
-Owns: the interface between KVTiers (servelm/kv_tiers/tiers.py: the engine-side logic that
-moves blocks down on eviction and decides reloads) and one store, and TierStats, the
+Owns: the interface between KVTiers (servelm/kv_tiers/tiers.py: the engine's KVConnector
+that moves blocks down on eviction and decides reloads) and one store, and TierStats, the
 counters every store keeps. Never: an implementation (host_tier.py, disk_tier.py hold two).
 
 A store is a pool of BlockEntry keyed by chain hash. The engine thread calls everything but
@@ -16,7 +16,7 @@ A store is a pool of BlockEntry keyed by chain hash. The engine thread calls eve
     bandwidth_Bps      measured read bandwidth, for the reload-vs-recompute decision
 
 A later remote store (another replica's host memory over the disaggregation transport, an
-LMCache-style server) is one more KVConnector at the bottom of the chain: contains() from a
+LMCache-style server) is one more TierStore at the bottom of the chain: contains() from a
 local index of what it announced, read() over the wire, put() as a write-behind send.
 """
 
@@ -44,7 +44,7 @@ class TierStats:
         return asdict(self)
 
 
-class KVConnector(Protocol):
+class TierStore(Protocol):
     name: str
     stats: TierStats
 

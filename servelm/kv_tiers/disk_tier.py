@@ -135,7 +135,7 @@ class DiskTier(MeteredTier):
         finally:
             path.unlink(missing_ok=True)
 
-    # -- KVConnector ------------------------------------------------------------------------
+    # -- TierStore --------------------------------------------------------------------------
 
     def path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}{SUFFIX}"

@@ -1,4 +1,4 @@
-"""KVTiers: the engine's side of the KV tiers below the device pool (torch-free).
+"""KVTiers: the KV tiers below the device pool as the engine's KVConnector (torch-free).
 
 Owns: moving a block down when the device pool's prefix cache evicts it (its id into the
 step's kv_saves, the bytes the runner returns into the first tier, what that tier pushes
@@ -13,8 +13,10 @@ others run.
          ▲                     │                   │
          └──── kv_loads ◀──────┴── verify ◀────────┘  (IO thread for disk)
 
-A request's life through admission (Scheduler._admit_waiting calls plan_load, then
-on_admitted once the blocks are allocated):
+One implementation of servelm/engine/kv_connector.py's KVConnector, given to the engine at
+construction (alone, or beside a disaggregation role in a MultiKVConnector). A request's
+life through admission (Scheduler._admit_waiting calls plan_load, then on_admitted once the
+blocks are allocated):
 
     device match [b0 b1] | host [h2 h3] | disk [d4]  | not found [..]
     plan_load: decision by cost; disk blocks missing from memory -> read queued, PENDING
@@ -32,9 +34,10 @@ from collections import Counter
 from typing import NamedTuple
 
 from servelm.core.contract import KVBlock, StepDescription
+from servelm.engine.kv_connector import KVConnector, KVConnectorHost
 from servelm.engine.prefix_cache import block_hash, namespace_hash
 from servelm.engine.sequence import SequenceStatus
-from servelm.kv_tiers.connector import KVConnector
+from servelm.kv_tiers.connector import TierStore
 from servelm.kv_tiers.entry import BlockEntry, make_entry, verify
 from servelm.kv_tiers.io_queue import IOQueue
 from servelm.kv_tiers.reload_policy import (
@@ -62,8 +65,10 @@ class _Save(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-class KVTiers:
-    def __init__(self, tiers: list[KVConnector], block_size: int, block_nbytes: int,
+class KVTiers(KVConnector):
+    name = "kv_tiers"
+
+    def __init__(self, tiers: list[TierStore], block_size: int, block_nbytes: int,
                  reload_policy: str = "cost", estimate: PrefillEstimate | None = None,
                  io: IOQueue | None = None):
         if not tiers:
@@ -90,8 +95,8 @@ class KVTiers:
 
     # -- wiring ------------------------------------------------------------------------------
 
-    def attach(self, block_manager) -> None:
-        cache = block_manager.prefix_cache
+    def bind(self, host: KVConnectorHost) -> None:
+        cache = host.block_manager.prefix_cache
         if cache is None:
             raise ValueError("KV tiers need the prefix cache (drop --no-prefix-cache): "
                              "blocks are found again by their chain hash")
@@ -99,7 +104,8 @@ class KVTiers:
         cache.on_evict = self._on_evict
 
     def close(self) -> None:
-        self.io.close()
+        """Finish the queued reads and writes (a later run finds every block it saved)."""
+        self.io.drain()
         self.poll()
 
     # -- moving down -------------------------------------------------------------------------
@@ -302,6 +308,9 @@ class KVTiers:
             seq.timings.cache_explain = explain.to_dict()
         self.forget(seq.seq_id)
 
+    def on_finish(self, seq, status) -> None:
+        self.forget(seq.seq_id)
+
     def forget(self, seq_id: int) -> None:
         """seq was admitted, finished or aborted: drop what was gathered for it."""
         self._ready.pop(seq_id, None)
@@ -312,12 +321,13 @@ class KVTiers:
 
     # -- cost and metrics ---------------------------------------------------------------------
 
-    def on_step(self, step: StepDescription, result, step_s: float | None) -> None:
-        """After the runner ran `step`: its saved blocks move down; a timed step with
-        sequences feeds the recompute estimate."""
-        self.on_saved(result.kv_saved)
-        if step_s is not None and step.seqs:
+    def on_step(self, step: StepDescription, step_s: float) -> None:
+        """A timed step with sequences feeds the recompute estimate."""
+        if step.seqs:
             self.estimate.observe(step, step_s)
+
+    def report(self) -> dict[str, dict]:
+        return {"kv_tiers": self.stats()}
 
     def stats(self) -> dict[str, dict[str, float]]:
         out = {t.name: {**t.stats.to_dict(), "bandwidth_Bps": t.bandwidth_Bps}
@@ -333,7 +343,7 @@ class KVTiers:
                 check()
 
 
-def _touch(tier: KVConnector, h: int) -> None:
+def _touch(tier: TierStore, h: int) -> None:
     touch = getattr(tier, "touch", None)
     if touch is not None:
         touch(h)

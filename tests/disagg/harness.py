@@ -13,6 +13,7 @@ import itertools
 from servelm.disagg.roles import DecodeRole, PrefillRole
 from servelm.disagg.transfer import TransferTimeouts
 from servelm.disagg.transport import InProcTransport
+from servelm.engine.kv_connector import combine
 from servelm.protocol import EngineRequest, KVTransferParams, SamplingParams
 from tests.fake_runner import FakeRunner, make_engine
 
@@ -53,9 +54,9 @@ class Clock:
         return self.now
 
 
-def engine(num_blocks=64, **kw):
+def engine(num_blocks=64, kv_connector=None, **kw):
     return make_engine(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=True,
-                       runner=CheckingRunner(), **kw)
+                       runner=CheckingRunner(), kv_connector=kv_connector, **kw)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -69,22 +70,24 @@ def request(tokens, max_tokens=6, rid=None, kv=None, **params) -> EngineRequest:
 
 
 class Pair:
-    """prefill + decode engines, roles attached, over `transport` (inproc by default)."""
+    """prefill + decode engines built with their roles, over `transport` (inproc by
+    default). decode_extra: more KV connectors for the decode engine beside its role
+    (a callable returning them, e.g. host-memory tiers), composed in a MultiKVConnector."""
 
     def __init__(self, transport=None, decode_transport=None, timeouts=None,
-                 num_blocks=64, decode_blocks=None):
+                 num_blocks=64, decode_blocks=None, decode_extra=None):
         self.clock = Clock()
         self.timeouts = timeouts or TransferTimeouts(lease_s=5.0, pull_timeout_s=5.0,
                                                      ack_grace_s=1.0)
         self.address = f"inproc://prefill-{next(_ids)}"
         transport = transport or InProcTransport()
-        self.prefill = engine(num_blocks)
-        self.decode = engine(decode_blocks or num_blocks)
-        self.p_role = PrefillRole(self.prefill, transport, self.address, 8 * BLOCK,
-                                  self.timeouts, self.clock)
-        self.d_role = DecodeRole(self.decode, decode_transport or transport, 8 * BLOCK,
-                                 self.timeouts, self.clock)
-        self.prefill.kv_transfer, self.decode.kv_transfer = self.p_role, self.d_role
+        self.p_role = PrefillRole(transport, self.address, 8 * BLOCK, self.timeouts,
+                                  self.clock)
+        self.d_role = DecodeRole(decode_transport or transport, 8 * BLOCK, self.timeouts,
+                                 self.clock)
+        decode_kv = combine([self.d_role, *(decode_extra() if decode_extra else [])])
+        self.prefill = engine(num_blocks, self.p_role)
+        self.decode = engine(decode_blocks or num_blocks, decode_kv)
         self.prefill_alive = self.decode_alive = True
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
@@ -131,7 +134,7 @@ class Pair:
             eng.check_invariants()
             assert eng.block_manager.num_pinned_blocks == 0
             assert not eng.scheduler.live_sequences()
-            assert not eng.kv_transfer.has_work
+            assert not eng.kv_connector.has_work
             assert eng.num_requests == 0
 
 

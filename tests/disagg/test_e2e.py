@@ -47,7 +47,7 @@ def _worker(hf, role, transport, tmp_path):
                               max_num_batched_tokens=32)
     server = LiveServer(engine)
     args = engine.engine_args
-    server.state.disagg = {**info(args), "kv_address": getattr(engine.kv_transfer, "address",
+    server.state.disagg = {**info(args), "kv_address": getattr(engine.kv_connector, "address",
                                                                 "")}
     return engine, server
 
@@ -65,7 +65,7 @@ def test_router_prefill_decode_equals_colocated(hf, transport, tmp_path):
         for i, prompt in enumerate(PROMPTS):
             want = _tokens(ref, prompt, stream=False)
             assert _tokens(dis, prompt, stream=bool(i % 2)) == want
-        d, p = d_engine.kv_transfer.stats, p_engine.kv_transfer.stats
+        d, p = d_engine.kv_connector.stats, p_engine.kv_connector.stats
         assert d.num_completed == len(PROMPTS) and not d.fallbacks, d
         assert p.num_completed == len(PROMPTS)
         block = 4
@@ -84,8 +84,8 @@ def test_router_prefill_decode_equals_colocated(hf, transport, tmp_path):
         router.stop()
         for s in (prefill, decode, colocated):
             s.stop()
-        p_engine.kv_transfer.close()
-        d_engine.kv_transfer.close()
+        p_engine.kv_connector.close()
+        d_engine.kv_connector.close()
 
 
 def test_prefill_worker_down_decode_computes_the_prompt(hf, tmp_path):
@@ -96,7 +96,7 @@ def test_prefill_worker_down_decode_computes_the_prompt(hf, tmp_path):
                       _port())
     try:
         prefill.stop()
-        p_engine.kv_transfer.close()  # the whole prefill worker is gone
+        p_engine.kv_connector.close()  # the whole prefill worker is gone
         ref = openai.OpenAI(base_url=colocated.url + "/v1", api_key="x")
         dis = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
         prompt = PROMPTS[1]
@@ -104,11 +104,11 @@ def test_prefill_worker_down_decode_computes_the_prompt(hf, tmp_path):
         m = decode.wait_idle()
         assert m["servelm_kv_blocks_free"] == m["servelm_kv_blocks_total"]
         assert d_engine.block_manager.num_pinned_blocks == 0
-        assert d_engine.kv_transfer.stats.num_started == 0  # sent without a transfer
+        assert d_engine.kv_connector.stats.num_started == 0  # sent without a transfer
         fallbacks = router.server.config.app.state.router.metrics.fallbacks
         assert fallbacks.labels("prefill_failed")._value.get() == 1
     finally:
         router.stop()
         for s in (decode, colocated):
             s.stop()
-        d_engine.kv_transfer.close()
+        d_engine.kv_connector.close()

@@ -31,7 +31,7 @@ def _pair(hf, dtype: str):
 def _ship(prefill, decode, address, prompt_len: int, seed: int):
     """(bytes the decode side kept for this request, tokens they cover)"""
     tokens = [7 + (i * 13 + seed * 101) % 350 for i in range(prompt_len)]
-    stats = decode.kv_transfer.stats
+    stats = decode.kv_connector.stats
     before_bytes, before_blocks = stats.num_bytes, stats.num_blocks
     tid = f"t{seed}"
     prefill.add_request(request(tokens, 1, f"p{seed}", KVTransferParams(tid, "prefill")))
@@ -43,7 +43,7 @@ def _ship(prefill, decode, address, prompt_len: int, seed: int):
             if eng.has_unfinished:
                 eng.step()
     assert stats.num_completed == seed and not stats.fallbacks
-    assert prefill.kv_transfer.stats.num_bytes == stats.num_bytes
+    assert prefill.kv_connector.stats.num_bytes == stats.num_bytes
     for eng in (prefill, decode):
         eng.check_invariants()
         assert eng.block_manager.num_pinned_blocks == 0
@@ -64,4 +64,4 @@ def test_bytes_shipped_equal_the_planner(dtype, plan_dtype):
         # The planner's bill for the whole prompt differs by the tail decode recomputes.
         whole = plan_disagg(d, prompt_len, get_link("nic-100g")).kv_transfer_bytes
         assert whole - shipped == (prompt_len - tokens) * d.kv_bytes_per_token
-    prefill.kv_transfer.close()
+    prefill.kv_connector.close()

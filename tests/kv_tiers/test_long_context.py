@@ -106,9 +106,9 @@ def _preempt_and_reload(hf, prompt, want, n):
     out, fin = _run(engine, [("short", short, 300), ("long", prompt, 6)])
     assert fin["long"].num_preemptions >= 1
     assert out["long"] == want
-    host = engine.kv_tiers.by_name["host"].stats
-    assert host.num_stored > 0 and host.num_hits > 0, engine.kv_tiers.stats()
-    engine.kv_tiers.close()
+    host = engine.kv_connector.by_name["host"].stats
+    assert host.num_stored > 0 and host.num_hits > 0, engine.kv_connector.stats()
+    engine.kv_connector.close()
 
 
 def test_admission_refuses_past_the_context_by_name():

@@ -33,7 +33,7 @@ def test_reload_from_host_and_disk_gives_the_recomputed_tokens(tiny_hf, tmp_path
     plain = make_tiny_engine(hf, **kw)
     tiered = make_tiny_engine(hf, kv_host_memory_gb=40 * 2048 / 1e9, kv_disk_dir=str(tmp_path),
                               kv_disk_gb=0.01, kv_reload_policy="always", **kw)
-    kv = tiered.kv_tiers
+    kv = tiered.kv_connector
     assert kv is not None and kv.block_nbytes == 2 * 2 * 4 * 2 * 16 * 4  # L K/V bs K D fp32
     want, _ = _generate(plain, "h", history)
     got, _ = _generate(tiered, "h", history)
@@ -63,26 +63,26 @@ def test_disk_tier_found_again_after_a_restart_only_by_the_same_weights(tiny_hf,
     want, _ = _generate(first, "h", history)
     for i, p in enumerate(others):
         _generate(first, f"o{i}", p)
-    first.kv_tiers.close()
-    stored = first.kv_tiers.by_name["disk"].stats.num_blocks
+    first.kv_connector.close()
+    stored = first.kv_connector.by_name["disk"].stats.num_blocks
     assert stored >= 14
     # Another model (other weights, same shapes): its own directory, nothing of ours read.
     other = make_tiny_engine(tiny_hf("llama", seed=4), **kw)
-    assert other.kv_tiers.by_name["disk"].stats.num_blocks == 0
-    assert other.kv_tiers.by_name["disk"].dir != first.kv_tiers.by_name["disk"].dir
-    other.kv_tiers.close()
+    assert other.kv_connector.by_name["disk"].stats.num_blocks == 0
+    assert other.kv_connector.by_name["disk"].dir != first.kv_connector.by_name["disk"].dir
+    other.kv_connector.close()
     # Another servelm version: likewise.
     from servelm.kv_tiers import build
     monkeypatch.setattr(build, "__version__", "0.0.0-other")
-    assert make_tiny_engine(hf, **kw).kv_tiers.by_name["disk"].stats.num_blocks == 0
+    assert make_tiny_engine(hf, **kw).kv_connector.by_name["disk"].stats.num_blocks == 0
     monkeypatch.undo()
     # The same model again (a restart): the blocks are found and reloaded.
     again = make_tiny_engine(hf, **kw)
-    assert again.kv_tiers.by_name["disk"].stats.num_blocks == stored
+    assert again.kv_connector.by_name["disk"].stats.num_blocks == stored
     got, timings = _generate(again, "h", history)
     assert timings.cache_explain["disk_tokens"] == 56 and got == want
     assert again.stats.num_computed_prompt_tokens == 60 - 56
-    again.kv_tiers.close()
+    again.kv_connector.close()
 
 
 def test_disk_tier_with_lora_is_refused_by_name(tiny_hf, tmp_path):

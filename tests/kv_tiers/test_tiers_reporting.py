@@ -76,4 +76,4 @@ def test_tiers_need_the_prefix_cache():
     from servelm.kv_tiers.tiers import KVTiers
 
     with pytest.raises(ValueError, match="prefix cache"):
-        make_engine(prefix_caching=False).use_kv_tiers(KVTiers([HostTier(1024)], 4, 32))
+        make_engine(prefix_caching=False, kv_connector=KVTiers([HostTier(1024)], 4, 32))

@@ -35,9 +35,6 @@ def tiered_engine(num_blocks=16, block_size=4, host_bytes=0, disk_dir=None, disk
                   policy="always", budget=32, fingerprint=FINGERPRINT, threaded=False,
                   max_num_seqs=8):
     runner = CheckingRunner(block_size)
-    engine = make_engine(num_blocks=num_blocks, block_size=block_size,
-                         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                         prefix_caching=True, runner=runner)
     io = IOQueue(threaded=threaded)
     tiers = []
     if host_bytes:
@@ -45,7 +42,9 @@ def tiered_engine(num_blocks=16, block_size=4, host_bytes=0, disk_dir=None, disk
     if disk_dir is not None:
         tiers.append(DiskTier(disk_dir, disk_bytes, fingerprint, io))
     kv = KVTiers(tiers, block_size, runner.block_nbytes, policy, io=io)
-    engine.use_kv_tiers(kv)
+    engine = make_engine(num_blocks=num_blocks, block_size=block_size,
+                         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                         prefix_caching=True, runner=runner, kv_connector=kv)
     return engine, kv, runner
 
 
