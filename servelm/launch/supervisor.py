@@ -125,8 +125,8 @@ class _Spawner:
                 done.set_exception(exc)
 
     def _preexec(self, spec: ProcessSpec):
-        """Runs in the child between fork and exec: only async-signal-safe work (the prctl
-        function was looked up before the fork)."""
+        """Runs in the child between fork and exec, so it does as little as it can: the
+        prctl function was looked up before the fork, nothing is imported."""
         prctl, sig, cpus = self._prctl, spec.parent_death_signal, spec.resources.cpus
         parent = os.getpid()
         if (prctl is None or sig is None) and not cpus:
@@ -195,6 +195,7 @@ class ProcessHandle:
         self.name = spec.name
         self._pump = pump
         self.is_stopping = False  # stop() was called: its end is not a death to report
+        self._death: Death | None = None
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -210,15 +211,18 @@ class ProcessHandle:
     def death(self, settle_s: float = 0.0) -> Death | None:
         """How it ended, or None while it runs (waiting up to settle_s for it to end). The
         stderr it wrote just before dying is given a moment to reach the pump."""
+        if self._death is not None:
+            return self._death
         try:
             code = self.proc.wait(settle_s) if settle_s > 0 else self.proc.poll()
         except subprocess.TimeoutExpired:
             code = None
         if code is None:
             return None
-        if self._pump is not None:
+        if self._pump is not None:  # its children may hold the pipe: a moment, no more
             self._pump.join(0.5)
-        return Death(self.name, self.pid, code, self.stderr_tail())
+        self._death = Death(self.name, self.pid, code, self.stderr_tail())
+        return self._death
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is not None:
