@@ -132,9 +132,8 @@ def _family_takes(cls, method: str) -> bool:
     """Whether the model class takes quantization `method` (models/decoder.py)."""
     from servelm.models import decoder
 
-    methods = getattr(cls, "quant_methods", ())
-    if hasattr(cls, "quant_methods"):
-        return methods is None or method in methods
+    if hasattr(cls, "quant_methods"):  # None: every method
+        return cls.quant_methods is None or method in cls.quant_methods
     if not issubclass(cls, decoder.DecoderLM):  # the frame before quant_methods: Llama's
         return True
     return bool(getattr(cls, "quantizable", False)) and method in getattr(
