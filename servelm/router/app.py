@@ -319,7 +319,9 @@ class Router:
             else:
                 prompt = prompt_token_ids(body, path, self.tokenizer)
         user = body.get("user") or request.headers.get("x-session-id")
-        route = RouteRequest(tokens, user if isinstance(user, str) else None)
+        key = body.get("prompt_cache_key")
+        route = RouteRequest(tokens, user if isinstance(user, str) else None,
+                             key if isinstance(key, str) else None)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         first, cached = self.pick(route, prompt, salt, request.headers)
         if first is None and self.replicas.hold_timeout_s is not None:
@@ -495,7 +497,7 @@ def build_router_app(replicas: ReplicaSet, policy: RoutingPolicy,
     async def dashboard(request: Request) -> Response:
         return await router.dashboard_data(request)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def proxy(path: str, request: Request) -> Response:
         return await router.forward(request, "/" + path)
 

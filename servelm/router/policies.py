@@ -27,6 +27,7 @@ class RouteRequest(NamedTuple):
 
     num_tokens: int = 0  # prompt + max_tokens: what it adds to a replica's load
     user: str | None = None  # the session key (OpenAI `user`, or a session header)
+    cache_key: str | None = None  # OpenAI `prompt_cache_key`: requests sharing a prefix
 
 
 class RoutingPolicy(Protocol):
@@ -157,7 +158,8 @@ class PrefixAffinity:
     request is placed: tokens_in_flight(r) < C = (1 + epsilon) * (sum of loads + request) / n
     (consistent hashing with bounded loads, in tokens rather than requests: a replica below
     capacity may take the request, so no replica ends above C by more than one request).
-    The best score wins, ties to the least loaded.
+    The best score wins, ties to the least loaded. A request with a `prompt_cache_key` that
+    no replica under capacity holds any of goes to the key's replica (rendezvous hashing).
 
     Defaults: epsilon 0.25 is the imbalance a fleet may show (max / mean <= 1.25); a cached
     prompt token saves a prefill token, while a token already in flight delays this request
@@ -180,6 +182,12 @@ class PrefixAffinity:
         fits = [i for i in healthy if loads[i].num_tokens_in_flight < cap]
         if not fits:
             return min(healthy, key=lambda i: (loads[i].num_tokens_in_flight, i))
+        if request.cache_key and not any(loads[i].cached_tokens for i in fits):
+            # No replica holds the prefix yet (or the router cannot see it: /v1/responses):
+            # the key's own replica by rendezvous hashing, so the requests sharing it meet
+            # where the first one caches it.
+            return max(fits, key=lambda i: hashlib.sha256(
+                f"{request.cache_key}|{i}".encode()).digest())
         return max(fits, key=lambda i: (loads[i].cached_tokens - self.load_weight
                                         * loads[i].num_tokens_in_flight,
                                         -loads[i].num_tokens_in_flight, -i))

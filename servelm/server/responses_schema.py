@@ -23,7 +23,7 @@ from servelm.server.schemas import Number
 _IMPLEMENTED = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
     "parallel_tool_calls", "text", "max_output_tokens", "temperature", "top_p", "store",
-    "background", "stream", "metadata", "user", "safety_identifier",
+    "background", "stream", "metadata", "user", "safety_identifier", "prompt_cache_key",
     "structured_outputs"})  # servelm's extension, as in chat (docs/structured_outputs.md)
 
 # OpenAI fields servelm does not implement, with the values that ask for nothing (clients
@@ -38,7 +38,6 @@ _NEUTRAL: dict[str, tuple] = {
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
-    "prompt_cache_key": (None,),
     "prompt_cache_retention": (None,),
     "prompt_cache_options": (None,),
     "stream_options": (None, {}, {"include_obfuscation": False}),
@@ -100,6 +99,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[StrictStr, StrictStr] | None = None
     user: StrictStr | None = None
     safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # a router's affinity key (schemas.py)
     structured_outputs: dict[str, Any] | None = None
 
     def check(self) -> None:

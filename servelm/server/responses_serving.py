@@ -137,7 +137,8 @@ class ResponsesServing:
                 "parallel_tool_calls": req.parallel_tool_calls,
                 "response_format": req.text_format(),
                 "structured_outputs": req.structured_outputs,
-                "user": req.user or req.safety_identifier}
+                "user": req.user or req.safety_identifier,
+                "prompt_cache_key": req.prompt_cache_key}
         chat = {k: v for k, v in chat.items() if v is not None}
         prepared = await self.serving._prepare("chat", chat, request, arrival)
         prepared.endpoint = "responses"
@@ -177,7 +178,8 @@ class ResponsesServing:
                 "temperature": req.temperature, "text": {"format": fmt},
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
                 "tools": req.tools or [], "top_p": req.top_p, "truncation": "disabled",
-                "usage": None, "user": req.user, "safety_identifier": req.safety_identifier}
+                "usage": None, "user": req.user, "safety_identifier": req.safety_identifier,
+                "prompt_cache_key": req.prompt_cache_key}
 
     # -- running -----------------------------------------------------------------------------
 

@@ -92,6 +92,9 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     cache_salt: StrictStr | None = None
+    # OpenAI's routing hint for requests sharing a prefix: a router in front of replicas
+    # sends them to one replica (servelm router's prefix_affinity); a replica ignores it.
+    prompt_cache_key: StrictStr | None = None
     skip_special_tokens: StrictBool = True
     speculative: StrictBool = True  # false: this request never speculates
     # The request's SLO class (servelm/slo.py): by priority (vLLM's field; the class with

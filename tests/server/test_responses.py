@@ -303,12 +303,29 @@ def test_text_format_json_schema(client):
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"background": True, "stream": True}, "background"),
     ({"background": True, "store": False}, "background"),
+    ({"prompt_cache_key": 7}, "prompt_cache_key"),
 ])
 def test_refused_by_name(server, extra, param):
     body = {"model": MODEL, "input": "hi", **extra}
     with server.client() as c:
         r = c.post("/v1/responses", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_cache_key_is_taken_on_responses_and_chat(client):
+    """A router's affinity key (docs/router.md): a replica takes it, and keeps it on the
+    stored response."""
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2,
+                                prompt_cache_key="tenant-7")
+    assert r.prompt_cache_key == "tenant-7"
+    assert client.responses.retrieve(r.id).prompt_cache_key == "tenant-7"
+    chat = client.chat.completions.create(model=MODEL, max_tokens=2, prompt_cache_key="k",
+                                          messages=[{"role": "user", "content": "Hi."}])
+    assert chat.choices[0].message is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "Hi."}], extra_body={"prompt_cache_key": ["k"]})
+    assert e.value.body["param"] == "prompt_cache_key"
 
 
 @pytest.fixture(scope="module")
