@@ -21,27 +21,10 @@ import sys
 from servelm.launch import HttpHealth, LaunchError, ProcessHandle, ProcessSpec, Supervisor
 
 # The parent's serve options a replica does not inherit (it keeps its own defaults): it is
-# one plain `serve` on a loopback port of its own. The Ray backend's options among them;
-# PARENT_FLAGS are the same options as flags, for the Ray backend's replica command line.
+# one plain `serve` on a port of its own (the Ray backend's options among them).
 PARENT_OPTIONS = ("host", "port", "data_parallel_size", "router_policy", "backend",
                   "num_replicas", "ray_address", "replica_cpus", "replica_gpus", "autoscale")
-PARENT_FLAGS = {"--" + name.replace("_", "-") for name in PARENT_OPTIONS}
 _NOT_SERVE_OPTIONS = ("func", "command", "verbose", "options_from_stdin")
-
-
-def strip_flags(argv: list[str], flags: set[str]) -> list[str]:
-    """`argv` without the value-taking `flags` (as `--flag value` or `--flag=value`)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return out
 
 
 def replica_options(args, port: int, threads: int | None,
@@ -161,6 +144,5 @@ def serve_data_parallel(args) -> int:
     return 0
 
 
-__all__ = ["PARENT_FLAGS", "PARENT_OPTIONS", "bind_socket", "replica_options", "replica_spec",
-           "report_deaths", "run_router", "serve_data_parallel", "start_replicas", "strip_flags",
-           "url_of"]
+__all__ = ["PARENT_OPTIONS", "bind_socket", "replica_options", "replica_spec", "report_deaths",
+           "run_router", "serve_data_parallel", "start_replicas", "url_of"]

@@ -3,7 +3,8 @@
 Owns: connecting to a Ray cluster (or starting a local one), placing each replica as an actor
 that holds the replica's resources (`--replica-cpus`, `--replica-gpus`) on some node, the
 actor starting the very same `servelm serve` process a single machine runs (bound to its
-node's address, on a free port, told the cluster's address), and stopping them all when the
+node's address, on a free port, told the cluster's address; its options handed by value,
+as for local replicas: servelm/router/data_parallel.py replica_options), and stopping them all when the
 router stops. A model-parallel replica (--tensor-parallel-size x --pipeline-parallel-size
 > 1) gets a placement group of one bundle per rank (the replica's resources split evenly,
 strategy --parallel-placement): its actor holds bundle 0 (rank 0, the replica's engine core,
@@ -32,6 +33,7 @@ raylet dies) the replica gets SIGTERM and drains, never outliving its actor.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -79,11 +81,11 @@ class ReplicaActor:
                 return node["NodeManagerAddress"]
         return ray.util.get_node_ip_address()
 
-    def start(self, serve_argv: list[str], timeout: float,
-              placement_group: str | None = None) -> str:
-        """Start the replica and return its base URL once it answers /health. The replica
-        joins this actor's cluster ($RAY_ADDRESS: its GCS address; the rest of the
-        environment, an auth token included, is this actor's) and, given the replica's
+    def start(self, options: dict, timeout: float, placement_group: str | None = None) -> str:
+        """Start the replica with `options` (replica_serve_options, on its stdin, with this
+        node's address and a free port) and return its base URL once it answers /health.
+        The replica joins this actor's cluster ($RAY_ADDRESS: its GCS address; the rest of
+        the environment, an auth token included, is this actor's) and, given the replica's
         placement group id, places its other ranks there."""
         import ray
 
@@ -96,9 +98,10 @@ class ReplicaActor:
             port = s.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
+        options = {**options, "host": host, "port": port}
         spec = ProcessSpec(f"replica on {host}", (sys.executable, "-m", "servelm.cli", "serve",
-                                                  *serve_argv, "--host", host, "--port",
-                                                  str(port)),
+                                                  options["model"], "--options-from-stdin"),
+                           config=json.dumps(options).encode(),
                            resources=Resources(env=env), readiness=HttpHealth(
                                self.url + "/health"), ready_timeout_s=timeout,
                            # Ray keeps the actor's output; the replica drains on the signal
@@ -126,17 +129,18 @@ def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a.split("=", 1)[0] == flag for a in argv)
 
 
-def replica_serve_argv(argv: list[str], cpus: float, ranks_on_ray: bool = False) -> list[str]:
-    """The driver's `serve` arguments for one actor's replica: the driver-only flags
-    removed, `--threads` set to the replica's CPUs unless given (a model-parallel replica
-    splits them between its ranks), and with ranks_on_ray `--parallel-launcher ray`."""
-    from servelm.router.data_parallel import PARENT_FLAGS, strip_flags
+def replica_serve_options(args, cpus: float, ranks_on_ray: bool = False) -> dict:
+    """The driver's parsed `serve` options for one actor's replica (JSON-ready; the actor
+    adds its node's host and a free port): the driver-only options left at the replica's
+    own defaults, its threads the replica's CPUs unless --threads was given (a
+    model-parallel replica splits them between its ranks), and with ranks_on_ray
+    parallel_launcher ray (ranks_on_ray is false when another launcher was asked for)."""
+    from servelm.router.data_parallel import replica_options
 
-    out = strip_flags(argv, PARENT_FLAGS)
-    if not _has_flag(out, "--threads"):
-        out += ["--threads", str(max(1, int(cpus)))]
-    if ranks_on_ray and not _has_flag(out, "--parallel-launcher"):
-        out += ["--parallel-launcher", "ray"]
+    out = replica_options(args, 0, max(1, int(cpus)))
+    del out["host"], out["port"]
+    if ranks_on_ray:
+        out["parallel_launcher"] = "ray"
     return out
 
 
@@ -167,8 +171,8 @@ class ReplicaShape(NamedTuple):
         one = {k: v / n for k, v in (("CPU", self.cpus), ("GPU", self.gpus)) if v > 0}
         return [dict(one) for _ in range(n)]
 
-    def argv(self, serve_argv: list[str]) -> list[str]:
-        return replica_serve_argv(serve_argv, self.cpus, self.is_grouped)
+    def options(self, args) -> dict:
+        return replica_serve_options(args, self.cpus, self.is_grouped)
 
 
 def _token_auth_as_ray_start_would() -> None:
@@ -231,11 +235,11 @@ class RayReplicas:
     the autoscaler's backend (servelm/autoscale/controller.py: one more replica, or one
     stopped). Keeps every actor it has, for the final stop."""
 
-    def __init__(self, ray, serve_argv: list[str], shape: ReplicaShape,
-                 drain_timeout: float, timeout: float = 900.0):
+    def __init__(self, ray, args, shape: ReplicaShape, drain_timeout: float,
+                 timeout: float = 900.0):
         self.ray = ray
         self.shape = shape
-        self.argv = shape.argv(serve_argv)
+        self.options = shape.options(args)
         self.actors: list = []
         self.groups: dict = {}  # actor -> its placement group (grouped replicas)
         self.drain_timeout = drain_timeout
@@ -246,7 +250,7 @@ class RayReplicas:
         self.actors.append(actor)
         if pg is not None:
             self.groups[actor] = pg
-        return actor, actor.start.remote(self.argv, self.timeout,
+        return actor, actor.start.remote(self.options, self.timeout,
                                          None if pg is None else pg.id.hex())
 
     def start(self, n: int) -> list[str]:
@@ -335,7 +339,7 @@ def serve_ray(args, serve_argv: list[str]) -> int:
         return 1
     try:
         shape = ReplicaShape.from_args(args, serve_argv)
-        backend = RayReplicas(ray, serve_argv, shape, args.drain_timeout + 5)
+        backend = RayReplicas(ray, args, shape, args.drain_timeout + 5)
         try:
             urls = backend.start(num_replicas)
         except Exception as exc:
@@ -363,4 +367,4 @@ def serve_ray(args, serve_argv: list[str]) -> int:
 
 
 __all__ = ["PLACEMENT_GROUP_ENV", "RayReplicas", "ReplicaActor", "ReplicaShape", "connect",
-           "new_replica", "replica_serve_argv", "serve_ray", "stop_actors"]
+           "new_replica", "replica_serve_options", "serve_ray", "stop_actors"]

@@ -18,16 +18,18 @@ import pytest
 from live_server import MODEL
 from serve_process import ServeProcess
 
-from servelm.router.ray_backend import replica_serve_argv
+from replica_reference import edited, parse, received
+from servelm.router.ray_backend import replica_serve_options
 
 pytest.importorskip("ray")
 
 RAY_NUM_CPUS = 3  # the ray_cluster fixture (conftest.py): up to 3 replicas of 1 CPU
 
 
-def test_replica_argv_drops_the_autoscale_flag():
+def test_a_replica_does_not_get_the_autoscale_option(monkeypatch):
     argv = ["m", "--backend", "ray", "--autoscale", "p.json", "--max-model-len", "64"]
-    assert replica_serve_argv(argv, 1.0) == ["m", "--max-model-len", "64", "--threads", "1"]
+    assert received(replica_serve_options(parse(argv), 1.0), monkeypatch) == \
+        edited(["m", "--max-model-len", "64", "--threads", "1"])
 
 
 def test_bad_policy_file_is_refused_before_anything_starts(tmp_path):

@@ -5,31 +5,29 @@ is reported with its own last words."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 
 import pytest
+from replica_reference import PARENT_FLAGS, parse, received, strip_flags
 
 from servelm.launch import HttpHealth, LaunchError, Supervisor
-from servelm.router.data_parallel import (PARENT_FLAGS, replica_options, replica_spec,
-                                          start_replicas, strip_flags, url_of)
+from servelm.router.data_parallel import replica_options, replica_spec, start_replicas, url_of
 from servelm.router.disagg import worker_specs
 
 
 def _parse(argv: list[str]):
-    from servelm.cli import build_parser
-
-    return build_parser(["serve"]).parse_args(["serve", *argv])
+    return parse(argv)
 
 
 def _received(spec, monkeypatch) -> dict:
     """What the replica's own `serve` makes of its command line and the options it was
     handed on stdin."""
-    from servelm.server.cli import options_from_stdin
-
     assert spec.argv[1:4] == ("-m", "servelm.cli", "serve")
-    monkeypatch.setattr(sys, "stdin", io.StringIO(spec.config.decode()))
-    return vars(options_from_stdin(_parse(list(spec.argv[4:]))))
+    options = json.loads(spec.config)
+    assert list(spec.argv[4:]) == [options["model"], "--options-from-stdin"]
+    return received(options, monkeypatch)
 
 
 def _edited_argv(argv: list[str], port: int, threads: int, drop=(), extra=()) -> dict:

@@ -13,17 +13,20 @@ import pytest
 
 from live_server import MODEL
 from serve_process import ServeProcess
-from servelm.router.ray_backend import replica_serve_argv
+from replica_reference import edited, parse, received
+from servelm.router.ray_backend import replica_serve_options
 
 pytest.importorskip("ray")
 
 
 
-def test_replica_argv_drops_the_drivers_flags():
+def test_a_replica_gets_the_drivers_options_but_not_its_own(monkeypatch):
     argv = ["m", "--backend", "ray", "--num-replicas=3", "--ray-address", "h:1", "--port",
             "9", "--replica-cpus", "2", "--router-policy", "session", "--max-model-len", "64"]
-    assert replica_serve_argv(argv, 2.0) == ["m", "--max-model-len", "64", "--threads", "2"]
-    assert replica_serve_argv(["m", "--threads", "1"], 4.0) == ["m", "--threads", "1"]
+    assert received(replica_serve_options(parse(argv), 2.0), monkeypatch) == \
+        edited(["m", "--max-model-len", "64", "--threads", "2"])
+    assert received(replica_serve_options(parse(["m", "--threads", "1"]), 4.0),
+                    monkeypatch) == edited(["m", "--threads", "1"])
 
 
 def _wait_healthy(srv: ServeProcess, n: int, timeout: float = 180) -> dict:

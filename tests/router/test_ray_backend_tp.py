@@ -18,7 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_ray_cluster import MAX_TOKENS, Served, http_greedy, ray_head  # noqa: E402
 
-from servelm.router.ray_backend import ReplicaShape, replica_serve_argv  # noqa: E402
+from replica_reference import edited, parse, received  # noqa: E402
+
+from servelm.router.ray_backend import ReplicaShape, replica_serve_options  # noqa: E402
 
 pytest.importorskip("ray")
 
@@ -48,7 +50,7 @@ def _cluster_state(address: str, auth: dict) -> dict:
     return json.loads(line[6:])
 
 
-def test_a_model_parallel_replica_is_one_group_of_a_bundle_per_rank():
+def test_a_model_parallel_replica_is_one_group_of_a_bundle_per_rank(monkeypatch):
     import argparse
 
     def shape(*argv):
@@ -62,11 +64,16 @@ def test_a_model_parallel_replica_is_one_group_of_a_bundle_per_rank():
     grouped = shape()
     assert grouped.is_grouped and grouped.world == 2 and grouped.strategy == "SPREAD"
     assert grouped.bundles() == [{"CPU": 2.0}, {"CPU": 2.0}]
-    assert grouped.argv(["m"]) == ["m", "--threads", "4", "--parallel-launcher", "ray"]
+    assert received(grouped.options(parse(["m"])), monkeypatch) == \
+        edited(["m", "--threads", "4", "--parallel-launcher", "ray"])
     local = shape("--parallel-launcher", "process")  # asked for: one actor, local ranks
     assert not local.is_grouped and local.bundles() == [{"CPU": 4.0}]
-    assert replica_serve_argv(["m", "--parallel-launcher", "ray"], 2, True) == \
-        ["m", "--parallel-launcher", "ray", "--threads", "2"]
+    assert received(local.options(parse(["m", "--parallel-launcher", "process"])),
+                    monkeypatch) == edited(["m", "--parallel-launcher", "process",
+                                            "--threads", "4"])
+    assert received(replica_serve_options(parse(["m", "--parallel-launcher", "ray"]), 2,
+                                          True), monkeypatch) == \
+        edited(["m", "--parallel-launcher", "ray", "--threads", "2"])
 
 
 def test_tp2_replica_behind_the_router_matches_tp1_and_stops_clean(tmp_path):
