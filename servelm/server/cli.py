@@ -326,7 +326,7 @@ def _with_kv_address(engine_args, args):
 
 
 def _serve_argv() -> list[str]:
-    """This command's arguments after `serve` (what each Ray replica re-runs)."""
+    """This command's arguments after `serve` (the Ray backend asks which were given)."""
     argv = sys.argv[1:]
     return argv[argv.index("serve") + 1:] if "serve" in argv else argv
 
