@@ -350,8 +350,10 @@ def _batch_runner(config: ServerConfig, serving: OpenAIServing, responses: Respo
     lowest = max(metrics.slo_spec.classes, key=lambda c: c.priority).name
     limits = BatchLimits(max_inflight=config.batch_max_inflight,
                          max_lines=config.max_batch_lines)
-    return BatchRunner(handlers, store.call, serving.state.async_engine, lowest,
-                       config.served_model_name, limits, registry=metrics.registry)
+    state = serving.state
+    return BatchRunner(handlers, store.call, state.async_engine, lowest,
+                       config.served_model_name, limits, registry=metrics.registry,
+                       draining=lambda: state.draining)
 
 
 def _observe_experts(state: ServerState) -> None:

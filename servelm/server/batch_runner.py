@@ -77,10 +77,14 @@ class _Job:
 
 class BatchRunner:
     def __init__(self, handlers: dict[str, Handler], db: StoreCall, engine, slo_class: str,
-                 model: str, limits: BatchLimits = BatchLimits(), registry=None):
+                 model: str, limits: BatchLimits = BatchLimits(), registry=None,
+                 draining: Callable[[], bool] = lambda: False):
         self.handlers = handlers  # endpoint path -> the route's handler
         self.db = db
         self.engine = engine  # the engine client: its num_waiting is the pacing signal
+        # The server drains (SIGTERM): submit nothing more, and a line the drain aborted is
+        # not a result (it runs again where the batch resumes).
+        self.draining = draining
         self.slo_class = slo_class
         self.model = model
         self.limits = limits
@@ -104,7 +108,7 @@ class BatchRunner:
         failing = False
         while not self._stopping:
             body = None
-            if len(self._jobs) < self.limits.max_running_batches:
+            if len(self._jobs) < self.limits.max_running_batches and not self.draining():
                 try:
                     body = await self.db("claim_batch", self.owner, self.limits.lease_s)
                     failing = False
@@ -222,6 +226,9 @@ class BatchRunner:
         shut down)."""
         expires_at = job.body.get("expires_at") or float("inf")
         while job.stop is None:
+            if self.draining():  # the lines in flight may still finish within the drain
+                job.stop = "shutdown"
+                break
             if time.time() >= expires_at:
                 job.halt("expired")
                 break
@@ -238,7 +245,8 @@ class BatchRunner:
             cancel.set()
         try:
             status, payload = await self._attempts(job, line, cancel)
-            if status == 499 or (cancel.is_set() and status >= 400):
+            stopping = cancel.is_set() or self.draining()
+            if status == 499 or (stopping and (status >= 400 or _was_aborted(payload))):
                 return  # aborted by a stop: it runs again where the batch resumes
             if await self.db("put_batch_result", job.id, _result(line, status, payload)):
                 job.num_done += 1
@@ -365,6 +373,12 @@ def _result(line: BatchLine, status: int, payload: dict[str, Any]) -> BatchResul
         "id": rid, "custom_id": line.custom_id, "response": response,
         "error": {"code": err.get("code") or "request_failed",
                   "message": err.get("message") or f"the request failed with HTTP {status}"}})
+
+
+def _was_aborted(payload: dict[str, Any]) -> bool:
+    """A completion or chat answer cut short by an abort (a drain past its grace)."""
+    return any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+               for c in payload.get("choices") or [])
 
 
 def _expired(line: BatchLine) -> dict[str, Any]:

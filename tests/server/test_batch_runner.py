@@ -1,7 +1,9 @@
 """The batch runner with stand-in endpoints and engine, on a real SQLite store: a line enters
 only while nothing waits in the engine's queue and a seat is free; a line refused for load
 runs again and is recorded once; a line whose handler raises fails alone; a resumed batch
-runs only the lines with no stored result; every line carries the class it was given."""
+runs only the lines with no stored result; every line carries the class it was given; a
+draining server submits no more lines, records none its drain aborted, and hands the batch
+back."""
 
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class Endpoint:
             status = statuses.pop(0) if statuses else 200
             if status == "raise":
                 raise RuntimeError("boom")
+            if status == "abort":
+                return JSONResponse({"id": "x", "choices": [{"finish_reason": "abort"}]})
             return JSONResponse({"id": f"chatcmpl-{text}", "usage": {
                 "prompt_tokens": 3, "completion_tokens": 2}} if status == 200 else
                 {"error": {"message": "busy", "code": "queue_full"}}, status_code=status)
@@ -77,10 +81,11 @@ async def _until(predicate, what: str) -> None:
 
 
 def _runner(store: AsyncStore, endpoint: Endpoint, engine: FakeEngine,
-            max_inflight: int = 2) -> BatchRunner:
+            max_inflight: int = 2, draining=lambda: False) -> BatchRunner:
     limits = BatchLimits(max_inflight=max_inflight, poll_s=0.01, pace_s=0.005,
                          heartbeat_s=0.05)
-    return BatchRunner({URL: endpoint}, store.call, engine, "batch", "m", limits)
+    return BatchRunner({URL: endpoint}, store.call, engine, "batch", "m", limits,
+                       draining=draining)
 
 
 def test_lines_wait_for_an_empty_queue_and_a_free_seat(tmp_path):
@@ -172,3 +177,30 @@ def test_a_resumed_batch_runs_only_the_lines_without_a_result(tmp_path):
     assert final["status"] == "completed" and final["request_counts"]["completed"] == 5
     output = sync.file_content(final["output_file_id"]).decode().splitlines()
     assert json.loads(output[1]) == earlier and json.loads(output[3]) == earlier
+
+
+def test_a_draining_server_records_no_aborted_line_and_hands_the_batch_back(tmp_path):
+    path = tmp_path / "s.sqlite3"
+    batch_id = _batch(SQLiteStateStore(path), 5)
+
+    async def main():
+        store, engine = AsyncStore(f"sqlite:///{path}"), FakeEngine()
+        endpoint = Endpoint({"t0": ["abort"], "t1": [200]})  # one cut short, one finished
+        drain = {"on": False}
+        runner = _runner(store, endpoint, engine, draining=lambda: drain["on"])
+        task = asyncio.ensure_future(runner.run())
+        await _until(lambda: len(endpoint.calls) == 2, "two lines in")
+        drain["on"] = True
+        endpoint.release.set()
+        await _until(lambda: batch_id not in runner._jobs, "handed back")
+        await runner.stop()
+        task.cancel()
+        results = await store.call("batch_results", batch_id)
+        other = await store.call("claim_batch", "replica-2", 30.0)  # at once: released
+        await store.close()
+        return endpoint, results, other
+
+    endpoint, results, other = asyncio.run(main())
+    assert [t for t, _ in endpoint.calls] == ["t0", "t1"]  # nothing submitted while draining
+    assert [r.line for r in results] == [2]  # the finished line only
+    assert other["id"] == batch_id and other["status"] == "in_progress"
