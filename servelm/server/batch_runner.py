@@ -60,7 +60,7 @@ class _Job:
     body: dict[str, Any]
     lines: list[BatchLine] = field(default_factory=list)
     num_done: int = 0
-    stop: str | None = None  # "cancelled", "expired", "shutdown" or "lost"
+    stop: str | None = None  # "cancelled", "expired", "shutdown", "lost" or "failed"
     running: dict[int, asyncio.Event] = field(default_factory=dict)  # line -> its cancel
 
     @property
@@ -153,14 +153,16 @@ class BatchRunner:
                 job.stop = job.stop or "cancelled"
             if job.stop in final:
                 await self._finalize(job, final[job.stop])
-        except Exception:
+        except Exception:  # kept held: tried again once its lease runs out, not in a loop
             logger.exception("batch %s: the runner failed; another try after its lease",
                              job.id)
+            job.stop = "failed"
         finally:
             heartbeat.cancel()
             self._jobs.pop(job.id, None)
-            # A finished batch has no owner already; any other is free to resume at once.
-            await _quietly(self.db("release_batch", job.id, self.owner))
+            if job.stop != "failed":
+                # A finished batch has no owner already; any other may resume it at once.
+                await _quietly(self.db("release_batch", job.id, self.owner))
             self._wake.set()
 
     async def _load_lines(self, job: _Job) -> bool:
