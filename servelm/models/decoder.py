@@ -8,12 +8,13 @@ build hooks (`make_rotaries`, `make_attention`, `make_mlp`, `weight_rules`). Lla
 Qwen3 set nothing; Gemma sets its norm; Mixtral its MLP; DeepSeek its attention (MLA).
 
     forward(input_ids[T], positions[T], batch, layers=slice(None), embeds=None,
-            hidden_in=None, final_norm=True)
+            hidden_in=None, final_norm=True, aux_layers=())
 
 is the only loop over decoder layers: the runner runs all of them, an early-exit draft the
 first N (`layers=N`), a pipeline stage its own (`hidden_in` from the previous stage,
 `final_norm=False` before the last), a vision-language model's text rows with image rows
-in `embeds`. The model also describes its C++ decode-stack form (`fast_path`,
+in `embeds`, an EAGLE-3 drafter's target with the hidden states after `aux_layers` as
+well. The model also describes its C++ decode-stack form (`fast_path`,
 servelm/models/fast_path.py): the runner never looks at its types.
 
 Never: knows about requests, CUDA graphs or which kernels a runner picks for its linears.
@@ -57,6 +58,13 @@ class HiddenState(NamedTuple):
 
     x: torch.Tensor
     residual: torch.Tensor | None
+
+
+class WithAux(NamedTuple):
+    """A forward's output and the hidden states after its `aux_layers`, each [T, hidden]."""
+
+    out: torch.Tensor | HiddenState
+    aux: list[torch.Tensor]
 
 
 # weight-only methods built from float weights, per linear (servelm/quant/methods.py), and
@@ -145,23 +153,39 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 *, layers: int | slice | None = None, embeds: torch.Tensor | None = None,
-                hidden_in: HiddenState | None = None, final_norm: bool = True
-                ) -> torch.Tensor | HiddenState:
+                hidden_in: HiddenState | None = None, final_norm: bool = True,
+                aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | HiddenState | WithAux:
         """input_ids, positions: [T] -> final hidden states [T, hidden].
 
         layers: which layers run (N: the first N, an early-exit draft; a slice; None: all).
         embeds: the input rows [T, hidden] in place of the token embeddings (image rows).
         hidden_in: the stream from the layer before (a pipeline stage after the first).
-        final_norm: False returns the stream after the last layer run (a HiddenState)."""
+        final_norm: False returns the stream after the last layer run (a HiddenState).
+        aux_layers: also return the hidden state (x + residual) after each of these layers,
+        in this order (an EAGLE-3 drafter's features): a WithAux(out, aux)."""
         if hidden_in is not None:
             x, residual = hidden_in
         else:
             x, residual = (self.embed(input_ids) if embeds is None else embeds), None
-        for layer in self.layers[self.layer_slice(layers)]:
+        span = self.layer_slice(layers)
+        aux: dict[int, torch.Tensor] | None = {} if aux_layers else None
+        i = span.start or 0  # the index of the layer about to run
+        for layer in self.layers[span]:
             x, residual = layer(positions, x, residual, batch)
+            if aux is not None and i in aux_layers:
+                aux[i] = x if residual is None else x + residual
+            i += 1
         if not final_norm:
-            return HiddenState(x, residual)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+            out = HiddenState(x, residual)
+        else:
+            out = self.norm(x) if residual is None else self.norm(x, residual)[0]
+        if aux is None:
+            return out
+        missing = [i for i in aux_layers if i not in aux]
+        if missing:
+            raise ValueError(f"aux_layers {missing}: not among the layers run")
+        return WithAux(out, [aux[i] for i in aux_layers])
 
     def layer_slice(self, layers: int | slice | None) -> slice:
         if layers is None:
