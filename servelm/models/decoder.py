@@ -67,10 +67,11 @@ class WithAux(NamedTuple):
     aux: list[torch.Tensor]
 
 
-# weight-only methods built from float weights, per linear (servelm/quant/methods.py), and
-# 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (float values elsewhere)
+# weight-only methods built from float weights, per linear (servelm/quant/methods.py),
+# 'gguf': a GGUF file's blocks kept as they are (float values elsewhere), and the community
+# checkpoints' codes kept exactly (servelm/quant/codes_method.py)
 WEIGHT_ONLY_METHODS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256",
-                       "gguf")
+                       "gguf", "gptq", "awq", "compressed-tensors")
 
 
 class DecoderLM(nn.Module):
