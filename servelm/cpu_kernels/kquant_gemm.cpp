@@ -21,7 +21,9 @@
 //   w . x = xd (d sum_c sc16 (q . xq)_c - dmin sum_g mc16_g bsum16_g)
 // The code products go through vpmaddubsw (u8 x s8 pairs into 16 bits: at most
 // 2 x 63 x 127, never saturating), then vpdpwssd (avx512_vnni) or vpmaddwd + add with the
-// pair's scale; a whole super-block sums exactly in 32 bits, then once into float.
+// pair's scale (a vpermw of sc16); a whole super-block sums exactly in 32 bits, then once
+// into float. sc16 and mc16 are written with one vector store each: built a value at a time,
+// the kernel's vector loads of them stalled on store forwarding (3-5x slower, ad hoc).
 // AVX-512BW: 64 columns a vector; AVX2: 32; neither: scalar loops (same integer math).
 
 #include <ATen/Parallel.h>
@@ -62,28 +64,39 @@ inline float f16_to_f32(const uint8_t* p) {
 // One super-block decoded (see the top of the file).
 struct Decoded {
   alignas(64) uint8_t q[kQK];
-  alignas(64) int16_t pair_scale[kQK / 2];  // sc16 of each pair of columns
+  alignas(32) int16_t sc16[16];
   alignas(32) int16_t mc16[16];
   float d, dmin;
 };
 
-// Q4_K / Q5_K: 8 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4).
-inline void scale_min_k4(const uint8_t* s, int16_t* sc, int16_t* m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-}
-
-inline void fill_pair_scales(Decoded& out, const int16_t* sc16) {
-  for (int g = 0; g < 16; ++g)
-    for (int i = 0; i < 8; ++i) out.pair_scale[g * 8 + i] = sc16[g];
+// Q4_K / Q5_K: 8 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4), each
+// widened to the two 16-column groups of its sub-block: sc16, mc16.
+inline void scale_min_k4(const uint8_t* s, int16_t* sc16, int16_t* mc16) {
+  // 32-bit words, as llama.cpp unpacks them: sc 0-3 | sc 4-7 | m 0-3 | m 4-7 (a byte each)
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
+  const uint32_t m_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
+  u[2] = m_low;
+  u[0] &= low6;
+#if defined(__AVX2__)
+  // one store each, so the kernel's vector loads of them forward from it
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m128i sc = _mm_unpacklo_epi8(v, v), m = _mm_unpackhi_epi8(v, v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), _mm256_cvtepu8_epi16(sc));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mc16), _mm256_cvtepu8_epi16(m));
+#else
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(u);
+  for (int g = 0; g < 16; ++g) sc16[g] = b[g / 2], mc16[g] = b[8 + g / 2];
+#endif
 }
 
 #if defined(__AVX2__)
-inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i ld256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
 inline void st256(uint8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
 #endif
 
@@ -148,17 +161,22 @@ inline void codes_q6k_half(const uint8_t* ql, const uint8_t* qh, uint8_t* q) {
 
 template <int64_t Type>
 inline void decode(const uint8_t* b, Decoded& out) {
-  int16_t sc16[16];
+  int16_t* sc16 = out.sc16;
   if constexpr (Type == kTypeQ6K) {
     codes_q6k_half(b, b + 128, out.q);
     codes_q6k_half(b + 64, b + 160, out.q + 128);
+#if defined(__AVX2__)
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 192)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), sc);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.mc16), _mm256_slli_epi16(sc, 5));
+#else
     const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
     for (int g = 0; g < 16; ++g) sc16[g] = s[g], out.mc16[g] = int16_t(32 * s[g]);
+#endif
     out.d = out.dmin = f16_to_f32(b + 208);
   } else {
-    int16_t sc[8], m[8];
-    scale_min_k4(b + 4, sc, m);
-    for (int g = 0; g < 16; ++g) sc16[g] = sc[g / 2], out.mc16[g] = m[g / 2];
+    scale_min_k4(b + 4, sc16, out.mc16);
     out.d = f16_to_f32(b), out.dmin = f16_to_f32(b + 2);
     if constexpr (Type == kTypeQ5K) {
       nibbles_k4(b + 48, out.q);
@@ -167,7 +185,6 @@ inline void decode(const uint8_t* b, Decoded& out) {
       nibbles_k4(b + 16, out.q);
     }
   }
-  fill_pair_scales(out, sc16);
 }
 
 // Activation rows rounded to q8_K: codes (row stride K), d and bsum16 (row stride K / 256 and
@@ -179,28 +196,45 @@ struct RowsQ8K {
   int64_t K;
 };
 
-// sum over the super-block of sc16 * (q . xq) for one activation row, exact in 32 bits.
-inline int32_t code_dot(const Decoded& w, const int8_t* xq) {
 #if defined(__AVX512BW__)
+// The 4 vectors of one scale a column pair (32 pairs a vector: 4 groups of 16 columns).
+inline void pair_scales(const Decoded& w, __m512i* sv) {
+  const __m512i sc = _mm512_castsi256_si512(ld256(w.sc16));
+  for (int c = 0; c < 4; ++c) {
+    const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(int16_t(4 * c)),
+                                         _mm512_srli_epi16(
+                                             _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24,
+                                                              23, 22, 21, 20, 19, 18, 17, 16,
+                                                              15, 14, 13, 12, 11, 10, 9, 8,
+                                                              7, 6, 5, 4, 3, 2, 1, 0), 3));
+    sv[c] = _mm512_permutexvar_epi16(idx, sc);
+  }
+}
+
+// Per lane, sc16 * (q . xq) over the super-block, exact in 32 bits.
+inline __m512i code_dot(const Decoded& w, const __m512i* sv, const int8_t* xq) {
   __m512i acc = _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {
     const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512(w.q + 64 * c),
                                            _mm512_loadu_si512(xq + 64 * c));
-    const __m512i s = _mm512_load_si512(w.pair_scale + 32 * c);
 #if defined(__AVX512VNNI__)
-    acc = _mm512_dpwssd_epi32(acc, p, s);
+    acc = _mm512_dpwssd_epi32(acc, p, sv[c]);
 #else
-    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, sv[c]));
 #endif
   }
-  return _mm512_reduce_add_epi32(acc);
-#elif defined(__AVX2__)
+  return acc;
+}
+#else
+// sum over the super-block of sc16 * (q . xq) for one activation row, exact in 32 bits.
+inline int32_t code_dot(const Decoded& w, const int8_t* xq) {
+#if defined(__AVX2__)
   __m256i acc = _mm256_setzero_si256();
   for (int c = 0; c < 8; ++c) {
     const __m256i p = _mm256_maddubs_epi16(
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(w.q + 32 * c)),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c)));
-    const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair_scale + 16 * c));
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(w.q + 32 * c)), ld256(xq + 32 * c));
+    const __m256i s = _mm256_set_m128i(_mm_set1_epi16(w.sc16[2 * c + 1]),
+                                       _mm_set1_epi16(w.sc16[2 * c]));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
   }
   __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
@@ -209,10 +243,11 @@ inline int32_t code_dot(const Decoded& w, const int8_t* xq) {
   return _mm_cvtsi128_si32(x);
 #else
   int32_t acc = 0;
-  for (int i = 0; i < kQK; ++i) acc += int32_t(w.q[i]) * xq[i] * w.pair_scale[i / 2];
+  for (int i = 0; i < kQK; ++i) acc += int32_t(w.q[i]) * xq[i] * w.sc16[i / 16];
   return acc;
 #endif
 }
+#endif
 
 // sum_g mc16_g bsum16_g.
 inline int32_t min_dot(const Decoded& w, const int16_t* bsum) {
@@ -236,17 +271,39 @@ template <int64_t Type, int R>
 inline void row_dot(const uint8_t* row, int64_t S, const RowsQ8K& x, int64_t m, float* out) {
   constexpr int64_t bytes = Type == kTypeQ4K ? 144 : Type == kTypeQ5K ? 176 : 210;
   Decoded w;
+  float mins[R] = {};
+#if defined(__AVX512BW__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+#else
   float acc[R] = {};
+#endif
   for (int64_t s = 0; s < S; ++s) {
     decode<Type>(row + s * bytes, w);
+#if defined(__AVX512BW__)
+    __m512i sv[4];
+    pair_scales(w, sv);
+#endif
     for (int r = 0; r < R; ++r) {
       const int64_t xr = m + r;
-      const int32_t main = code_dot(w, x.q + xr * x.K + s * kQK);
-      const int32_t mins = min_dot(w, x.bsum + xr * (x.K / 16) + s * 16);
-      acc[r] += x.d[xr * S + s] * (w.d * float(main) - w.dmin * float(mins));
+      const float xd = x.d[xr * S + s];
+      const int8_t* xq = x.q + xr * x.K + s * kQK;
+#if defined(__AVX512BW__)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code_dot(w, sv, xq)),
+                               _mm512_set1_ps(xd * w.d), acc[r]);
+#else
+      acc[r] += xd * w.d * float(code_dot(w, xq));
+#endif
+      mins[r] += xd * w.dmin * float(min_dot(w, x.bsum + xr * (x.K / 16) + s * 16));
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
+  for (int r = 0; r < R; ++r) {
+#if defined(__AVX512BW__)
+    out[r] = _mm512_reduce_add_ps(acc[r]) - mins[r];
+#else
+    out[r] = acc[r] - mins[r];
+#endif
+  }
 }
 
 template <int64_t Type>
@@ -280,7 +337,10 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int8_t* q, float* d, int16_
     for (int64_t i = begin; i < end; ++i) {
       const X* src = x + i * kQK;  // super-block i of the flat [M, K] rows (K % 256 == 0)
       float amax = 0.0f;
-      for (int64_t k = 0; k < kQK; ++k) buf[k] = float(src[k]), amax = std::max(amax, std::fabs(buf[k]));
+      for (int64_t k = 0; k < kQK; ++k) {
+        buf[k] = float(src[k]);
+        amax = std::max(amax, std::fabs(buf[k]));
+      }
       const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
       d[i] = dd;
       for (int64_t g = 0; g < 16; ++g) {
@@ -321,8 +381,8 @@ int64_t check_codes(const at::Tensor& codes, int64_t type, int64_t N, const char
                   codes.is_contiguous() && codes.dim() == 2,
               op, ": codes must be a contiguous 2-D uint8 CPU tensor");
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(codes.size(0) == N && codes.size(1) % bytes == 0, op, ": codes ", codes.sizes(),
-              " are not ", N, " rows of whole ", bytes, "-byte super-blocks");
+  TORCH_CHECK(codes.size(0) == N && codes.size(1) % bytes == 0, op, ": codes ",
+              codes.sizes(), " are not ", N, " rows of whole ", bytes, "-byte super-blocks");
   return codes.size(1) / bytes * kQK;
 }
 
@@ -346,26 +406,49 @@ at::Tensor kquant_gemm(const at::Tensor& x, const at::Tensor& codes, int64_t typ
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
+// One group of 16 columns: gguf-py's order, (d sc) q - (dmin m); Q6_K: (d sc) (q - 32).
+template <int64_t Type>
+inline void dequant_group(const Decoded& dec, int g, float* out) {
+  const float scale = dec.d * float(dec.sc16[g]), min = dec.dmin * float(dec.mc16[g]);
+#if defined(__AVX2__)
+  // Written out: GCC 12's vectorizer turned the plain loop into garbage (Q6_K, AVX2 builds).
+  const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(dec.q + 16 * g));
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(q, 8) : q));
+    if constexpr (Type == kTypeQ6K) {
+      v = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_sub_ps(v, _mm256_set1_ps(32.0f)));
+    } else {
+      v = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(scale), v), _mm256_set1_ps(min));
+    }
+    _mm256_storeu_ps(out + 8 * h, v);
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    const float q = float(dec.q[16 * g + i]);
+    out[i] = Type == kTypeQ6K ? scale * (q - 32.0f) : scale * q - min;
+  }
+#endif
+}
+
+// One thread: run inside at::parallel_for (its body, or a noinline function it calls) this
+// loop left the output unwritten in GCC 12 -O3 builds for AVX2 and AVX-512 (not for SSE2,
+// not with -fno-tree-vectorize), and the cause was not found. A matrix is dequantized only
+// for a step of many rows, whose GEMM costs more than this.
 template <int64_t Type, typename T>
 void dequant_rows(const uint8_t* codes, int64_t N, int64_t K, T* w) {
-  const int64_t S = K / kQK, bytes = block_bytes(Type);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    Decoded dec;
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t s = 0; s < S; ++s) {
-        decode<Type>(codes + (n * S + s) * bytes, dec);
-        T* out = w + n * K + s * kQK;
-        for (int g = 0; g < 16; ++g) {
-          // gguf-py's order: (d sc) q - (dmin m); Q6_K: (d sc) (q - 32)
-          const float scale = dec.d * float(dec.pair_scale[8 * g]);
-          const float min = dec.dmin * float(dec.mc16[g]);
-          for (int i = 16 * g; i < 16 * g + 16; ++i) {
-            out[i] = Type == kTypeQ6K ? T(scale * float(int(dec.q[i]) - 32))
-                                      : T(scale * float(dec.q[i]) - min);
-          }
-        }
+  constexpr int64_t bytes = Type == kTypeQ4K ? 144 : Type == kTypeQ5K ? 176 : 210;
+  const int64_t S = K / kQK;
+  Decoded dec;
+  alignas(32) float group[16];
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t s = 0; s < S; ++s) {
+      decode<Type>(codes + (n * S + s) * bytes, dec);
+      T* out = w + n * K + s * kQK;
+      for (int g = 0; g < 16; ++g) {
+        dequant_group<Type>(dec, g, group);
+        for (int i = 0; i < 16; ++i) out[16 * g + i] = T(group[i]);
       }
-  });
+    }
 }
 
 // The float weight [N, K] (float32 or bfloat16) the codes stand for.

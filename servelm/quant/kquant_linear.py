@@ -26,8 +26,9 @@ from servelm.quant.quantized_linear import QuantizedLinear
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 SUPER_BLOCK = 256
 # Steps of up to this many rows take the int8-activation kernel; above, a dequantized GEMM
-# (one core, a 1536 x 1536 Q4_K matrix: the two cost the same near 64 rows, ad hoc).
-MAX_INT8_ROWS = 48
+# (one core, a 1536 x 1536 Q4_K matrix: the int8 kernel is still the faster at 64 rows, ad hoc;
+# the dequantization runs on one thread).
+MAX_INT8_ROWS = 128
 
 
 def kquant_ops():
