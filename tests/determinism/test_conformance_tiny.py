@@ -109,13 +109,15 @@ EAGER_SCENARIOS = ("batch-16", "chunk-7", "prefix-warm", "preemption")
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_family_on_the_eager_path_is_bitwise_too(dtype):
-    """Phi-3 (models/decoder.py: no C++ stack, the eager model with batch-invariant linears
-    and per-row attention), under a subset of the perturbations."""
+    """Phi-3 (models/decoder.py) with the C++ stack off (`--cpu-kernels decode=torch`: the
+    eager model with batch-invariant linears and per-row attention), under a subset of the
+    perturbations. (Its fast path would take the stack: the families the stack refuses have
+    windows, soft-caps or experts, which --deterministic refuses too.)"""
     from tiny_families import make_tiny_family_model
 
     hf = make_tiny_family_model("phi3", sliding_window=None)
     cases = make_cases(hf.config.vocab_size, num_greedy=2, num_sampled=2, max_tokens=12)
-    make = _engine_factory(hf, deterministic=True, dtype=dtype)
+    make = _engine_factory(hf, deterministic=True, dtype=dtype, cpu_kernels="decode=torch")
     assert make().runner.cpu_stack is None  # the eager path
     ref = reference(make, cases)
     for sc in scenarios():

@@ -1,6 +1,8 @@
 """What servelm does not implement is refused at load with an error naming the field, never
 run wrong; and the families the CPU decode stack does not cover run eagerly."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from tiny_families import make_tiny_family_model
@@ -80,7 +82,8 @@ def test_backend_without_variants_is_refused_for_a_window_or_softcap():
 
     config = ModelConfig.from_hf_config(_llama_cfg(model_type="gemma2", sliding_window=8,
                                                    attn_logit_softcapping=50.0))
-    attn = Attention(config, 0, None, backend=object())
+    plain = SimpleNamespace(name="plain", supports_variants=False)  # an AttentionBackend's
+    attn = Attention(config, 0, None, backend=plain)
 
     class Batch:
         seq_lens = [4]
