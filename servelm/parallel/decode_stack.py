@@ -1,7 +1,8 @@
 """The CPU decode stack on a tensor-parallel rank: all-decode steps in one C++ call, sharded.
 
 Owns: whether a rank's model takes the stack (one pipeline stage, and the family's model
-inside TensorParallelModel passing the stack's own checks, servelm/runner/cpu_decode.py), the
+inside TensorParallelModel passing the stack's own checks, servelm/runner/cpu_decode.py: the
+same fast-path spec, models/fast_path.py, over the rank's shard of each layer), the
 torch.distributed group the stack all-reduces o_proj's and down_proj's outputs over
 (DecodeStack.set_all_reduce in cpu_kernels/decode_stack.cpp: torch's functional collectives
 called from C++, gloo on the CPU), and counting those all-reduces in the group's CommStats as

@@ -1,4 +1,5 @@
-"""CpuDecodeStack: a decode step of a Llama-family model in one C++ call, on the CPU.
+"""CpuDecodeStack: a decode step of a model in one C++ call, on the CPU, built from the
+model's description of its layers (`model.fast_path()`, servelm/models/fast_path.py).
 
 At one token a step a decoder layer's kernels take ~100 us on this machine and the Python
 around them (module calls, views, the attention backend, a dispatcher round trip per op)
