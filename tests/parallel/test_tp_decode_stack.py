@@ -13,10 +13,11 @@ import pytest
 from parallel_helpers import build, max_logprob_diff, run_greedy, save_tiny
 from test_tensor_parallel import TOLERANCE
 
-# The default model's shape (3 KV heads over 2 ranks: uneven heads per rank), and Qwen3's
-# per-head q/k norms.
+# The default model's shape (3 KV heads over 2 ranks: uneven heads per rank), Qwen3's
+# per-head q/k norms, and Phi-3 (its checkpoint's packed qkv and gate/up, each rank's slices
+# of them) through the same fast-path spec.
 FAMILIES = [("llama", {"hidden_size": 96, "num_attention_heads": 6,
-                       "num_key_value_heads": 3}), ("qwen3", {})]
+                       "num_key_value_heads": 3}), ("qwen3", {}), ("phi3_full", {})]
 
 
 @pytest.fixture(scope="module")
