@@ -1,8 +1,8 @@
 """BatchRunner: runs the store's batches on this replica, as the lowest SLO class.
 
-Owns: claiming batches from the state store (one replica runs a batch at a time, under a
-lease it touches every second, so a replica that died leaves its batch to another after
-`lease_s`), each batch's life (validating -> in_progress -> finalizing -> completed;
+Owns: claiming batches from the state store (those created for the model it serves; one
+replica runs a batch at a time, under a lease it touches every second, so a replica that
+died leaves its batch to another after `lease_s`), each batch's life (validating -> in_progress -> finalizing -> completed;
 cancelling -> cancelled; past its window -> expired; a malformed input file -> failed),
 running its lines through the endpoint code that serves HTTP (an in-process request: the same
 validation, templates, parsers, limits and logs), pacing, recording each line's result in
@@ -110,7 +110,8 @@ class BatchRunner:
             body = None
             if len(self._jobs) < self.limits.max_running_batches and not self.draining():
                 try:
-                    body = await self.db("claim_batch", self.owner, self.limits.lease_s)
+                    body = await self.db("claim_batch", self.owner, self.limits.lease_s,
+                                         self.model)
                     failing = False
                 except Exception:  # a store outage: said once, tried again at each poll
                     if not failing:

@@ -133,8 +133,10 @@ class StateStore(abc.ABC):
         """Batches not yet completed, failed, expired or cancelled."""
 
     @abc.abstractmethod
-    def claim_batch(self, owner: str, lease_s: float) -> dict[str, Any] | None:
-        """The oldest active batch that no replica holds (or whose holder stopped touching
+    def claim_batch(self, owner: str, lease_s: float,
+                    model: str | None = None) -> dict[str, Any] | None:
+        """The oldest active batch (of `model`, when given: a store may be shared by fleets
+        serving different models) that no replica holds (or whose holder stopped touching
         it for lease_s), now held by `owner`; None when there is none."""
 
     @abc.abstractmethod
@@ -376,13 +378,15 @@ class SQLStateStore(StateStore):
         return int(self._one(f"SELECT COUNT(*) FROM batches WHERE status IN "
                              f"{_in(ACTIVE_BATCH_STATUSES)}")[0])
 
-    def claim_batch(self, owner, lease_s):
+    def claim_batch(self, owner, lease_s, model=None):
         now = time.time()
         free = "(owner IS NULL OR heartbeat_at < ?)"
-        rows = self._query(f"SELECT id FROM batches WHERE status IN "
+        rows = self._query(f"SELECT id, body FROM batches WHERE status IN "
                            f"{_in(ACTIVE_BATCH_STATUSES)} AND {free} ORDER BY created_at, id "
-                           f"LIMIT 8", (now - lease_s,))
-        for (batch_id,) in rows:  # another replica may take one between the two statements
+                           f"LIMIT 64", (now - lease_s,))
+        for batch_id, body in rows:  # another replica may take one between the statements
+            if model is not None and json.loads(body).get("model") != model:
+                continue
             if self._exec(f"UPDATE batches SET owner = ?, heartbeat_at = ? WHERE id = ? AND "
                           f"{free}", (owner, now, batch_id, now - lease_s)) == 1:
                 return self.get_batch(batch_id)

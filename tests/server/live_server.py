@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import tempfile
 import threading
 import time
 
@@ -23,6 +24,9 @@ class LiveServer:
 
         from servelm.server.app import ServerConfig, build_app
 
+        if "state_store" not in overrides:  # not the user's $SERVELM_HOME store (batches)
+            self._home = tempfile.TemporaryDirectory(prefix="servelm-state-")
+            overrides["state_store"] = f"sqlite:///{self._home.name}/state.sqlite3"
         self.config = ServerConfig(served_model_name=MODEL, **overrides)
         self.app = build_app(engine, self.config)
         self.state = self.app.state.servelm

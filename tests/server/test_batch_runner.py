@@ -66,6 +66,7 @@ def _batch(store: SQLiteStateStore, num_lines: int) -> str:
     meta = file_object("in.jsonl", "batch", len(content))
     store.put_file(meta, content)
     body = {"id": "batch_1", "object": "batch", "endpoint": URL, "status": "validating",
+            "model": "m",
             "input_file_id": meta["id"], "expires_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0}}
     store.put_batch(body)

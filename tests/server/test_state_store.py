@@ -159,6 +159,10 @@ def test_a_released_batch_is_claimed_at_once_and_batches_page(make_store):
     assert b.claim_batch("replica-b", lease_s=30)["id"] == "batch_0"
     page = b.list_batches(limit=2)
     assert [x["id"] for x in page.items] == ["batch_2", "batch_1"] and page.has_more
+    # a store shared by fleets of several models: a replica claims its own model's batches
+    a.put_batch(dict(_batch("batch_x", "in_progress"), model="other"))
+    assert a.claim_batch("replica-a", lease_s=30, model="other")["id"] == "batch_x"
+    assert a.claim_batch("replica-a", lease_s=30, model="mine") is None
     assert [x["id"] for x in b.list_batches(after="batch_1").items] == ["batch_0"]
 
 
