@@ -97,7 +97,8 @@ class CpuDecodeStack:
     def build(cls, model, kv_cache, backend, mode: str | None = None
               ) -> tuple[CpuDecodeStack | None, str | None]:
         """(the stack for this model, None), or (None, why not) where it does not apply
-        (see the module doc); the reason a model's layers cannot take it is logged.
+        (see the module doc); the reason a model or its layers cannot take it is logged, as
+        a warning on the CPU.
         kv_cache None: the backend's. mode: 'auto' | 'kernel' | 'torch'; None: the
         process's choice."""
         mode = cpu_kernels.mode(PART) if mode is None else mode
@@ -110,7 +111,10 @@ class CpuDecodeStack:
             return None, "no KV cache"
         why = refusal(model, kv_cache, backend)
         if why is not None:
-            logger.info("decode stack: %s; decode steps run eagerly", why)
+            # a warning on the CPU, where the stack is the fast path (shown by default);
+            # elsewhere the stack is not expected
+            level = logging.WARNING if kv_cache.k.device.type == "cpu" else logging.INFO
+            logger.log(level, "decode stack: %s; decode steps run eagerly", why)
             return None, why
         if cpu_kernels.ops_for_mode(PART, mode) is None:  # a failed build in mode 'auto'
             return None, "the C++ kernels did not build"
