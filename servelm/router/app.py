@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from servelm.engine.prefix_cache import block_hashes
 from servelm.server.dashboard import page_routes
 from servelm.server.dashboard.data import fleet_data, parse_window
-from servelm.router.policies import RouteRequest, RoutingPolicy
+from servelm.router.policies import DEFAULT_POLICY, RouteRequest, RoutingPolicy
 from servelm.router.prompts import prompt_token_ids
 from servelm.router.replicas import Replica, ReplicaSet
 
@@ -43,7 +43,7 @@ _DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "upgrad
 
 @dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "round_robin"
+    policy: str = DEFAULT_POLICY  # the policy's name, for the metrics and the dashboard
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 2**20
     otlp_traces_endpoint: str | None = None  # a span per request, its context passed on

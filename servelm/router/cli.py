@@ -25,7 +25,7 @@ class RouterServer(uvicorn.Server):
 
 
 def add_parser(subparsers) -> None:
-    from servelm.router.policies import policy_names
+    from servelm.router.policies import DEFAULT_POLICY, WORKER_POLICY, policy_help, policy_names
 
     p = subparsers.add_parser("router", help="OpenAI-compatible router over replicas",
                               description=__doc__.splitlines()[0])
@@ -36,7 +36,9 @@ def add_parser(subparsers) -> None:
                         "with --decode, instead of --replica; docs/disaggregation.md)")
     p.add_argument("--decode", action="append", default=None, metavar="URL",
                    help="disaggregation: a `servelm serve --role decode` worker (repeat)")
-    p.add_argument("--policy", default="least_loaded", choices=policy_names())
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+                   help=f"with --replica: {policy_help()}; with --prefill and --decode the "
+                        f"workers are picked by {WORKER_POLICY}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--probe-interval", type=float, default=1.0,

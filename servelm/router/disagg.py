@@ -6,7 +6,8 @@ Owns: `servelm router --prefill URL... --decode URL...` and `servelm serve --dis
 between them, started and stopped by the launcher's Supervisor, the router on the public
 port). Per request:
 
-    1. pick the least busy healthy prefill and decode workers
+    1. pick a healthy prefill and a healthy decode worker, each by a routing policy of the
+       registry (servelm/router/policies.py; WORKER_POLICY, least_busy, unless told)
     2. POST the request to the prefill worker as a one-token stream (max_tokens 1, n 1)
        with x-servelm-kv-transfer {transfer_id, role prefill}; wait for its status only
     3. POST the client's request unchanged to the decode worker with {transfer_id, role
@@ -43,6 +44,7 @@ from servelm.disagg.http import HEADER, header_value
 from servelm.launch import ProcessSpec, Supervisor
 from servelm.router.app import _DROP_RESPONSE, _error
 from servelm.router.app import _DROP_REQUEST as _DROP_PROXY
+from servelm.router.policies import WORKER_POLICY, RouteRequest, make_policy
 from servelm.router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -79,9 +81,13 @@ def prefill_body(body: dict) -> dict:
 
 
 class DisaggRouter:
-    def __init__(self, prefill: ReplicaSet, decode: ReplicaSet, request_timeout: float = 600.0):
+    def __init__(self, prefill: ReplicaSet, decode: ReplicaSet, request_timeout: float = 600.0,
+                 policy: str = WORKER_POLICY):
         self.prefill = prefill
         self.decode = decode
+        # One policy object per role: a stateful one (round robin's cursor) turns per role.
+        self.prefill_policy = make_policy(policy)
+        self.decode_policy = make_policy(policy)
         self.request_timeout = request_timeout
         self.metrics = DisaggMetrics()
         self.client: httpx.AsyncClient | None = None
@@ -99,10 +105,17 @@ class DisaggRouter:
                 if role == "prefill":
                     self.kv_addresses[rep.url] = info["kv_address"]
 
-    @staticmethod
-    def _least_busy(reps: ReplicaSet, exclude=None) -> Replica | None:
-        live = [r for r in reps.healthy if r is not exclude]
-        return min(live, key=lambda r: (r.num_in_flight, r.num_routed)) if live else None
+    def pick(self, reps: ReplicaSet, route: RouteRequest,
+             exclude: Replica | None = None) -> Replica | None:
+        """A worker of `reps` (the prefill or the decode set) by that role's policy; None
+        when none is serving. exclude: a worker that just failed this request."""
+        policy = self.prefill_policy if reps is self.prefill else self.decode_policy
+        loads = [r.load()._replace(is_healthy=r.is_serving and r is not exclude)
+                 for r in reps.replicas]
+        try:
+            return reps.replicas[policy.pick(loads, route)]
+        except RuntimeError:  # no healthy worker
+            return None
 
     async def generate(self, request: Request, path: str) -> Response:
         raw = await request.body()
@@ -112,11 +125,12 @@ class DisaggRouter:
         except (ValueError, AssertionError):
             return _error(400, "the request body must be a JSON object", "invalid_request")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-        decode = self._least_busy(self.decode)
+        route = _route_request(body, headers)
+        decode = self.pick(self.decode, route)
         if decode is None:
             return _error(503, "no healthy decode worker", "no_replica")
         self.metrics.requests.inc()
-        kv_header = await self._start_prefill(path, body, headers)
+        kv_header = await self._start_prefill(path, body, headers, route)
         for attempt in range(2):
             hdrs = dict(headers)
             if kv_header is not None:
@@ -124,17 +138,18 @@ class DisaggRouter:
             resp, why = await self._send(decode, path, raw, hdrs)
             if resp is not None:
                 return await self._respond(decode, resp, bool(body.get("stream")))
-            nxt = self._least_busy(self.decode, exclude=decode)
+            nxt = self.pick(self.decode, route, exclude=decode)
             if attempt == 1 or nxt is None:
                 return _error(502, f"the decode worker failed: {why}", "replica_failed")
             decode, kv_header = nxt, None  # the retry computes the prompt itself
             self.metrics.fallbacks.labels("decode_retry").inc()
         raise AssertionError("unreachable")
 
-    async def _start_prefill(self, path: str, body: dict, headers: dict) -> str | None:
+    async def _start_prefill(self, path: str, body: dict, headers: dict,
+                             route: RouteRequest) -> str | None:
         """Start the prompt on a prefill worker; the decode worker's header, or None when
         no prefill worker took it (the decode worker computes the prompt then)."""
-        prefill = self._least_busy(self.prefill)
+        prefill = self.pick(self.prefill, route)
         if prefill is None:
             self.metrics.fallbacks.labels("no_prefill").inc()
             return None
@@ -216,7 +231,7 @@ class DisaggRouter:
 
     async def passthrough(self, request: Request, path: str) -> Response:
         """Anything else (models, tokenize, ...) goes to a decode worker as it is."""
-        rep = self._least_busy(self.decode)
+        rep = self.pick(self.decode, RouteRequest())
         if rep is None:
             return _error(503, "no healthy decode worker", "no_replica")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
@@ -231,12 +246,22 @@ class DisaggRouter:
                          if k.lower() not in _DROP_RESPONSE})
 
 
+def _route_request(body: dict, headers: dict) -> RouteRequest:
+    """What a policy may read of a request here: its session and cache keys (the router
+    counts no tokens, so a policy reading them sees none)."""
+    user = body.get("user") or headers.get("x-session-id")
+    key = body.get("prompt_cache_key")
+    return RouteRequest(0, user if isinstance(user, str) else None,
+                        key if isinstance(key, str) else None)
+
+
 def build_disagg_app(prefill_urls: list[str], decode_urls: list[str],
-                     probe_interval: float = 1.0, request_timeout: float = 600.0) -> FastAPI:
+                     probe_interval: float = 1.0, request_timeout: float = 600.0,
+                     policy: str = WORKER_POLICY) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("the disaggregation router needs --prefill and --decode workers")
     router = DisaggRouter(ReplicaSet(prefill_urls, probe_interval),
-                          ReplicaSet(decode_urls, probe_interval), request_timeout)
+                          ReplicaSet(decode_urls, probe_interval), request_timeout, policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

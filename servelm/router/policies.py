@@ -1,10 +1,13 @@
 """Routing policies: pick a replica for a request from what is known of each replica's load.
 
-Owns: `ReplicaLoad` and the registry of policies by name. A policy is an object with
-`pick(loads, request) -> index`; it may keep state (round robin's cursor) but never looks at
-a replica other than through its ReplicaLoad.
+Owns: `ReplicaLoad`, the registry of policies by name, and the defaults every picker reads:
+`DEFAULT_POLICY` for the replica pick (`servelm router --policy`, `servelm serve
+--router-policy`, `servelm sim --policy`, with `policy_help()` as their help) and
+`WORKER_POLICY` for the disaggregation router's prefill and decode picks. A policy is an
+object with `pick(loads, request) -> index`; it may keep state (round robin's cursor) but
+never looks at a replica other than through its ReplicaLoad.
 Never: imports torch, or talks to a replica (the caller learns the loads: a router from the
-replicas' metrics, the simulator from the simulated engines).
+replicas' metrics and its own counts, the simulator from the simulated engines).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ class ReplicaLoad(NamedTuple):
     kv_usage: float  # share of KV blocks held, 0..1
     is_healthy: bool = True
     cached_tokens: int = 0  # of this request's prompt, expected in the replica's prefix cache
+    num_in_flight: int = 0  # requests the caller sent there and has not seen finish
+    num_routed: int = 0  # requests the caller ever sent there
 
 
 class RouteRequest(NamedTuple):
@@ -32,6 +37,7 @@ class RouteRequest(NamedTuple):
 
 class RoutingPolicy(Protocol):
     name: str
+    summary: str  # one line for the option's help
 
     def pick(self, loads: Sequence[ReplicaLoad], request: RouteRequest) -> int: ...
 
@@ -40,6 +46,7 @@ class RoundRobin:
     """Each healthy replica in turn, whatever its load."""
 
     name = "round_robin"
+    summary = "each healthy replica in turn"
     reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self):
@@ -60,6 +67,7 @@ class LeastLoaded:
     lowest index), so a long prompt counts for what it will cost, not as one request."""
 
     name = "least_loaded"
+    summary = "the fewest tokens in flight"
     reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def pick(self, loads: Sequence[ReplicaLoad], request) -> int:
@@ -136,6 +144,7 @@ class Session:
     one are placed least-loaded."""
 
     name = "session"
+    summary = "the same replica for the same user, else least_loaded"
     reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self):
@@ -167,6 +176,7 @@ class PrefixAffinity:
     not yet tuned by a measured sweep."""
 
     name = "prefix_affinity"
+    summary = "the longest cached prefix less a load penalty, within a bound on imbalance"
     reads_cached_tokens = True  # whether pick() looks at ReplicaLoad.cached_tokens
 
     def __init__(self, load_weight: float = 0.5, epsilon: float = 0.25):
@@ -193,11 +203,44 @@ class PrefixAffinity:
                                         -loads[i].num_tokens_in_flight, -i))
 
 
-_POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, Session, PrefixAffinity)}
+class LeastBusy:
+    """The healthy replica with the fewest requests the caller has open there (ties: the
+    fewest ever sent there, then the lowest index): the disaggregation router's pick, whose
+    workers' cost is a request each (a prefill worker holds one for a prompt, a decode
+    worker for a completion) and which counts no tokens; the routed count spreads requests
+    that come one at a time over an idle fleet."""
+
+    name = "least_busy"
+    summary = "the fewest requests in flight, ties to the fewest routed"
+    reads_cached_tokens = False  # whether pick() looks at ReplicaLoad.cached_tokens
+
+    def pick(self, loads: Sequence[ReplicaLoad], request) -> int:
+        healthy = [i for i, load in enumerate(loads) if load.is_healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica")
+        return min(healthy, key=lambda i: (loads[i].num_in_flight, loads[i].num_routed, i))
+
+
+_POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, Session, PrefixAffinity, LeastBusy)}
+
+# The replica pick wherever one is made by option: the router, serve's data-parallel front
+# and the simulator (which should route as the served fleet does). prefix_affinity places
+# a request without a cache estimate by load, so it costs nothing where there is none, and
+# it held 73.4% prefix-cache hits against least_loaded's 50.8% on multi-turn chat
+# (docs/benchmarks.md).
+DEFAULT_POLICY = "prefix_affinity"
+# The disaggregation router's prefill and decode picks: it counts requests, not tokens.
+WORKER_POLICY = "least_busy"
 
 
 def policy_names() -> list[str]:
     return sorted(_POLICIES)
+
+
+def policy_help() -> str:
+    """The routing-policy option's help text, the same for every command that has one."""
+    listed = "; ".join(f"{name}: {_POLICIES[name].summary}" for name in policy_names())
+    return f"the routing policy, default {DEFAULT_POLICY} (docs/router.md). {listed}"
 
 
 def make_policy(name: str) -> RoutingPolicy:
@@ -208,5 +251,6 @@ def make_policy(name: str) -> RoutingPolicy:
                          f"{policy_names()}") from None
 
 
-__all__ = ["LeastLoaded", "LeastLoadedIndex", "PrefixAffinity", "ReplicaLoad", "RoundRobin",
-           "RouteRequest", "RoutingPolicy", "Session", "make_policy", "policy_names"]
+__all__ = ["DEFAULT_POLICY", "WORKER_POLICY", "LeastBusy", "LeastLoaded", "LeastLoadedIndex",
+           "PrefixAffinity", "ReplicaLoad", "RoundRobin", "RouteRequest", "RoutingPolicy",
+           "Session", "make_policy", "policy_help", "policy_names"]

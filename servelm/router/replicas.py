@@ -65,7 +65,7 @@ class Replica:
     def load(self, cached_tokens: int = 0) -> ReplicaLoad:
         return ReplicaLoad(self.reported_waiting, max(self.reported_running, self.num_in_flight),
                            self.tokens_in_flight, self.reported_kv_usage, self.is_serving,
-                           cached_tokens)
+                           cached_tokens, self.num_in_flight, self.num_routed)
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """Tokens of a prompt (its blocks' chain hashes) this replica is expected to hold."""

@@ -27,6 +27,7 @@ def add_parser(subparsers) -> None:
     from servelm.config import add_engine_cli_args
     from servelm.loader.model_cache import DEFAULT_MODEL
     from servelm.planner.hardware import default_peaks
+    from servelm.router.policies import DEFAULT_POLICY, policy_help, policy_names
     from servelm.server.server_config import ServerConfig
 
     d = {f.name: f.default for f in dataclasses.fields(ServerConfig)}.__getitem__
@@ -112,9 +113,8 @@ def add_parser(subparsers) -> None:
                    help="prefill/decode disaggregation on this machine: P prefill and D decode "
                         "workers (the cores split between them) behind a router on this port "
                         "(docs/disaggregation.md)")
-    g.add_argument("--router-policy", default="prefix_affinity",
-                   choices=("round_robin", "least_loaded", "session", "prefix_affinity"),
-                   help="with --data-parallel-size: the routing policy (docs/router.md)")
+    g.add_argument("--router-policy", default=DEFAULT_POLICY, choices=policy_names(),
+                   help="with --data-parallel-size or --backend ray: " + policy_help())
     r = p.add_argument_group("replicas on Ray")
     r.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="local: this machine's processes (default; --data-parallel-size N "

@@ -22,7 +22,7 @@ from servelm.bench.metrics import build_serve_result, goodput, render_serve_tabl
 from servelm.bench.workloads import RandomPrompts, RangeError, parse_range
 from servelm.config import SCHEDULING_POLICIES
 from servelm.loader.model_cache import DEFAULT_MODEL
-from servelm.router.policies import make_policy, policy_names
+from servelm.router.policies import DEFAULT_POLICY, make_policy, policy_help, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
 from servelm.sim.cost_model import StepCostModel, StepShape
 from servelm.sim.roofline import roofline_from_args
@@ -546,7 +546,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead of --num-replicas: bisect for the fewest replicas in LO..HI "
                         "whose run meets --goodput-target overall and in each quarter of the "
                         "requests (one run per count tried)")
-    g.add_argument("--policy", default="round_robin", choices=policy_names())
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+                   help=policy_help())
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per replica (default: the calibrated engine's)")
     g.add_argument("--block-size", type=int, default=None)

@@ -85,6 +85,7 @@ class Replica:
     is_stepping: bool = False
     last_finish: float | None = None  # when the last step finished a request, if it did
     num_mixed_steps: int = 0  # engine steps run with the decode head lazy (bulk.mixed_step)
+    num_routed: int = 0  # requests the router sent here (least_busy's tie-break)
     # The lazily advanced head of the running list (bulk.DecodeHead): its sequences and
     # records are caught up as they leave it, or all at once by bulk.finish_run.
     decode_head: DecodeHead | None = None
@@ -119,8 +120,10 @@ class Replica:
             else:  # the head's sequences are not caught up: it counts their tokens
                 in_flight += head.in_flight + sum(s.max_tokens - s.num_output_tokens
                                                   for s in sched.running[len(head.seqs):])
+            num_requests = len(sched.waiting) + len(sched.running)
             base = self._load = ReplicaLoad(len(sched.waiting), len(sched.running), in_flight,
-                                            bm.num_used_blocks / bm.num_blocks, True, 0)
+                                            bm.num_used_blocks / bm.num_blocks, True, 0,
+                                            num_requests, self.num_routed)
         if prompt is None or bm.prefix_cache is None:
             return base
         cached = bm.prefix_cache.match(prompt, None, len(prompt) - 1, record=False).num_tokens
@@ -476,6 +479,7 @@ def _admit(rid: str, req: SimRequest, rep: Replica, records: dict[str, RequestRe
         finish_run(rep, records)  # sequences' lengths: as stepping would have left them
     if not rep.is_stepping:  # the SLO policy's admission check reads the replica's clock
         rep.clock.now = max(rep.clock.now, t)
+    rep.num_routed += 1
     try:
         rep.engine.add_request(EngineRequest(
             rid, req.prompt_token_ids,
@@ -484,6 +488,7 @@ def _admit(rid: str, req: SimRequest, rep: Replica, records: dict[str, RequestRe
             prompt_checked=req.ids_checked)
     except SLOUnattainableError as exc:  # the SLO policy's early 429: the client sees it now
         rec.error, rec.error_detail, rec.end_time = "slo_unattainable", str(exc), t
+        rep.changed()  # its routed count moved
         return
     rep.changed()
     if not rep.is_stepping:  # its clock was brought up to the arrival above

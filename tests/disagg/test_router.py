@@ -141,3 +141,71 @@ def test_workers_of_the_wrong_role_are_refused():
             asyncio.run(start())
     finally:
         _stop(a, b)
+
+
+def _disagg_router(policy: str | None = None):
+    from servelm.router.disagg import DisaggRouter
+    from servelm.router.replicas import ReplicaSet
+
+    sets = (ReplicaSet(["http://p0", "http://p1"]), ReplicaSet(["http://d0", "http://d1"]))
+    return DisaggRouter(*sets) if policy is None else DisaggRouter(*sets, policy=policy)
+
+
+def test_workers_are_picked_by_the_registrys_worker_policy():
+    from servelm.router.policies import RouteRequest
+
+    router = _disagg_router()
+    assert router.prefill_policy.name == router.decode_policy.name == "least_busy"
+    p0, p1 = router.prefill.replicas
+    p0.num_in_flight, p1.num_routed = 1, 5
+    assert router.pick(router.prefill, RouteRequest()) is p1  # fewest in flight
+    p0.num_in_flight = 0
+    assert router.pick(router.prefill, RouteRequest()) is p0  # then fewest routed
+    assert router.pick(router.prefill, RouteRequest(), exclude=p0) is p1
+    p1.is_healthy = False
+    assert router.pick(router.prefill, RouteRequest(), exclude=p0) is None
+
+
+def test_a_registered_policy_changes_the_disagg_pick(monkeypatch):
+    from servelm.router import policies
+    from servelm.router.policies import RouteRequest
+
+    class LastHealthy:
+        name = "last_healthy"
+        summary = "the healthy replica listed last"
+
+        def pick(self, loads, request):
+            return max(i for i, load in enumerate(loads) if load.is_healthy)
+
+    monkeypatch.setitem(policies._POLICIES, LastHealthy.name, LastHealthy)
+    default, chosen = _disagg_router(), _disagg_router("last_healthy")
+    for router in (default, chosen):
+        router.decode.replicas[1].num_in_flight = 3  # busier, so least_busy avoids it
+    assert default.pick(default.decode, RouteRequest()).url == "http://d0"
+    assert chosen.pick(chosen.decode, RouteRequest()).url == "http://d1"
+    assert chosen.pick(chosen.prefill, RouteRequest()).url == "http://p1"
+    with pytest.raises(ValueError, match="routing policy 'nope'"):
+        _disagg_router("nope")
+
+
+def test_the_disagg_router_sends_a_session_to_one_prefill_worker():
+    p0, p1, d = worker("prefill"), worker("prefill"), worker("decode")
+    plain = _router([p0, p1], [d])
+    try:
+        for _ in range(4):  # least_busy, one request at a time: the workers take turns
+            assert _stream(plain.url)[-1] == "[DONE]"
+        assert len(p0.seen) == len(p1.seen) == 2
+    finally:
+        _stop(plain)
+    sticky = _Uvicorn(build_disagg_app([p0.url, p1.url], [d.url], probe_interval=5.0,
+                                       policy="session"), _port())
+    try:
+        for _ in range(4):
+            with httpx.stream("POST", sticky.url + "/v1/completions", timeout=30,
+                              json={"model": "m", "prompt": [1], "max_tokens": 2,
+                                    "stream": True, "user": "alice"}) as r:
+                assert r.status_code == 200
+                r.read()
+        assert sorted((len(p0.seen), len(p1.seen))) == [2, 6]  # all four on one worker
+    finally:
+        _stop(sticky, p0, p1, d)

@@ -79,3 +79,44 @@ def test_unknown_policy_is_refused_by_name():
     assert {"round_robin", "least_loaded", "session", "prefix_affinity"} <= set(policy_names())
     with pytest.raises(ValueError, match="routing policy 'nope' is unknown"):
         make_policy("nope")
+
+
+def test_least_busy_counts_requests_then_routed_then_index():
+    lb = make_policy("least_busy")
+    busy = [ReplicaLoad(0, 0, 0, 0.0, True, 0, n, r) for n, r in ((2, 0), (1, 9), (1, 3))]
+    assert lb.pick(busy, RouteRequest()) == 2  # fewest in flight, then fewest routed
+    tied = [ReplicaLoad(0, 0, 0, 0.0, h, 0, 0, 0) for h in (False, True, True)]
+    assert lb.pick(tied, RouteRequest()) == 1
+    with pytest.raises(RuntimeError, match="no healthy"):
+        lb.pick([ReplicaLoad(0, 0, 0, 0.0, False)], RouteRequest())
+
+
+def _parse(argv: list[str]):
+    from servelm.cli import build_parser
+
+    return build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, dest", [
+    (["router", "--replica", "http://a"], "policy"),
+    (["serve"], "router_policy"),
+    (["sim"], "policy"),
+])
+def test_every_command_defaults_to_the_registrys_policy(argv, dest):
+    from servelm.router.policies import DEFAULT_POLICY
+
+    assert getattr(_parse(argv), dest) == DEFAULT_POLICY
+    # ...and every command takes every registered policy by the same flag
+    flag = "--router-policy" if dest == "router_policy" else "--policy"
+    for name in policy_names():
+        assert getattr(_parse([*argv, flag, name]), dest) == name
+
+
+def test_every_command_shows_the_registrys_help(capsys):
+    from servelm.router.policies import policy_help
+
+    wanted = " ".join(policy_help().split())
+    for command in ("router", "serve", "sim"):
+        with pytest.raises(SystemExit):
+            _parse([command, "--help"])
+        assert wanted in " ".join(capsys.readouterr().out.split()), command

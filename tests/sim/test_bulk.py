@@ -72,6 +72,17 @@ def test_under_preemption_bulk_is_stepping():
     stepped, bulk = run_both(_random_requests(200, 0), 3, spec, "least_loaded")
     assert sum(r.engine.scheduler.num_preemptions for r in bulk.replicas) > 0
     assert bulk.num_bulk_steps > 0.2 * bulk.num_steps  # the comparison covers bulk steps
+
+
+def test_least_busy_routes_alike_stepped_and_bulk():
+    """least_busy reads the replicas' request counts, which the bulk path's lazy decode
+    head must keep exact at every arrival."""
+    spec = ReplicaSpec(num_blocks=512, block_size=16, max_num_seqs=8,
+                       max_num_batched_tokens=256, max_model_len=2048, vocab_size=1000)
+    stepped, bulk = run_both(_random_requests(150, 3, output=(1, 200)), 3, spec, "least_busy")
+    assert bulk.num_bulk_steps > 0
+    routed = [rep.num_routed for rep in bulk.replicas]
+    assert sum(routed) == 150 and min(routed) > 0
     # and most of the other steps ran their leading decodes hidden (bulk.mixed_step)
     assert bulk.num_mixed_steps > 0.5 * (bulk.num_steps - bulk.num_bulk_steps)
 
