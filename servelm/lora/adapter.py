@@ -91,7 +91,7 @@ class AdapterSpec:
 
 def target_shapes(model_config) -> dict[tuple[str, int], tuple[int, int]]:
     """(servelm linear, slice) -> (in_features, out_features of the slice) for the dense
-    Llama-shaped layers servelm's models build (models/llama.py, models/decoder.py)."""
+    layers of servelm's one decoder frame (models/decoder.py)."""
     c = model_config
     shapes = {(packed, j): (c.hidden_size, rows) for packed in PACKED
               for j, rows in enumerate(part_rows(c, PACKED, packed))}
