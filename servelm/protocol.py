@@ -1,8 +1,8 @@
 """Torch-free request and response types shared by the engine, the server and the tools.
 
 Owns: SamplingParams (validated at construction), StructuredOutput (a constraint on the
-output's form), EngineRequest, TokenDelta, FinishReason, RequestTimings,
-RequestOutput/CompletionOutput.
+output's form), ThinkingBudget (a cap on a request's thinking), EngineRequest, TokenDelta,
+FinishReason, RequestTimings, RequestOutput/CompletionOutput.
 Never: imports torch, or holds engine state.
 """
 
@@ -59,6 +59,33 @@ class StructuredOutput:
                                         "string", param=self.param)
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on a request's thinking, enforced by the engine (servelm/engine/thinking_budget.py):
+    after `num_tokens` thinking tokens, `end_token_ids` (the reasoning parser's end tag) are
+    appended in place of what the model sampled, and the answer goes on from there.
+
+    start_token_ids: the tag the output opens its thinking with (an output that does not
+                     start with it does not think); empty: the prompt opened the thinking, so
+                     it starts at the first output token.
+    The server builds it from its reasoning parser; the engine knows no tags.
+    """
+
+    num_tokens: int
+    end_token_ids: list[int]
+    start_token_ids: list[int] = field(default_factory=list)
+    param: str = "thinking_token_budget"
+
+    def __post_init__(self) -> None:
+        n = self.num_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidParameterError(f"{self.param} must be a non-negative integer, got "
+                                        f"{n!r}", param=self.param)
+        if not self.end_token_ids:
+            raise InvalidParameterError(f"{self.param} needs the end tag's token ids",
+                                        param=self.param)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Validation names the parameter at fault."""
@@ -87,6 +114,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # never generated
     prompt_logprobs: int | None = None  # logprob of each prompt token (+ k alternatives)
     pooling: str | None = None  # "mean" | "last": return the prompt's pooled hidden state
+    # Thinking cut short at a budget. A request with one never speculates (speculative is
+    # set false): the engine replaces a sampled token, and drafts scored after it would
+    # follow the token it replaced.
+    thinking_budget: ThinkingBudget | None = None
 
     MAX_LOGPROBS = 20
     POOLINGS = ("mean", "last")
@@ -106,6 +137,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
+        if self.thinking_budget is not None:
+            self.speculative = False
         self.validate()
 
     @property
@@ -203,6 +236,10 @@ class SamplingParams:
                 raise InvalidParameterError(
                     f"ignore_eos cannot be combined with {self.structured.param}",
                     param="ignore_eos")
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                raise bad("thinking_budget", f"must be a ThinkingBudget, got "
+                          f"{self.thinking_budget!r}")
 
 
     def _validate_token_lists(self, bad) -> None:

@@ -24,11 +24,13 @@ from servelm.engine.kv_connector import KVConnector, NoKVConnector, StepKVWorker
 from servelm.engine.scheduler import ScheduledBatch, Scheduler
 from servelm.engine.slo_policy import make_scheduling_policy
 from servelm.engine.sequence import Sequence, SequenceStatus
+from servelm.engine.thinking_budget import ThinkingSteer
 from servelm.vision.budget import check_images
 from servelm.protocol import (
     EngineRequest,
     FinishReason,
     InvalidParameterError,
+    Logprob,
     RequestTimings,
     TokenDelta,
 )
@@ -134,6 +136,7 @@ class Engine:
         self._expert_tokens: list[list[int]] = []  # the runner's last MoE load snapshot
         self._pending: list[TokenDelta] = []  # deltas produced between steps (aborts)
         self._prompt_lps: dict[int, list] = {}  # seq_id -> prompt logprobs so far
+        self._thinking: dict[int, ThinkingSteer] = {}  # seq_id -> its thinking budget's state
         # The runner's knowledge, for the next StepDescription's deltas:
         self._views: dict[int, _RunnerView] = {}
         self._finished_ids: list[int] = []  # sequences the runner saw that have finished
@@ -178,6 +181,8 @@ class Engine:
             seq.slo = request.slo
             seq.images = request.images
             self._seqs[seq.seq_id] = seq
+            if params.thinking_budget is not None:
+                self._thinking[seq.seq_id] = ThinkingSteer(params.thinking_budget)
         # A disaggregated decode role holds the sequences back until their KV has arrived.
         if not self.kv_connector.on_add(request, seqs):
             self.admit(seqs)
@@ -340,7 +345,8 @@ class Engine:
                 continue
             first = seq.num_output_tokens == 0
             kept = self._prompt_lps.pop(seq.seq_id, None) if first else None
-            delta = self._on_token(seq, sampled.token_id, sampled.logprob, now)
+            token, logprob = self._steered(seq.seq_id, sampled)
+            delta = self._on_token(seq, token, logprob, now)
             if first:
                 self._attach_prompt_outputs(seq, delta, result, kept)
             deltas.append(delta)
@@ -349,6 +355,19 @@ class Engine:
                 if not s.seq.is_finished:
                     self.block_manager.drop_out_of_window(s.seq)
         return deltas
+
+    def _steered(self, seq_id: int, sampled) -> tuple[int, Logprob | None]:
+        """The token to append: the sampled one, or the end of a thinking block whose budget
+        is spent (its logprob then says it was certain: the model did not choose it)."""
+        steer = self._thinking.get(seq_id)
+        if steer is None:
+            return sampled.token_id, sampled.logprob
+        token = steer.next_token(sampled.token_id)
+        if steer.is_done:
+            del self._thinking[seq_id]
+        if token == sampled.token_id or sampled.logprob is None:
+            return token, sampled.logprob
+        return token, Logprob(token, 0.0, [(token, 0.0)][:len(sampled.logprob.top)])
 
     def _keep_prompt_logprobs(self, result: StepResult) -> None:
         """Prompt logprobs arrive per prefill chunk; a recompute after preemption sends
@@ -536,6 +555,7 @@ class Engine:
         if seq.lora_id is not None:
             self.loras.finish_live(seq.lora_id)
         self._prompt_lps.pop(seq.seq_id, None)
+        self._thinking.pop(seq.seq_id, None)
         if self._views.pop(seq.seq_id, None) is not None:
             self._finished_ids.append(seq.seq_id)
         del self._seqs[seq.seq_id]

@@ -177,6 +177,9 @@ class ServerMetrics:
                                      "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("servelm_generation_tokens_total",
                                          "Tokens generated", registry=r)
+        self.reasoning_tokens = Counter("servelm_reasoning_tokens_total",
+                                        "Completion tokens spent thinking (read by the "
+                                        "reasoning parser)", registry=r)
         self.preemptions = Counter("servelm_preemptions_total",
                                    "Sequences preempted (KV dropped, recomputed later)",
                                    registry=r)

@@ -24,14 +24,13 @@ _IMPLEMENTED = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
     "parallel_tool_calls", "text", "max_output_tokens", "temperature", "top_p", "store",
     "background", "stream", "metadata", "user", "safety_identifier", "prompt_cache_key",
+    "reasoning", "thinking_token_budget",  # a reasoning budget (reasoning_budget.py)
     "structured_outputs"})  # servelm's extension, as in chat (docs/structured_outputs.md)
 
 # OpenAI fields servelm does not implement, with the values that ask for nothing (clients
 # that fill in defaults send them); any other value is a 400 naming the field.
 _NEUTRAL: dict[str, tuple] = {
     "include": (None, []),
-    "reasoning": (None, {}, {"effort": None}, {"summary": None},
-                  {"effort": None, "summary": None}),
     "truncation": (None, "disabled"),
     "conversation": (None,),
     "prompt": (None,),
@@ -54,7 +53,7 @@ _MAX_METADATA = (16, 64, 512)  # keys, key length, value length (OpenAI's limits
 # A chat-path parameter -> the Responses field the client sent.
 _CLIENT_PARAM = {"messages": "input", "prompt": "input", "max_completion_tokens":
                  "max_output_tokens", "max_tokens": "max_output_tokens",
-                 "response_format": "text"}
+                 "response_format": "text", "reasoning_effort": "reasoning.effort"}
 
 
 def client_param(param: str | None) -> str | None:
@@ -101,6 +100,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None  # a router's affinity key (schemas.py)
     structured_outputs: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": null}
+    thinking_token_budget: StrictInt | None = None  # servelm's extension, as in chat
 
     def check(self) -> None:
         if self.background and self.store is False:
@@ -117,9 +118,29 @@ class ResponsesRequest(BaseModel):
             raise InvalidParameterError(f"metadata: at most {keys} keys of at most {key_len} "
                                         f"characters, values of at most {value_len}",
                                         param="metadata")
+        self.reasoning_effort()
         self.text_format()
         self.chat_tools()
         self.chat_tool_choice()
+
+    def reasoning_effort(self) -> str | None:
+        """reasoning.effort, for chat's reasoning_effort (mapped to a thinking budget);
+        summaries are not implemented."""
+        reasoning = self.reasoning or {}
+        for key, value in reasoning.items():
+            if key not in ("effort", "summary"):
+                raise InvalidParameterError(f"reasoning.{key[:32]} is not a field this "
+                                            "server knows", param=f"reasoning.{key[:32]}",
+                                            code="unknown_parameter")
+            if key == "summary" and value is not None:
+                raise InvalidParameterError("reasoning.summary is not supported by this "
+                                            "server", param="reasoning.summary",
+                                            code="unsupported_parameter")
+        effort = reasoning.get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise InvalidParameterError("reasoning.effort must be a string",
+                                        param="reasoning.effort")
+        return effort
 
     def text_format(self) -> dict[str, Any] | None:
         """text.format as a chat response_format (None: free text)."""

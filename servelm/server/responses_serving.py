@@ -138,7 +138,9 @@ class ResponsesServing:
                 "response_format": req.text_format(),
                 "structured_outputs": req.structured_outputs,
                 "user": req.user or req.safety_identifier,
-                "prompt_cache_key": req.prompt_cache_key}
+                "prompt_cache_key": req.prompt_cache_key,
+                "reasoning_effort": req.reasoning_effort(),
+                "thinking_token_budget": req.thinking_token_budget}
         chat = {k: v for k, v in chat.items() if v is not None}
         prepared = await self.serving._prepare("chat", chat, request, arrival)
         prepared.endpoint = "responses"
@@ -173,7 +175,8 @@ class ResponsesServing:
                 "max_tool_calls": None, "metadata": req.metadata or {},
                 "model": req.model or self.state.config.served_model_name, "output": [],
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id, "reasoning": None,
+                "previous_response_id": req.previous_response_id,
+                "reasoning": {"effort": req.reasoning_effort(), "summary": None},
                 "service_tier": "default", "store": req.is_stored,
                 "temperature": req.temperature, "text": {"format": fmt},
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),

@@ -41,7 +41,6 @@ _NOT_IMPLEMENTED: dict[str, tuple] = {
     "web_search_options": (None,),
     "functions": (None,),  # the deprecated form of `tools`
     "function_call": (None, "none", "auto"),
-    "reasoning_effort": (None,),
     "verbosity": (None,),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
@@ -366,6 +365,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolSpec] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+    # A cap on the thinking (servelm/server/reasoning_budget.py): in tokens (vLLM's name),
+    # or OpenAI's effort mapped to tokens; the engine closes the block when it is spent.
+    thinking_token_budget: StrictInt | None = None
+    reasoning_effort: StrictStr | None = None
 
     def _max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

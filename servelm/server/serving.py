@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from servelm.server.formatting import (SSE_DONE, ChatFormatter, ChatOutput, Choi
                                        finish_reason_name, num_reasoning_tokens, sse)
 from servelm.server.idempotency import IdempotencyEntry, fingerprint
 from servelm.server.metrics import REJECTION_REASON_BY_CODE, timing_breakdown
+from servelm.server.reasoning_budget import thinking_budget
 from servelm.server.schemas import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                                     check_known_fields)
@@ -176,11 +178,16 @@ class Generation:
         completion_tokens, as max_tokens counts them)."""
         p, c = self.num_prompt_tokens, self.num_completion_tokens
         cached = sum(t.num_cached_tokens for t in self.timings.values())
-        reasoning = sum(self.count_reasoning(ch.token_ids) for ch in self.choices) \
-            if self.count_reasoning is not None else 0
+        reasoning = self.num_reasoning_tokens()
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": min(cached, p)},
                 "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+    def num_reasoning_tokens(self) -> int:
+        """Completion tokens spent thinking, every choice's."""
+        if self.count_reasoning is None:
+            return 0
+        return sum(self.count_reasoning(ch.token_ids) for ch in self.choices)
 
     def timing(self) -> Any:
         """One breakdown per prompt (a dict when there is one prompt)."""
@@ -302,6 +309,8 @@ class OpenAIServing:
             req.check_unsupported()
             req.check_size(self.config.max_prompts, self.config.max_choices)
             params = req.sampling_params(self.config.max_n, self._bad_words)
+            if kind == "chat":
+                params = self._with_thinking_budget(req, params)
             params.check_vocab(self.vocab_size)
             if params.structured is not None:
                 await self._check_structured(params)
@@ -319,6 +328,18 @@ class OpenAIServing:
                         images if kind == "chat" else None,
                         slo_class=request.scope.get(SLO_CLASS_SCOPE_KEY))
 
+
+    def _with_thinking_budget(self, req: ChatCompletionRequest,
+                              params: SamplingParams) -> SamplingParams:
+        """params with the budget the request asks for (thinking_token_budget or
+        reasoning_effort), in the reasoning parser's tags."""
+        parser = (get_reasoning_parser(self.config.reasoning_parser)
+                  if self.config.reasoning_parser else None)
+        budget = thinking_budget(
+            self.tokenizer, parser, num_tokens=req.thinking_token_budget,
+            effort=req.reasoning_effort,
+            max_tokens=params.max_tokens or self.state.async_engine.max_model_len)
+        return params if budget is None else dataclasses.replace(params, thinking_budget=budget)
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it starts the text and after a space (as vLLM bans them)."""
@@ -790,6 +811,7 @@ class OpenAIServing:
         request_logger.info(json.dumps(record, ensure_ascii=False))
         self.state.metrics.record_request(gen, p.endpoint or p.kind, gen.status,
                                           bool(p.request.stream))
+        self.state.metrics.reasoning_tokens.inc(gen.num_reasoning_tokens())
 
 
 def _lora_fields(body: dict[str, Any], required: tuple[str, ...],

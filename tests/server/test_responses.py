@@ -291,7 +291,7 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # no reasoning parser
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"frobnicate": 1}, "frobnicate"),
