@@ -639,7 +639,7 @@ class SchedulerConfig:
                              f"{self.scheduling_policy!r}")
 
 
-SPEC_METHODS = ("ngram", "draft")
+SPEC_METHODS = ("ngram", "draft", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -649,7 +649,8 @@ class SpeculativeConfig:
 
     method: "ngram" (prompt lookup, no model) or "draft" (a draft model: `draft_model`, a
     smaller model with the same tokenizer; or the target itself made cheaper: its first
-    `draft_layers` layers plus its head, or a copy quantized with `draft_quantization`).
+    `draft_layers` layers plus its head, or a copy quantized with `draft_quantization`), or
+    "eagle3" (an EAGLE-3 head in `draft_model` reading the target's hidden states).
     adaptive: shrink k, or turn speculation off for a step, when the measured acceptance and
     step times say it no longer pays at the current batch size.
     """
@@ -672,6 +673,11 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
+        if self.method == "eagle3" and (self.draft_model is None or self.draft_layers
+                                        or self.draft_quantization):
+            raise ValueError("speculative method 'eagle3' needs --speculative-model (an "
+                             "EAGLE-3 checkpoint) and takes no --spec-draft-layers or "
+                             "--spec-draft-quantization")
         if self.method == "draft":
             if (self.draft_model, self.draft_layers, self.draft_quantization) == (None,) * 3:
                 raise ValueError("speculative method 'draft' needs --spec-draft-model, "
@@ -1059,15 +1065,15 @@ def add_engine_cli_args(parser) -> None:
                          "before the prompt is computed here instead (default %(default)s)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
-                   help="propose tokens with an n-gram lookup or a draft model and verify "
-                        "them in one target step (default: off)")
+                   help="propose tokens with an n-gram lookup, a draft model or an EAGLE-3 "
+                        "head and verify them in one target step (default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
                    help="most draft tokens per sequence and step (k)")
     s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"))
     s.add_argument("--spec-ngram-min", type=int, default=d("spec_ngram_min"))
-    s.add_argument("--spec-draft-model", default=d("spec_draft_model"),
+    s.add_argument("--spec-draft-model", "--speculative-model", default=d("spec_draft_model"),
                    help="draft model (cached name, GGUF file, HF dir or ORG/NAME; same "
-                        "tokenizer)")
+                        "tokenizer), or for eagle3 the EAGLE-3 head's directory")
     s.add_argument("--spec-draft-layers", type=int, default=d("spec_draft_layers"),
                    help="draft with the target's own first N layers and its head")
     s.add_argument("--spec-draft-quantization", default=d("spec_draft_quantization"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -489,6 +490,8 @@ def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block
         from servelm.spec.ngram import NgramProposer
 
         return NgramProposer(spec.ngram_max, spec.ngram_min)
+    if spec.method == "eagle3":
+        return _build_eagle3(args, spec, config, model)
     from servelm.spec.draft import DraftModelProposer
 
     if draft is None:  # early exit: the target's first layers, its KV cache and backend
@@ -503,3 +506,24 @@ def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block
                                                               draft.config.head_dim ** -0.5)
     bind_attention(draft, draft_backend)
     return DraftModelProposer(draft, draft_backend, block_size, device)
+
+
+def _build_eagle3(args, spec, config, model):
+    """An EAGLE-3 head for the target (servelm/spec/eagle.py); the target's steps run eagerly
+    (the C++ decode stack and CUDA graphs return only final hidden states)."""
+    from servelm.spec.eagle import UnsupportedDrafterError, build_eagle3_proposer
+
+    if args.cuda_graphs or config.vision is not None:
+        raise InvalidParameterError("speculative method 'eagle3' runs the target eagerly: "
+                                    "not with --cuda-graphs or a vision-language model",
+                                    param="speculative_method")
+    try:
+        path = spec.draft_model
+        if not os.path.isdir(path):  # a Hub name: fetched or found in the cache
+            path = str(resolve_model(path).path)
+        proposer = build_eagle3_proposer(path, model, config)
+    except UnsupportedDrafterError as e:
+        raise InvalidParameterError(str(e), param="spec_draft_model") from e
+    logger.info("eagle3: the target's steps run eagerly (not the C++ decode stack): the "
+                "drafter reads hidden states after layers %s", list(proposer.aux_layers))
+    return proposer

@@ -108,9 +108,14 @@ class ModelRunner:
         # CPU: all-decode steps in one C++ call (runner/cpu_decode.py), or None and why not
         # (logged where the model's layers are the reason). cpu_decode: its mode, the engine
         # option's `decode` part (auto | kernel | torch).
+        # An EAGLE-3 proposer reads hidden states after some target layers, which neither
+        # the C++ stack nor a graph returns: the target's steps then run eagerly.
+        self.aux_layers = proposer.aux_layers if proposer is not None else ()
         self.cpu_stack, self.cpu_stack_refusal = (
-            CpuDecodeStack.build(model, kv_cache, backend, mode=cpu_decode)
-            if graphs is None else (None, "CUDA graphs"))
+            (None, "CUDA graphs") if graphs is not None else
+            (None, f"{proposer.name} reads the target's hidden states after layers "
+                   f"{list(self.aux_layers)}") if self.aux_layers else
+            CpuDecodeStack.build(model, kv_cache, backend, mode=cpu_decode))
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 
     def _forget(self, seq_id: int) -> None:
@@ -142,7 +147,7 @@ class ModelRunner:
         if self.lora is not None:
             fb.lora = self.lora.batch_for(works, fb.query_start_loc)
         masks_job = self._start_masks(works)  # computed while the model runs
-        hidden = self._forward(fb)
+        hidden = self._forward(fb, works)
         masks = masks_job.result() if masks_job is not None else {}
         prompt_lps, embeddings = self._prompt_outputs(works, fb, hidden)
         if not fb.logits_indices.numel():
@@ -309,10 +314,11 @@ class ModelRunner:
             if s.new is not None and s.new.images:
                 self.vision.register(s.seq_id, s.new.images, s.new.num_prompt_tokens)
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, works: list | None = None) -> torch.Tensor:
         """Replay a captured graph for a decode batch when one fits (CUDA), or run it as one
         C++ call (CPU), else run eagerly. A step with LoRA rows runs eagerly with the
-        adapters' products added (servelm/lora/manager.py)."""
+        adapters' products added (servelm/lora/manager.py). With a proposer reading aux
+        layers, a step's (`works`) hidden states there go to it."""
         if fb.lora is not None:
             return self.lora.forward(self.model, self.backend, fb)
         # image rows and M-RoPE positions are not in a captured graph: those steps run eagerly
@@ -322,7 +328,13 @@ class ModelRunner:
             hidden = self.cpu_stack.maybe_run(fb)
         if hidden is None:
             fb.attn_metadata = self.backend.build_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)
+            if self.aux_layers:
+                hidden, aux = self.model(fb.input_ids, fb.positions, fb,
+                                         aux_layers=self.aux_layers)
+                if works is not None:
+                    self.proposer.observe(works, fb.query_start_loc, aux)
+            else:
+                hidden = self.model(fb.input_ids, fb.positions, fb)
         return hidden
 
     def _build_forward_batch(self, seqs: list[RunnerScheduled]) -> ForwardBatch:

@@ -23,6 +23,13 @@ class Proposal:
 
 class Proposer:
     name = "base"
+    # target layers whose hidden states the proposer reads (EAGLE-3); () reads none, and
+    # the target's steps keep their fast paths
+    aux_layers: tuple[int, ...] = ()
+
+    def observe(self, works: list, query_start_loc: list[int], aux: list) -> None:
+        """After a target forward run with `aux_layers`: works[i]'s rows of each aux hidden
+        state are query_start_loc[i] .. query_start_loc[i + 1] - 1."""
 
     def propose(self, scheduled: list) -> dict[int, Proposal]:
         """scheduled: RunnerScheduled items with num_spec > 0 -> seq_id -> Proposal."""
