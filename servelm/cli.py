@@ -25,7 +25,8 @@ _SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
                 "plan": "servelm.planner.cli", "serve": "servelm.server.cli",
                 "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
                 "sim": "servelm.sim.cli", "router": "servelm.router.cli",
-                "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli"}
+                "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli",
+                "spec": "servelm.spec.cli"}
 _SUBCOMMAND_MODULES = list(_SUBCOMMANDS.values())
 
 
@@ -156,7 +157,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 # Sub-commands that run an engine: the environment defaults (servelm/own_env.py) are theirs.
-_ENGINE_COMMANDS = {"serve", "bench", "generate", "chat", "eval"}
+_ENGINE_COMMANDS = {"serve", "bench", "generate", "chat", "eval", "spec"}
 
 
 def main(argv: list[str] | None = None) -> int:
