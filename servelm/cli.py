@@ -23,6 +23,7 @@ from servelm.protocol import InvalidParameterError, SamplingParams
 # start); help and an unknown command build them all.
 _SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
                 "plan": "servelm.planner.cli", "serve": "servelm.server.cli",
+                "config": "servelm.server.config_file",
                 "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
                 "sim": "servelm.sim.cli", "router": "servelm.router.cli",
                 "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli",
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if next((a for a in argv_ if not a.startswith("-")), None) in _ENGINE_COMMANDS:
         apply_defaults()  # before the sub-command loads torch (libgomp reads them then)
     args = build_parser(argv_).parse_args(argv)
+    if args.command in ("serve", "config"):  # --config FILE under the flags given here
+        from servelm.server.config_file import with_config_file
+
+        args = with_config_file(args, argv_)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[servelm] %(message)s", stream=sys.stderr)
     try:

@@ -20,8 +20,16 @@ from servelm import startup
 
 
 def add_parser(subparsers) -> None:
-    """The serve flags; their defaults are ServerConfig's (servelm/server/server_config.py)
-    and the engine's EngineArgs' (add_engine_cli_args)."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve MODEL over the OpenAI API (docs/server.md).")
+    add_serve_args(p)
+    p.set_defaults(func=handler)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The serve flags (`servelm config show` takes them too); their defaults are
+    ServerConfig's (servelm/server/server_config.py) and the engine's EngineArgs'
+    (add_engine_cli_args). Each is also a key of a --config file (config_file.py)."""
     import dataclasses
 
     from servelm.config import add_engine_cli_args
@@ -33,11 +41,13 @@ def add_parser(subparsers) -> None:
     d = {f.name: f.default for f in dataclasses.fields(ServerConfig)}.__getitem__
     (cpu_bw, cpu_flops), (gpu_bw, gpu_flops) = default_peaks("cpu"), default_peaks("cuda")
 
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              description="Serve MODEL over the OpenAI API (docs/server.md).")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="cached model name, .gguf file, HF directory or Hugging Face name "
                         f"ORG/NAME[:QUANT][@REV] (default {DEFAULT_MODEL})")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="serve options from a YAML file: each flag's long name is a key, the "
+                        "topology flags under `topology:`; flags given here override it "
+                        "(`servelm config show` prints the result; docs/server.md)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)
@@ -166,7 +176,6 @@ def add_parser(subparsers) -> None:
                         "servelm.requests)")
     g.add_argument("--options-from-stdin", action="store_true", help=argparse.SUPPRESS)
     add_engine_cli_args(p)
-    p.set_defaults(func=handler)
 
 
 def options_from_stdin(args):
