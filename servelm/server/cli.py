@@ -238,9 +238,10 @@ def handler(args) -> int:
         args = options_from_stdin(args)
     if args.backend == "ray":
         from servelm.router.ray_backend import serve_ray
+        from servelm.server.config_file import file_flags
 
         _setup_request_log(args.log_requests)
-        return serve_ray(args, _serve_argv())
+        return serve_ray(args, _serve_argv() + file_flags(args))  # a file's flags are given
     if args.ray_address is not None:  # for --parallel-launcher ray in the core, our child
         os.environ["RAY_ADDRESS"] = args.ray_address
     if args.disagg:

@@ -178,6 +178,16 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> Resolved:
     return Resolved(args, sources)
 
 
+def file_flags(args: argparse.Namespace) -> list[str]:
+    """The flags args.config sets, spelled as on a command line (`--parallel-launcher`), for
+    code that asks whether a flag was given at all (the Ray backend's replica shape)."""
+    if not getattr(args, "config", None):
+        return []
+    parser = serve_parser()
+    keys = {o.action.dest: o.key for o in serve_options(parser).values()}
+    return [f"--{keys[dest]}" for dest in load_file(args.config, parser)]
+
+
 def _arguments_after(argv: list[str], words: tuple[str, ...]) -> list[str]:
     """argv past its command words (`serve`, or `config show`)."""
     rest = list(argv)

@@ -129,3 +129,17 @@ def test_serve_with_a_config_file_reaches_the_engine_build(tmp_path, monkeypatch
                             "topology:\n  engine-core: thread\n")
     assert main(["serve", "--config", path]) == 2
     assert f"cannot load model '{missing}'" in capsys.readouterr().err
+
+
+def test_a_files_flags_count_as_given_for_the_ray_replica_shape(tmp_path):
+    from servelm.router.ray_backend import ReplicaShape
+
+    path = _write(tmp_path, "topology:\n  tensor-parallel-size: 2\n  backend: ray\n"
+                            "  parallel-launcher: process\n")
+    args = _serve_args(["--config", path])
+    assert set(config_file.file_flags(args)) == {"--backend", "--tensor-parallel-size",
+                                                 "--parallel-launcher"}
+    # An explicit process launcher keeps a replica's ranks its own processes, file or flag.
+    shape = ReplicaShape.from_args(args, config_file.file_flags(args))
+    assert shape.is_grouped is False
+    assert ReplicaShape.from_args(args, []).is_grouped is True
