@@ -203,7 +203,8 @@ def with_config_file(args: argparse.Namespace, argv: list[str]) -> argparse.Name
     if args.command == "serve" and args.config is None:
         return args
     try:
-        resolved = resolve(args, _arguments_after(argv, words))
+        serve_argv = [a for a in _arguments_after(argv, words) if a != "--show-secrets"]
+        resolved = resolve(args, serve_argv)
     except ConfigFileError as exc:
         serve_parser(prog="servelm " + " ".join(words)).error(str(exc))
     if args.command == "config":  # never forwarded to replicas, so it may carry more
@@ -211,9 +212,16 @@ def with_config_file(args: argparse.Namespace, argv: list[str]) -> argparse.Name
     return resolved.args
 
 
-def to_yaml(args: argparse.Namespace, sources: dict[str, str]) -> str:
-    """The effective options as a config file (feeding it back gives the same options),
-    each value followed by its source."""
+# options whose values are credentials: `config show` prints them only when asked, since its
+# output is meant to be pasted into issues and logs
+SECRET_OPTIONS = frozenset({"api_key"})
+
+
+def to_yaml(args: argparse.Namespace, sources: dict[str, str],
+            show_secrets: bool = False) -> str:
+    """The effective options as a config file (feeding it back gives the same options, but
+    for a credential that is set, which is hidden unless `show_secrets`), each value followed
+    by its source."""
     import yaml
 
     top, topology = [], []
@@ -224,8 +232,11 @@ def to_yaml(args: argparse.Namespace, sources: dict[str, str]) -> str:
             continue
         seen.add(dest)
         value = _yaml_value(option, getattr(args, dest))
+        source = sources.get(dest, "default")
+        if dest in SECRET_OPTIONS and value is not None and not show_secrets:
+            value, source = None, f"{source}; set, hidden (--show-secrets prints it)"
         text = yaml.safe_dump({option.key: value}, default_flow_style=True, width=10**6)
-        line = f"{text.strip()[1:-1]}  # {sources.get(dest, 'default')}"
+        line = f"{text.strip()[1:-1]}  # {source}"
         (topology if option.is_topology else top).append(line)
     head = ["# servelm serve: the effective configuration (servelm config show);",
             "# each value's source follows it: default, file or command line"]
@@ -253,9 +264,11 @@ def add_parser(subparsers) -> None:
     from servelm.server.cli import add_serve_args
 
     add_serve_args(show)
+    show.add_argument("--show-secrets", action="store_true",
+                      help="print credentials (--api-key) instead of hiding them")
     show.set_defaults(func=show_handler)
 
 
 def show_handler(args) -> int:
-    print(to_yaml(args, args.option_sources), end="")
+    print(to_yaml(args, args.option_sources, args.show_secrets), end="")
     return 0

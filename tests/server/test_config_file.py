@@ -143,3 +143,12 @@ def test_a_files_flags_count_as_given_for_the_ray_replica_shape(tmp_path):
     shape = ReplicaShape.from_args(args, config_file.file_flags(args))
     assert shape.is_grouped is False
     assert ReplicaShape.from_args(args, []).is_grouped is True
+
+
+def test_config_show_hides_the_api_key_unless_asked(capsys):
+    out = _show(capsys, ["--api-key", "sk-secret-1"])
+    assert "sk-secret-1" not in out
+    assert "api-key: null  # command line; set, hidden (--show-secrets prints it)" in \
+        out.splitlines()
+    assert "api-key: sk-secret-1  # command line" in \
+        _show(capsys, ["--api-key", "sk-secret-1", "--show-secrets"]).splitlines()
