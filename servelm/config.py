@@ -562,6 +562,9 @@ class CacheConfig:
     # Hard cap on the number of blocks (tests use it to force preemption).
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Prefix-cache blocks one namespace (cache salt) may hold under prompt_cache_retention
+    # "24h", kept ahead of others in the eviction order (0: retention off).
+    max_retained_blocks: int = 512
     # "auto": blocks in the model's dtype; "fp8": float8_e4m3fn codes with a static scale per
     # layer and KV head (servelm/attention/kv_cache.py): a block takes 1 byte per element.
     kv_cache_dtype: str = "auto"
@@ -572,6 +575,8 @@ class CacheConfig:
                              f"{self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_retained_blocks < 0:
+            raise ValueError(f"max_retained_blocks must be >= 0, got {self.max_retained_blocks}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
@@ -733,6 +738,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    max_retained_blocks: int = CacheConfig.max_retained_blocks
     # Vision-language models (docs/vision.md): image tokens whose encoding may start in one
     # step (0: no encoder budget), and the runner's encoder cache size in image tokens.
     max_num_encoder_tokens: int = 2048
@@ -872,6 +878,7 @@ class EngineArgs:
                            memory_fraction=self.memory_fraction,
                            num_blocks_override=self.num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching,
+                           max_retained_blocks=self.max_retained_blocks,
                            kv_cache_dtype=self.kv_cache_dtype)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -931,6 +938,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    default=d("enable_prefix_caching"),
                    help="disable prefix caching (for comparison)")
+    g.add_argument("--prompt-cache-retention-blocks", dest="max_retained_blocks", type=int,
+                   default=d("max_retained_blocks"),
+                   help="prefix-cache blocks one namespace (cache salt) may keep ahead of "
+                        "others for requests with prompt_cache_retention 24h (0: off)")
     g.add_argument("--max-num-encoder-tokens", type=int, default=d("max_num_encoder_tokens"),
                    help="vision models: image tokens whose encoding may start in one step, so "
                         "a burst of images cannot stall decoding (0: no limit; default "

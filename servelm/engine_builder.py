@@ -392,7 +392,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
             kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
     block_manager = BlockManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching,
-                                 sliding_window=config.uniform_sliding_window)
+                                 sliding_window=config.uniform_sliding_window,
+                                 max_retained_blocks=cache_config.max_retained_blocks)
     max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
     kv_connector = _build_kv_connector(args, config, kv_cache.block_nbytes, str(kv_dtype),
                                        name, prepared_key, model)

@@ -118,6 +118,9 @@ class SamplingParams:
     # set false): the engine replaces a sampled token, and drafts scored after it would
     # follow the token it replaced.
     thinking_budget: ThinkingBudget | None = None
+    # OpenAI's prompt_cache_retention: "24h" keeps the prompt's cached blocks ahead of
+    # others in the prefix cache's eviction order for that long; "in_memory" is the default.
+    prompt_cache_retention: str | None = None
 
     MAX_LOGPROBS = 20
     POOLINGS = ("mean", "last")
@@ -129,6 +132,7 @@ class SamplingParams:
     # namespace holds a block, so its size is bounded like everything else a client sends.
     MAX_CACHE_SALT_LEN = 256
     SEED_RANGE = (-2**63, 2**63 - 1)  # a signed 64-bit integer, as OpenAI's API takes
+    PROMPT_CACHE_RETENTIONS = {"in_memory": 0.0, "24h": 24 * 3600.0}  # -> seconds kept
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +150,11 @@ class SamplingParams:
         """The runner must compute every prompt position (none may come from the prefix
         cache): prompt logprobs and mean pooling read all of them."""
         return self.prompt_logprobs is not None or self.pooling == "mean"
+
+    @property
+    def cache_retention_s(self) -> float:
+        """Seconds the prompt's cached blocks are kept ahead of others (0: plain LRU)."""
+        return self.PROMPT_CACHE_RETENTIONS.get(self.prompt_cache_retention, 0.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -236,6 +245,10 @@ class SamplingParams:
                 raise InvalidParameterError(
                     f"ignore_eos cannot be combined with {self.structured.param}",
                     param="ignore_eos")
+        retention = self.prompt_cache_retention
+        if retention is not None and retention not in self.PROMPT_CACHE_RETENTIONS:
+            raise bad("prompt_cache_retention", f"must be one of "
+                      f"{', '.join(self.PROMPT_CACHE_RETENTIONS)}, got {str(retention)[:32]!r}")
         if self.thinking_budget is not None:
             if not isinstance(self.thinking_budget, ThinkingBudget):
                 raise bad("thinking_budget", f"must be a ThinkingBudget, got "

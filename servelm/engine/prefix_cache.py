@@ -1,7 +1,9 @@
 """PrefixCache: a radix tree over token ids at block granularity.
 
 Owns: which KV blocks hold which token prefixes, per namespace (`extra_key`: cache salt,
-adapter id), and least-recently-used eviction of blocks no sequence references.
+adapter id), and least-recently-used eviction of blocks no sequence references, except that
+retained blocks (a prompt asking `prompt_cache_retention`, `retain`) go last, earliest
+expiry first, until their retention ends; at most `max_retained_blocks` per namespace.
 Never: tensors, or reference counting of blocks (the BlockManager counts holders and tells
 the cache when a cached block becomes free to evict or is taken again), or memory that
 outgrows the KV pool: a namespace lives only while it holds a block (its root goes with its
@@ -17,6 +19,9 @@ Each edge is one full block of tokens; a node is the block holding them:
 
 A sequence holding a node's block also holds every ancestor's, so an unreferenced node has
 only unreferenced descendants: eviction takes unreferenced leaves, oldest access first.
+A retained leaf met there moves to a second heap ordered by expiry, taken only when the first
+is empty or its head has expired: retention is a priority, never a pin, so a pool full of
+retained blocks still serves every request.
 
 KV events (for a router's view of what this replica caches): once `record_events` is on,
 every block that enters the tree and every block that leaves it is logged as
@@ -31,6 +36,7 @@ import hashlib
 import heapq
 import itertools
 import struct
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,7 +87,7 @@ class _Node:
     2,000-token prompt makes 125 of them, so their construction is on the hot path."""
 
     __slots__ = ("block", "key", "parent", "children", "last_access", "is_evictable",
-                 "namespace", "hash")
+                 "namespace", "hash", "retained_until")
 
     def __init__(self, block: int, key: tuple[int, ...], parent: "_Node | None",
                  last_access: int = 0, namespace: object = None):
@@ -93,6 +99,7 @@ class _Node:
         self.is_evictable = False  # no sequence holds the block
         self.namespace = namespace  # roots only: the extra_key they are filed under
         self.hash = 0  # chain hash (set while events or hashes are kept; roots: the namespace's)
+        self.retained_until = 0.0  # clock time its retention ends (0: none)
 
 
 # Rough CPython sizes (64-bit) behind PrefixCacheUsage.num_bytes: a node (object, its dict of
@@ -117,8 +124,14 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, max_retained_blocks: int = 0, clock=time.monotonic):
+        """max_retained_blocks: per namespace (0: retention off)."""
         self.block_size = block_size
+        self.max_retained_blocks = max_retained_blocks
+        self._now = clock
+        # namespace -> its retained nodes by block (expired ones are dropped when it is full)
+        self._retained: dict[object, dict[int, _Node]] = {}
+        self._retained_lru: list[tuple[float, int, _Node]] = []  # (retained_until, ...)
         self._roots: dict[object, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block id -> node
         self._clock = itertools.count(1)
@@ -289,20 +302,29 @@ class PrefixCache:
         heapq.heappush(self._lru, (node.last_access, next(self._tiebreak), node))
 
     def _compact_lru(self) -> None:
-        """One entry per evictable leaf, at its current age."""
+        """One entry per evictable leaf, at its current age (retained ones too: the first
+        heap sorts them out again)."""
+        self._retained_lru = []
         self._lru = [(n.last_access, next(self._tiebreak), n) for n in self._nodes.values()
                      if n.is_evictable and not n.children]
         heapq.heapify(self._lru)
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks unreferenced blocks, least recently used leaves first."""
+        """Free up to num_blocks unreferenced blocks, least recently used leaves first
+        (retained ones after every other, earliest expiry first)."""
         freed = []
-        while len(freed) < num_blocks and self._lru:
-            access, _, node = heapq.heappop(self._lru)
+        now = self._now()
+        lru, retained = self._lru, self._retained_lru
+        while len(freed) < num_blocks and (lru or retained):
+            from_retained = bool(retained) and (not lru or retained[0][0] <= now)
+            key, _, node = heapq.heappop(retained if from_retained else lru)
             if (self._nodes.get(node.block) is not node or not node.is_evictable
                     or node.children):
                 continue  # stale entry
-            if access != node.last_access:
+            if not from_retained and node.retained_until > now:
+                heapq.heappush(retained, (node.retained_until, next(self._tiebreak), node))
+                continue
+            if not from_retained and key != node.last_access:
                 self._push(node)  # touched since queued: requeue at its real age
                 continue
             self._remove(node)
@@ -312,7 +334,49 @@ class PrefixCache:
         self.stats.num_evicted_blocks += len(freed)
         return freed
 
+    def retain(self, blocks: list[int], duration_s: float, extra_key=None) -> int:
+        """Keep the cached `blocks` (a prompt's, root first) ahead of others in the eviction
+        order for `duration_s`, within the namespace's cap. Returns how many are retained."""
+        if self.max_retained_blocks <= 0 or duration_s <= 0:
+            return 0
+        now = self._now()
+        held = self._retained.setdefault(extra_key, {})
+        num = 0
+        for block in blocks:
+            node = self._nodes.get(block)
+            if node is None:
+                break
+            if block not in held and len(held) >= self.max_retained_blocks:
+                for b in [b for b, n in held.items() if n.retained_until <= now]:
+                    held.pop(b).retained_until = 0.0
+                if len(held) >= self.max_retained_blocks:
+                    break
+            node.retained_until = max(node.retained_until, now + duration_s)
+            held[block] = node
+            num += 1
+        if not held:
+            del self._retained[extra_key]
+        return num
+
+    @property
+    def num_retained_blocks(self) -> int:
+        return sum(len(held) for held in self._retained.values())
+
+    def _forget_retention(self, node: _Node) -> None:
+        if not node.retained_until:
+            return
+        node.retained_until = 0.0
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        held = self._retained.get(root.namespace)
+        if held is not None:
+            held.pop(node.block, None)
+            if not held:
+                del self._retained[root.namespace]
+
     def _remove(self, node: _Node) -> None:
+        self._forget_retention(node)
         if self.record_events:
             self._events.append((REMOVED, node.hash, node.parent.hash))
         del self._nodes[node.block]
@@ -344,6 +408,9 @@ class PrefixCache:
             assert root.children, f"namespace {key!r} kept without a block"
             assert root.namespace == key
         assert self._num_namespace_bytes == sum(_key_bytes(k) for k in self._roots)
+        for key, held in self._retained.items():
+            assert held and len(held) <= self.max_retained_blocks, f"namespace {key!r} over cap"
+            assert all(self._nodes.get(b) is n and n.retained_until for b, n in held.items())
 
 
 def _key_bytes(extra_key) -> int:

@@ -25,6 +25,7 @@ _IMPLEMENTED = frozenset({
     "parallel_tool_calls", "text", "max_output_tokens", "temperature", "top_p", "store",
     "background", "stream", "metadata", "user", "safety_identifier", "prompt_cache_key",
     "reasoning", "thinking_token_budget",  # a reasoning budget (reasoning_budget.py)
+    "prompt_cache_retention",
     "structured_outputs"})  # servelm's extension, as in chat (docs/structured_outputs.md)
 
 # OpenAI fields servelm does not implement, with the values that ask for nothing (clients
@@ -37,7 +38,6 @@ _NEUTRAL: dict[str, tuple] = {
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
-    "prompt_cache_retention": (None,),
     "prompt_cache_options": (None,),
     "stream_options": (None, {}, {"include_obfuscation": False}),
     "context_management": (None,),
@@ -99,6 +99,7 @@ class ResponsesRequest(BaseModel):
     user: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None  # a router's affinity key (schemas.py)
+    prompt_cache_retention: StrictStr | None = None  # as in chat (schemas.py)
     structured_outputs: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": null}
     thinking_token_budget: StrictInt | None = None  # servelm's extension, as in chat

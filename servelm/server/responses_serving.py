@@ -139,6 +139,7 @@ class ResponsesServing:
                 "structured_outputs": req.structured_outputs,
                 "user": req.user or req.safety_identifier,
                 "prompt_cache_key": req.prompt_cache_key,
+                "prompt_cache_retention": req.prompt_cache_retention,
                 "reasoning_effort": req.reasoning_effort(),
                 "thinking_token_budget": req.thinking_token_budget}
         chat = {k: v for k, v in chat.items() if v is not None}
@@ -182,7 +183,8 @@ class ResponsesServing:
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
                 "tools": req.tools or [], "top_p": req.top_p, "truncation": "disabled",
                 "usage": None, "user": req.user, "safety_identifier": req.safety_identifier,
-                "prompt_cache_key": req.prompt_cache_key}
+                "prompt_cache_key": req.prompt_cache_key,
+                "prompt_cache_retention": req.prompt_cache_retention}
 
     # -- running -----------------------------------------------------------------------------
 

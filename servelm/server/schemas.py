@@ -94,6 +94,9 @@ class _SamplingRequest(BaseModel):
     # OpenAI's routing hint for requests sharing a prefix: a router in front of replicas
     # sends them to one replica (servelm router's prefix_affinity); a replica ignores it.
     prompt_cache_key: StrictStr | None = None
+    # OpenAI's "in_memory" (the default) or "24h": the prompt's prefix-cache blocks are
+    # evicted after others' for that long (capped per cache namespace by a serve flag).
+    prompt_cache_retention: StrictStr | None = None
     skip_special_tokens: StrictBool = True
     speculative: StrictBool = True  # false: this request never speculates
     # The request's SLO class (servelm/slo.py): by priority (vLLM's field; the class with
@@ -140,7 +143,8 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             speculative=self.speculative, structured=self.structured(),
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-            prompt_logprobs=self._prompt_logprobs())
+            prompt_logprobs=self._prompt_logprobs(),
+            prompt_cache_retention=self.prompt_cache_retention)
         if self.bad_words:
             if any(not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words entries must be non-empty",
