@@ -107,13 +107,8 @@ def _run(engine, prompts, params=GREEDY):
     return outs
 
 
-def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path):
-    reference = [o.outputs[0] for o in _run(engine, prompts, REF)]
-    save_drafter(_drafter(engine), str(tmp_path))
-    spec = _eagle_engine(hf, tmp_path)
-    assert spec.runner.cpu_stack is None and "eagle3" in spec.runner.cpu_stack_refusal
-    outs = _run(spec, prompts + prompts[:2])  # the repeats hit the prefix cache
-    for ref, out in zip(reference + reference[:2], outs):
+def _assert_same_as(reference, outs):
+    for ref, out in zip(reference, outs, strict=True):
         ids = out.outputs[0].token_ids
         for i, (x, y) in enumerate(zip(ref.token_ids, ids)):
             if x != y:  # a near-tie decided by float order: the reference's logprobs say
@@ -122,12 +117,22 @@ def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path)
                 break
         else:
             assert len(ids) == len(ref.token_ids)
+
+
+def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path):
+    reference = [o.outputs[0] for o in _run(engine, prompts, REF)]
+    save_drafter(_drafter(engine), str(tmp_path))
+    spec = _eagle_engine(hf, tmp_path)
+    assert spec.runner.cpu_stack is None and "eagle3" in spec.runner.cpu_stack_refusal
+    outs = _run(spec, prompts + prompts[:2])  # the repeats hit the prefix cache
+    _assert_same_as(reference + reference[:2], outs)
     assert spec.stats.spec_num_proposed > 0
 
 
-def _acceptance(hf, path, prompts) -> float:
+def _acceptance(hf, path, prompts, reference) -> float:
+    """Acceptance over greedy runs of `prompts`, whose tokens must be the reference's."""
     spec = _eagle_engine(hf, path)
-    _run(spec, prompts)
+    _assert_same_as(reference, _run(spec, prompts))
     st = spec.stats
     return st.spec_num_accepted / st.spec_num_proposed
 
@@ -138,8 +143,9 @@ def test_trained_head_accepts_more_than_a_random_one(hf, engine, prompts, tmp_pa
                         save_every=150)
     train(engine, opts, prompts=prompts, log=lambda msg: None)
     save_drafter(_drafter(engine, hf.config.vocab_size // 2), str(tmp_path / "random"))
-    trained = _acceptance(hf, tmp_path / "trained", prompts)
-    untrained = _acceptance(hf, tmp_path / "random", prompts)
+    reference = [o.outputs[0] for o in _run(engine, prompts, REF)]
+    trained = _acceptance(hf, tmp_path / "trained", prompts, reference)  # chains accepted
+    untrained = _acceptance(hf, tmp_path / "random", prompts, reference)
     assert trained > max(untrained, 0.05), (trained, untrained)
 
 
