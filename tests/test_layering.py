@@ -74,3 +74,179 @@ def test_the_check_passes_an_attention_import(tmp_path):
     path.write_text("from servelm.attention.forward_batch import ForwardBatch\n"
                     "from ..layers import norm\n")
     assert not _runner_imports(path, fake_root)
+
+
+# -- the package layers ------------------------------------------------------------------------
+# Each package (a subpackage of servelm, or a top-level module) sits in one layer, lowest
+# first; an import may go to its own layer or any layer below, never up, and the package
+# graph has no cycles (docs/architecture.md, "Layers"). Lazy imports inside functions count:
+# they are the ones that tie packages into a knot without anyone noticing.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("foundation", frozenset({"protocol", "slow_step", "startup", "own_env", "tracing",
+                              "launch", "parsers", "sampling", "vision"})),
+    ("config", frozenset({"config", "cost", "slo", "planner"})),
+    ("engine", frozenset({"core", "engine"})),
+    ("kernels", frozenset({"cpu_kernels", "kernels"})),
+    ("quant", frozenset({"quant", "dtype_choice"})),
+    ("layers", frozenset({"layers", "attention"})),
+    ("models", frozenset({"models", "loader", "lora", "structured"})),
+    ("runner", frozenset({"runner", "spec", "parallel", "disagg", "kv_tiers"})),
+    ("assembly", frozenset({"engine_builder", "llm"})),
+    ("services", frozenset({"server", "router", "autoscale"})),
+    ("tools", frozenset({"sim", "bench", "evals", "doctor", "cli"})),
+)
+
+# The imports that still break the rule (upward, or closing a cycle inside a layer), each
+# with why it is there. The list only shrinks: an entry whose import is gone fails
+# test_known_exceptions_still_exist, so it is deleted when its import is.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("config", "quant"): "EngineArgs validates --quantization and the int8 activation "
+                         "choice against the quant registry",
+    ("config", "cpu_kernels"): "EngineArgs resolves the CPU kernel choice at validation",
+    ("cost", "config"): "cost reads ModelConfig while ModelConfig.kv_bytes_per_token "
+                        "calls cost back: one of the two belongs in the other",
+    ("slo", "bench"): "slo.class_workload draws its lengths with bench.workloads",
+    ("engine", "sim"): "EngineLoop opens the --step-trace writer that lives in sim/",
+    ("engine", "core"): "engine <-> core: core/ holds both the step contract (below the "
+                        "engine) and the engine core process (above it)",
+    ("core", "engine_builder"): "core/process.py builds the engine it hosts",
+    ("cpu_kernels", "layers"): "cpu_kernels/kernel_paths.py names the linears that use "
+                               "each kernel (a report above the layers)",
+    ("cpu_kernels", "quant"): "cpu_kernels/kernel_paths.py, as above",
+    ("cpu_kernels", "loader"): "the kernel build directory is under the model cache home",
+    ("kernels", "quant"): "Triton kernels reuse quant's fp8 and int4 packing helpers",
+    ("quant", "loader"): "quant/checkpoint.py and community.py read checkpoints (tools "
+                         "above the loader)",
+    ("quant", "models"): "quant/checkpoint.py and community.py read the packed-modules "
+                         "table and the model registry",
+    ("dtype_choice", "loader"): "--dtype auto reads the GGUF file's tensor types",
+    ("spec", "runner"): "the draft proposer runs a second ModelRunner and the C++ "
+                        "decode stack (runner <-> spec)",
+    ("spec", "engine_builder"): "servelm spec train builds the engine it distils",
+    ("spec", "llm"): "servelm spec train runs the LLM API",
+    ("parallel", "engine_builder"): "a worker rank builds its engine shard",
+    ("parallel", "router"): "the Ray rank launcher reuses the Ray replica helpers",
+    ("kv_tiers", "sim"): "the recompute estimate uses sim's StepCostModel",
+    ("engine_builder", "sim"): "the engine is given sim's StepCostModel for its step time",
+    ("router", "server"): "the router reuses the server's dashboard and request schemas "
+                          "(router <-> server)",
+    ("bench", "sim"): "bench calibrate fits sim's cost model and bench serve draws sim's "
+                      "arrivals (bench <-> sim)",
+}
+
+
+def _unit(module: str, root: pathlib.Path) -> str | None:
+    """The package a module belongs to: servelm.X.Y -> X; None outside servelm and for the
+    servelm package itself (its __init__ is the public facade, not a layer)."""
+    parts = module.split(".")
+    if parts[0] != "servelm" or len(parts) == 1:
+        return None
+    name = parts[1]
+    if (root / name).is_dir() or (root / f"{name}.py").exists():
+        return name
+    return None  # `from servelm import LLM`: a name from the facade
+
+
+def package_graph(root: pathlib.Path = ROOT) -> dict[tuple[str, str], list[str]]:
+    """(importer, imported) package pairs -> the import sites, every .py under root."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        parts = rel.with_suffix("").parts
+        source = _unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts), root)
+        for line, module in _imported_modules(path, root):
+            target = _unit(module, root)
+            if source and target and target != source:
+                edges.setdefault((source, target), []).append(f"{rel}:{line} {module}")
+    return edges
+
+
+def _layer_of(package: str) -> int:
+    for rank, (_, members) in enumerate(LAYERS):
+        if package in members:
+            return rank
+    raise AssertionError(f"servelm/{package} is in no layer: add it to LAYERS")
+
+
+def cycles(pairs) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in pairs:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while component[-1:] != [v]:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _upward(edges, known=KNOWN_EXCEPTIONS) -> list[str]:
+    return [f"{a} ({LAYERS[_layer_of(a)][0]}) imports {b} ({LAYERS[_layer_of(b)][0]}): "
+            f"{sites[0]}" for (a, b), sites in sorted(edges.items())
+            if _layer_of(b) > _layer_of(a) and (a, b) not in known]
+
+
+def test_every_package_has_a_layer():
+    packages = {_unit(f"servelm.{p.stem}", ROOT) for p in ROOT.iterdir()
+                if p.suffix == ".py" or (p / "__init__.py").exists()}
+    for package in sorted(packages - {None, "__init__"}):
+        _layer_of(package)
+
+
+def test_no_package_imports_a_higher_layer():
+    offenders = _upward(package_graph())
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_cycles_between_packages():
+    edges = package_graph()
+    remaining = cycles(pair for pair in edges if pair not in KNOWN_EXCEPTIONS)
+    detail = [f"{a} -> {b}: {edges[a, b][0]}" for component in remaining
+              for a in component for b in component if (a, b) in edges]
+    assert not remaining, f"cycles {remaining}\n" + "\n".join(detail)
+
+
+def test_known_exceptions_still_exist():
+    edges = package_graph()
+    gone = [pair for pair in KNOWN_EXCEPTIONS if pair not in edges]
+    assert not gone, f"imports gone: delete {gone} from KNOWN_EXCEPTIONS"
+
+
+def test_the_graph_finds_a_lazy_cycle(tmp_path):
+    root = tmp_path / "servelm"
+    for package, source in (("engine", "from servelm.sim import trace\n"),
+                            ("sim", "def f():\n    from ..engine import engine\n")):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+        (root / package / "mod.py").write_text(source)
+    edges = package_graph(root)
+    assert set(edges) == {("engine", "sim"), ("sim", "engine")}
+    assert cycles(edges) == [["engine", "sim"]]
+
+
+def test_the_rule_catches_an_upward_import():
+    edges = {("engine", "sim"): ["servelm/engine/x.py:1 servelm.sim"],
+             ("sim", "engine"): ["servelm/sim/x.py:1 servelm.engine"]}
+    assert _upward(edges, known={}) == [
+        "engine (engine) imports sim (tools): servelm/engine/x.py:1 servelm.sim"]
