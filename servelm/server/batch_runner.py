@@ -8,10 +8,13 @@ running its lines through the endpoint code that serves HTTP (an in-process requ
 validation, templates, parsers, limits and logs), pacing, recording each line's result in
 the store as it finishes, the output and error files, and the backlog gauges.
 
-Pacing: a line is submitted only while nothing waits in the engine's queue and fewer than
-`max_inflight` lines run. Batch work fills the seats interactive traffic leaves idle and
-never queues ahead of it; each line also carries the lowest class of the SLO spec, so the
-SLO scheduling policy orders it after every other class.
+Pacing: a line is submitted while fewer than `max_inflight` lines run and either nothing
+waits in the engine's queue (idle capacity) or the batch has fewer lines running than the
+seats its window is owed (servelm/server/batch_pacer.py: from the lines left, the measured
+line time and the time left; none while the batch has slack, more as its deadline nears).
+Batch work fills the seats interactive traffic leaves idle and queues ahead of it only to
+meet its window; each line also carries the lowest class of the SLO spec, so the SLO
+scheduling policy orders it after every other class.
 Never: runs a line whose result is stored (a resumed batch skips those), keeps a batch's
 progress only in memory, or calls the store on the event loop.
 """
@@ -32,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from servelm.server.batch_input import BatchInputError, BatchLine, parse_batch_input
+from servelm.server.batch_pacer import BatchPacer
 from servelm.server.files_serving import file_object
 from servelm.server.serving import SLO_CLASS_SCOPE_KEY
 from servelm.server.state_store import BatchResult
@@ -53,19 +57,29 @@ class BatchLimits:
     heartbeat_s: float = 1.0
     poll_s: float = 1.0  # how often an idle runner looks for a batch in the store
     pace_s: float = 0.02  # how often a paced line looks at the engine's queue again
+    # A batch's line time before one of its lines has finished (the pacer's guess), and the
+    # pacer's margin: the seats it is owed finish its lines in the time left / margin
+    prior_line_s: float = 10.0
+    pace_margin: float = 2.0
 
 
 @dataclass
 class _Job:
     body: dict[str, Any]
+    pacer: BatchPacer
     lines: list[BatchLine] = field(default_factory=list)
     num_done: int = 0
+    num_running: int = 0  # its lines submitted and not yet finished
     stop: str | None = None  # "cancelled", "expired", "shutdown", "lost" or "failed"
     running: dict[int, asyncio.Event] = field(default_factory=dict)  # line -> its cancel
 
     @property
     def id(self) -> str:
         return self.body["id"]
+
+    @property
+    def num_left(self) -> int:
+        return len(self.lines) - self.num_done
 
     def halt(self, why: str) -> None:
         """Submit nothing more; the lines in flight are aborted (not recorded)."""
@@ -78,7 +92,8 @@ class _Job:
 class BatchRunner:
     def __init__(self, handlers: dict[str, Handler], db: StoreCall, engine, slo_class: str,
                  model: str, limits: BatchLimits = BatchLimits(), registry=None,
-                 draining: Callable[[], bool] = lambda: False):
+                 draining: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.time):
         self.handlers = handlers  # endpoint path -> the route's handler
         self.db = db
         self.engine = engine  # the engine client: its num_waiting is the pacing signal
@@ -88,6 +103,7 @@ class BatchRunner:
         self.slo_class = slo_class
         self.model = model
         self.limits = limits
+        self.clock = clock  # wall time: a window's end is a Unix time
         self.owner = f"replica-{uuid.uuid4().hex}"
         self._jobs: dict[str, _Job] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -118,7 +134,8 @@ class BatchRunner:
                         logger.exception("batch runner: claiming a batch failed")
                     failing = True
             if body is not None:
-                job = self._jobs[body["id"]] = _Job(body)
+                pacer = BatchPacer(self.limits.prior_line_s, self.limits.pace_margin)
+                job = self._jobs[body["id"]] = _Job(body, pacer)
                 task = asyncio.ensure_future(self._run_job(job))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -178,13 +195,13 @@ class BatchRunner:
             job.lines = await asyncio.to_thread(parse_batch_input, content,
                                                 job.body["endpoint"], self.limits.max_lines)
         except BatchInputError as exc:
-            body = dict(job.body, status="failed", failed_at=int(time.time()),
+            body = dict(job.body, status="failed", failed_at=int(self.clock()),
                         errors={"object": "list", "data": exc.errors})
             if await self.db("finish_batch", body, [], self.owner):
                 job.body = body
             return False
         if job.body["status"] == "validating":
-            body = dict(job.body, status="in_progress", in_progress_at=int(time.time()),
+            body = dict(job.body, status="in_progress", in_progress_at=int(self.clock()),
                         request_counts={"total": len(job.lines), "completed": 0, "failed": 0})
             if await self.db("update_batch", body, only_if_status=("validating",),
                              owner=self.owner):
@@ -217,6 +234,7 @@ class BatchRunner:
             if not await self._wait_for_room(job):
                 break
             self._num_running += 1  # now: the task starts only at the loop's next turn
+            job.num_running += 1
             task = asyncio.ensure_future(self._run_line(job, line))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -224,33 +242,42 @@ class BatchRunner:
             await asyncio.wait(set(tasks))
 
     async def _wait_for_room(self, job: _Job, num_held: int = 0) -> bool:
-        """Until a seat is free (a retried line holds its own: num_held 1) and nothing
-        waits in the engine's queue; False when the batch must stop (cancelled, expired,
-        shut down)."""
+        """Until a seat is free (a retried line holds its own: num_held 1) and either
+        nothing waits in the engine's queue or the batch is owed more seats than its lines
+        hold; False when the batch must stop (cancelled, expired, shut down)."""
         expires_at = job.body.get("expires_at") or float("inf")
         while job.stop is None:
             if self.draining():  # the lines in flight may still finish within the drain
                 job.stop = "shutdown"
                 break
-            if time.time() >= expires_at:
+            now = self.clock()
+            if now >= expires_at:
                 job.halt("expired")
                 break
-            if self._num_running - num_held < self.limits.max_inflight \
-                    and self.engine.num_waiting == 0:
+            if self._num_running - num_held < self.limits.max_inflight and (
+                    self.engine.num_waiting == 0
+                    or job.num_running - num_held < self._owed(job, now)):
                 return True
             await asyncio.sleep(self.limits.pace_s)
         return False
+
+    def _owed(self, job: _Job, now: float) -> int:
+        """Seats the batch may fill ahead of a non-empty queue to meet its window."""
+        expires_at = job.body.get("expires_at") or float("inf")
+        return job.pacer.owed_seats(job.num_left, expires_at - now, self.limits.max_inflight)
 
     async def _run_line(self, job: _Job, line: BatchLine) -> None:
         """One line (counted in _num_running by its submitter) to its recorded result."""
         cancel = job.running[line.line] = asyncio.Event()
         if job.stop is not None:
             cancel.set()
+        start = self.clock()
         try:
             status, payload = await self._attempts(job, line, cancel)
             stopping = cancel.is_set() or self.draining()
             if status == 499 or (stopping and (status >= 400 or _was_aborted(payload))):
                 return  # aborted by a stop: it runs again where the batch resumes
+            job.pacer.observe(self.clock() - start)
             if await self.db("put_batch_result", job.id, _result(line, status, payload)):
                 job.num_done += 1
         except Exception:  # a store outage: the line runs again where the batch resumes
@@ -258,6 +285,7 @@ class BatchRunner:
                              line.line)
         finally:
             self._num_running -= 1
+            job.num_running -= 1
             job.running.pop(line.line, None)
 
     async def _attempts(self, job: _Job, line: BatchLine,
@@ -312,7 +340,7 @@ class BatchRunner:
 
     async def _finalize(self, job: _Job, final: str) -> None:
         """The output and error files and the final body, stored together."""
-        now = int(time.time())
+        now = int(self.clock())
         if final == "completed" and job.body["status"] == "in_progress":
             body = dict(job.body, status="finalizing", finalizing_at=now)
             if not await self.db("update_batch", body, only_if_status=("in_progress",),
@@ -353,6 +381,13 @@ class BatchRunner:
               registry=registry).set_function(lambda: self._num_running)
         Gauge("servelm_batches_running", "Batches this replica runs now",
               registry=registry).set_function(lambda: len(self._jobs))
+        Gauge("servelm_batch_paced_seats", "Seats the batches this replica runs are owed "
+              "ahead of a non-empty queue to meet their windows", registry=registry
+              ).set_function(lambda: sum(self._owed(j, self.clock())
+                                         for j in list(self._jobs.values())))
+        Gauge("servelm_batch_line_rate", "Batch lines a second this replica finishes with "
+              "all its batch seats, at the measured line time (NaN: none measured yet)",
+              registry=registry).set_function(self.line_rate)
         Gauge("servelm_batch_deadline_seconds", "Seconds until the earliest window of the "
               "batches this replica runs closes (NaN: none)", registry=registry
               ).set_function(self._deadline_s)
@@ -360,7 +395,16 @@ class BatchRunner:
     def _deadline_s(self) -> float:
         ends = [j.body.get("expires_at") for j in list(self._jobs.values())]
         ends = [e for e in ends if e]
-        return min(ends) - time.time() if ends else float("nan")
+        return min(ends) - self.clock() if ends else float("nan")
+
+    def line_rate(self) -> float:
+        """Lines a second at max_inflight seats, from the line time measured on the batches
+        this replica runs (NaN before any line finished): the autoscaler's per-replica
+        rate for the batch backlog."""
+        times = [j.pacer.line_s for j in list(self._jobs.values()) if j.pacer.num_measured]
+        if not times:
+            return float("nan")
+        return self.limits.max_inflight / max(sum(times) / len(times), 1e-9)
 
 
 def _result(line: BatchLine, status: int, payload: dict[str, Any]) -> BatchResult:

@@ -170,7 +170,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="batches not yet finished in the state store (429 beyond)")
     g.add_argument("--batch-max-inflight", type=int, default=d("batch_max_inflight"),
                    help="batch lines this replica keeps in the engine at once (each enters "
-                        "only while no other request waits)")
+                        "only while no other request waits, or when its batch's window needs "
+                        "it)")
     g.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger "
                         "servelm.requests)")

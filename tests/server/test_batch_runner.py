@@ -205,3 +205,99 @@ def test_a_draining_server_records_no_aborted_line_and_hands_the_batch_back(tmp_
     assert [t for t, _ in endpoint.calls] == ["t0", "t1"]  # nothing submitted while draining
     assert [r.line for r in results] == [2]  # the finished line only
     assert other["id"] == batch_id and other["status"] == "in_progress"
+
+
+class BusyEngine:
+    """An engine whose queue never empties: interactive requests always wait. Each look at
+    the queue moves the test's clock on by `step_s` (the runner polls it every pace_s), so
+    time passes exactly as the runner waits."""
+
+    def __init__(self, clock: list[float], step_s: float):
+        self.clock, self.step_s, self.is_busy = clock, step_s, True
+
+    @property
+    def num_waiting(self) -> int:
+        self.clock[0] += self.step_s
+        return 1 if self.is_busy else 0
+
+
+class TimedEndpoint:
+    """Each line takes `line_s` on the test's clock; records when each started."""
+
+    def __init__(self, clock: list[float], line_s: float):
+        self.clock, self.line_s, self.starts = clock, line_s, []
+
+    async def __call__(self, request):
+        await request.json()
+        self.starts.append(self.clock[0])
+        self.clock[0] += self.line_s
+        return JSONResponse({"id": "chatcmpl-x", "usage": {"prompt_tokens": 1,
+                                                          "completion_tokens": 1}})
+
+
+def _paced(tmp_path, num_lines: int, window_s: float, step_s: float, until) -> tuple:
+    path = tmp_path / "s.sqlite3"
+    sync = SQLiteStateStore(path)
+    batch_id = _batch(sync, num_lines)
+    clock = [1_000_000.0]
+    sync.update_batch(dict(sync.get_batch(batch_id), expires_at=clock[0] + window_s))
+    engine, endpoint = BusyEngine(clock, step_s), TimedEndpoint(clock, 1.0)
+
+    async def main():
+        store = AsyncStore(f"sqlite:///{path}")
+        limits = BatchLimits(max_inflight=2, poll_s=0.01, pace_s=0.002, heartbeat_s=0.05,
+                             prior_line_s=1.0, pace_margin=2.0)
+        runner = BatchRunner({URL: endpoint}, store.call, engine, "batch", "m", limits,
+                             clock=lambda: clock[0])
+        task = asyncio.ensure_future(runner.run())
+        await _until(lambda: runner._jobs, "claimed")
+        await until(runner, engine, endpoint)
+        await _until(lambda: batch_id not in runner._jobs, "finished")
+        await runner.stop()
+        task.cancel()
+        await store.close()
+
+    asyncio.run(main())
+    return sync.get_batch(batch_id), endpoint, clock[0]
+
+
+def test_a_batch_under_a_queue_that_never_empties_meets_its_window(tmp_path):
+    async def until(runner, engine, endpoint):
+        pass
+
+    body, endpoint, t0 = _paced(tmp_path, 6, 20.0, 0.05, until)
+    start = body["expires_at"] - 20.0
+    assert body["status"] == "completed" and body["request_counts"]["completed"] == 6
+    assert body["completed_at"] < body["expires_at"]
+    # It waited while it had slack: one seat is owed once 2 x 6 lines x 1 s >= the time
+    # left, 8 s into its 20 s window, and each next line when the share reaches a seat again
+    assert endpoint.starts[0] >= start + 8.0 - 0.1
+    assert endpoint.starts == sorted(endpoint.starts)
+    assert all(b - a >= 1.0 for a, b in zip(endpoint.starts, endpoint.starts[1:]))
+
+
+def test_a_batch_with_slack_yields_to_a_busy_queue(tmp_path):
+    async def until(runner, engine, endpoint):
+        await _until(lambda: engine.clock[0] >= 1_000_000.0 + 3600, "an hour passed")
+        assert endpoint.starts == []  # a 24 h window: nothing owed ahead of the queue
+        (job,) = runner._jobs.values()
+        assert runner._owed(job, engine.clock[0]) == 0
+        engine.is_busy = False  # the queue empties: idle capacity runs it
+
+    body, endpoint, _ = _paced(tmp_path, 4, 86400.0, 60.0, until)
+    assert body["status"] == "completed" and len(endpoint.starts) == 4
+    assert endpoint.starts[0] >= 1_000_000.0 + 3600
+
+
+def test_the_pacer_owes_seats_as_the_deadline_nears():
+    from servelm.server.batch_pacer import BatchPacer
+
+    pacer = BatchPacer(prior_line_s=10.0)
+    assert pacer.owed_seats(100, 86400, 8) == 0  # 2 x 100 x 10 s < a day: slack
+    owed = [pacer.owed_seats(100, t, 8) for t in (2000, 1000, 500, 250, 100)]
+    assert owed == [1, 2, 4, 8, 8]  # capped at the runner's seats
+    assert pacer.owed_seats(0, 1, 8) == 0 and pacer.owed_seats(5, 0, 8) == 8
+    pacer.observe(1.0)  # a measurement replaces the prior
+    assert pacer.owed_seats(100, 200, 8) == 1
+    pacer.observe(2.0)
+    assert 1.0 < pacer.line_s < 2.0
