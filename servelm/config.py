@@ -799,7 +799,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     slo_cost_model: str | None = None
     # A JSON-lines file of every step's shape and wall time, start to next start
-    # (servelm/sim/step_trace.py): what `servelm bench calibrate --served-steps` fits.
+    # (servelm/engine/step_trace.py): what `servelm bench calibrate --served-steps` fits.
     step_trace: str | None = None
     # Model parallelism (ParallelConfig, servelm/parallel/): worker processes per replica.
     tensor_parallel_size: int = 1

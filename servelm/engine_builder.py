@@ -323,11 +323,15 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     cache_config = args.cache_config()
     # A model-parallel rank builds, caches and attends over its share of the heads.
     model_config = config if parallel is None else parallel_build.local_config(parallel, config)
+    spec_config = args.speculative_config()
+    mtp_tensors = None
+    if spec_config is not None and spec_config.method == "mtp":
+        weights, mtp_tensors = _take_mtp_tensors(args, config, weights, parallel)
+        prepared_key = None  # the MTP tensors come from the checkpoint's stream
     # Weights first, so a KV budget given as a fraction counts the memory left after them.
     model = build_model(model_config, weights, dtype, device, args.quantization, prepared_key,
                         args.deterministic, parallel, args.quant_activations)
     kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: 1 byte/element
-    spec_config = args.speculative_config()
     draft = None
     if spec_config is not None and spec_config.method == "draft" \
             and spec_config.draft_layers is None:
@@ -352,7 +356,8 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     proposer = speculator = None
     if spec_config is not None:
         proposer = _build_proposer(args, spec_config, config, model, backend, draft,
-                                   num_blocks, cache_config.block_size, dtype, device)
+                                   num_blocks, cache_config.block_size, dtype, device,
+                                   mtp_tensors)
         from servelm.spec import SpecController
 
         speculator = SpecController(spec_config.num_tokens, spec_config.adaptive)
@@ -402,7 +407,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                     speculator=speculator, loras=lora_slots, kv_connector=kv_connector)
     engine.model_config = config
     if args.slo_cost_model is not None and engine.scheduler.policy is not None:
-        from servelm.sim.cost_model import StepCostModel  # torch-free (docs/slo.md)
+        from servelm.engine.step_cost_model import StepCostModel  # torch-free (docs/slo.md)
 
         engine.scheduler.policy.step_time = StepCostModel.load(args.slo_cost_model).step_time
     if config.vision is not None:  # requests may carry images (docs/vision.md)
@@ -486,7 +491,9 @@ def _build_draft_model(args: EngineArgs, spec, target: ModelConfig, dtype: torch
 
 
 def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block_size,
-                    dtype, device):
+                    dtype, device, mtp_tensors=None):
+    if spec.method == "mtp":
+        return _build_mtp(model, mtp_tensors)
     if spec.method == "ngram":
         from servelm.spec.ngram import NgramProposer
 
@@ -507,6 +514,37 @@ def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block
                                                               draft.config.head_dim ** -0.5)
     bind_attention(draft, draft_backend)
     return DraftModelProposer(draft, draft_backend, block_size, device)
+
+
+def _take_mtp_tensors(args, config: ModelConfig, weights, parallel):
+    """--speculative-method mtp: refused before anything loads for a model without
+    multi-token-prediction layers (or a setup the drafter cannot run in); else the weights
+    without the MTP modules' tensors, and the list those fill as the model's load reads the
+    stream (servelm/spec/mtp.py)."""
+    from servelm.spec.mtp import UnsupportedMTPError, check_mtp_target, split_mtp_tensors
+
+    try:
+        check_mtp_target(config)
+    except UnsupportedMTPError as e:
+        raise InvalidParameterError(str(e), param="speculative_method") from e
+    if args.cuda_graphs or parallel is not None:
+        raise InvalidParameterError("speculative method 'mtp' runs the target eagerly on one "
+                                    "rank: not with --cuda-graphs or model parallelism",
+                                    param="speculative_method")
+    return split_mtp_tensors(weights, config)
+
+
+def _build_mtp(model, mtp_tensors):
+    """The target's own MTP module as a chain drafter (servelm/spec/mtp.py)."""
+    from servelm.spec.mtp import UnsupportedMTPError, build_mtp_proposer
+
+    try:
+        proposer = build_mtp_proposer(model, mtp_tensors)
+    except UnsupportedMTPError as e:
+        raise InvalidParameterError(str(e), param="speculative_method") from e
+    logger.info("mtp: the target's steps run eagerly (not the C++ decode stack): the drafter "
+                "reads the hidden states after layer %d", proposer.aux_layers[0])
+    return proposer
 
 
 def _build_eagle3(args, spec, config, model):

@@ -106,7 +106,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("cost", "config"): "cost reads ModelConfig while ModelConfig.kv_bytes_per_token "
                         "calls cost back: one of the two belongs in the other",
     ("slo", "bench"): "slo.class_workload draws its lengths with bench.workloads",
-    ("engine", "sim"): "EngineLoop opens the --step-trace writer that lives in sim/",
     ("engine", "core"): "engine <-> core: core/ holds both the step contract (below the "
                         "engine) and the engine core process (above it)",
     ("core", "engine_builder"): "core/process.py builds the engine it hosts",
@@ -126,12 +125,10 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("spec", "llm"): "servelm spec train runs the LLM API",
     ("parallel", "engine_builder"): "a worker rank builds its engine shard",
     ("parallel", "router"): "the Ray rank launcher reuses the Ray replica helpers",
-    ("kv_tiers", "sim"): "the recompute estimate uses sim's StepCostModel",
-    ("engine_builder", "sim"): "the engine is given sim's StepCostModel for its step time",
     ("router", "server"): "the router reuses the server's dashboard and request schemas "
                           "(router <-> server)",
-    ("bench", "sim"): "bench calibrate fits sim's cost model and bench serve draws sim's "
-                      "arrivals (bench <-> sim)",
+    ("bench", "sim"): "bench serve writes the arrival trace that sim/arrivals.py reads, while "
+                      "sim draws bench's workloads and metrics (bench <-> sim)",
 }
 
 

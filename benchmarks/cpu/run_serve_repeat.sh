@@ -63,7 +63,7 @@ from pathlib import Path
 out, model_path = Path(sys.argv[1]), sys.argv[2]
 model = None
 if model_path:
-    from servelm.sim.cost_model import StepCostModel, StepShape
+    from servelm.engine.step_cost_model import StepCostModel, StepShape
     model = StepCostModel.load(model_path)
 steps = [r for f in sorted(out.glob("steps*.jsonl"))
          for r in map(json.loads, f.read_text().splitlines()) if "shape" in r]

@@ -36,7 +36,7 @@
 #   STAGE=replay bash benchmarks/cpu/run_sim_validation.sh       # seconds: the tables
 #
 # A new cost model for an earlier record's measured runs (no server, seconds): refit from
-# that record's calibration traces (FORM, default roofline: servelm/sim/cost_model.py) into
+# that record's calibration traces (FORM, default roofline: servelm/engine/step_cost_model.py) into
 # a new OUT and replay its traces there; the measured runs are read from SRC, not copied:
 #   SRC=benchmarks/results/sim-validation-20261202T015802Z STAGE=refit \
 #     OUT=benchmarks/results/sim-validation-$(date -u +%Y%m%dT%H%M%SZ)-refit \
@@ -268,8 +268,8 @@ import json
 import sys
 from pathlib import Path
 import numpy as np
-from servelm.sim.cost_model import StepCostModel, step_class_errors
-from servelm.sim.step_trace import read_step_trace
+from servelm.engine.step_cost_model import StepCostModel, step_class_errors
+from servelm.engine.step_trace import read_step_trace
 out, runs = Path(sys.argv[1]), Path(sys.argv[2])
 model = StepCostModel.load(out / "cost-model.json")
 for path in sorted(runs.glob("measure-steps-*.jsonl")):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from servelm.sim.cost_model import (FORMS, ROOFLINE_FEATURES, StepCostModel, StepShape,
+from servelm.engine.step_cost_model import (FORMS, ROOFLINE_FEATURES, StepCostModel, StepShape,
                                     fit_cost_model, step_shape)
 
 # (number of requests, prompt tokens, new tokens): decode batches and prefill chunks.
@@ -104,13 +104,13 @@ def calibrate(engine, name: str, plan=DEFAULT_PLAN, progress: bool = True,
 
 def calibrate_served(paths: list[str], name: str, skip_steps: int = 8,
                      form: str = "linear") -> StepCostModel:
-    """Fit to the steps `servelm serve --step-trace` recorded (servelm/sim/step_trace.py):
+    """Fit to the steps `servelm serve --step-trace` recorded (servelm/engine/step_trace.py):
     each step's wall time start to next start, so the model holds what serving spends per
     step, not only the forward. The first `skip_steps` of each file (warm-up) are dropped.
     Every file must come from the same engine (its KV pool and limits).
     arrival_s: the front end's own admission lag (front_end_lag)."""
     from servelm.bench.results import git_commit, machine_info
-    from servelm.sim.step_trace import read_step_trace
+    from servelm.engine.step_trace import read_step_trace
 
     if not paths:
         raise ValueError("served_steps: give at least one step-trace file")
@@ -374,9 +374,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "model's arrival_s is the admission lag of the requests that found "
                         "the engine loop idle")
     p.add_argument("--form", choices=FORMS, default="roofline",
-                   help="the model's form (servelm/sim/cost_model.py): roofline, the default, "
-                        "is base + max(memory, compute), a step with a prefill chunk costing "
-                        "its compute with its decode rows riding in it; linear sums every "
+                   help="the model's form (servelm/engine/step_cost_model.py): roofline, the "
+                        "default, is base + max(memory, compute), a step with a prefill chunk "
+                        "costing its compute with its decode rows riding in it; linear sums every "
                         "part (the form of files written before there was a choice)")
     p.add_argument("--skip-steps", type=int, default=8,
                    help="with --served-steps: warm-up steps dropped from each trace (default 8)")

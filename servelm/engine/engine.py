@@ -143,7 +143,7 @@ class Engine:
         self._preempted_ids: list[int] = []
         self._step_id = 0
         # The last step's StepDescription (its shape is what a step trace records,
-        # servelm/sim/step_trace.py); None before the first step.
+        # servelm/engine/step_trace.py); None before the first step.
         self.last_step_description: StepDescription | None = None
         self.kv_connector.bind(self)
 

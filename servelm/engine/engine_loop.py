@@ -73,10 +73,10 @@ class EngineLoop:
         self.report: StepReport = engine.report()  # the last published (read anywhere)
         engine.enable_kv_events()  # a server publishes what its prefix cache holds
         engine.kv_connector.set_wake(self.wake)  # e.g. KV transfer messages wake an idle loop
-        # --step-trace FILE: each step's shape and wall time (servelm/sim/step_trace.py).
+        # --step-trace FILE: each step's shape and wall time (servelm/engine/step_trace.py).
         self.step_trace = None
         if getattr(getattr(engine, "engine_args", None), "step_trace", None):
-            from servelm.sim.step_trace import open_step_trace
+            from servelm.engine.step_trace import open_step_trace
 
             self.step_trace = open_step_trace(engine)
 

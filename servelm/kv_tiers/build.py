@@ -71,7 +71,7 @@ def build_kv_tiers(config: KVTiersConfig, block_size: int, block_nbytes: int,
                               probe_nbytes=probe))
     estimate = PrefillEstimate()
     if config.cost_model is not None:
-        from servelm.sim.cost_model import StepCostModel
+        from servelm.engine.step_cost_model import StepCostModel
 
         estimate = PrefillEstimate(StepCostModel.load(config.cost_model))
     return KVTiers(tiers, block_size, block_nbytes, config.reload_policy, estimate, io)

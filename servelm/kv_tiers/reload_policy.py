@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from servelm.core.contract import StepDescription
 from servelm.cost import attention_pairs
-from servelm.sim.cost_model import StepCostModel, fit_cost_model, step_shape
+from servelm.engine.step_cost_model import StepCostModel, fit_cost_model, step_shape
 
 RELOAD_POLICIES = ("cost", "always", "never")
 _WINDOW = 512  # recent steps the on-the-fly fit uses

@@ -34,7 +34,7 @@ from servelm.autoscale.policy import AutoscaleConfig, Autoscaler
 from servelm.bench.metrics import RequestRecord
 from servelm.router.policies import RoutingPolicy
 from servelm.sim.bulk import advance_decodes
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import (
     Replica,
     ReplicaSpec,

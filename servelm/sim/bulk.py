@@ -57,7 +57,7 @@ import itertools
 import numpy as np
 
 from servelm.engine.scheduler import ScheduledBatch
-from servelm.sim.cost_model import StepShape
+from servelm.engine.step_cost_model import StepShape
 
 
 # The head's step times are kept while a member may still need them: dropped when the head

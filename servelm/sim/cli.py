@@ -24,7 +24,7 @@ from servelm.config import SCHEDULING_POLICIES
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import DEFAULT_POLICY, make_policy, policy_help, policy_names
 from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
-from servelm.sim.cost_model import StepCostModel, StepShape
+from servelm.engine.step_cost_model import StepCostModel, StepShape
 from servelm.sim.roofline import roofline_from_args
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 from servelm.slo import (SLOSpec, class_workload, goodput_by_class, parse_class_lengths,

@@ -43,7 +43,7 @@ from servelm.engine.slo_policy import SLOUnattainableError
 from servelm.protocol import EngineRequest, RequestSLO, SamplingParams
 from servelm.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy
 from servelm.sim.bulk import DecodeHead, advance_decodes, finish_run, mixed_step
-from servelm.sim.cost_model import StepCostModel, StepShape
+from servelm.engine.step_cost_model import StepCostModel, StepShape
 from servelm.sim.itl import ITLSummary
 from servelm.sim.runner import SimRunner, VirtualClock
 

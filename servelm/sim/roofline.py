@@ -24,7 +24,7 @@ from typing import Any
 
 from servelm.cost import (attention_flops_per_pair, layer_matmul_flops_per_token,
                           lm_head_flops_per_token, step_cost, weight_bytes_read_per_step)
-from servelm.sim.cost_model import StepShape
+from servelm.engine.step_cost_model import StepShape
 
 
 class RooflineCostModel:

@@ -22,7 +22,7 @@ import functools
 import random
 
 from servelm.core.contract import KVBlock, SampledToken, StepDescription, StepResult
-from servelm.sim.cost_model import StepCostModel, StepShape, step_shape
+from servelm.engine.step_cost_model import StepCostModel, StepShape, step_shape
 
 _PERIOD = 8192  # synthetic tokens repeat after this many positions
 

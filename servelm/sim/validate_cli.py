@@ -298,7 +298,7 @@ def _measured_knee(path: Path, plan: ValidationPlan) -> float:
 
 def load_traces(out: Path, manifest: dict) -> dict[int, tuple]:
     """Each server's (engine, steps, admissions), its warm-up steps left out."""
-    from servelm.sim.step_trace import read_timed_trace
+    from servelm.engine.step_trace import read_timed_trace
 
     traces = {}
     for srv in manifest["servers"]:
@@ -322,7 +322,7 @@ def fit_model(manifest: dict, traces: dict[int, tuple]):
     with the front end's admission lag, as `bench calibrate --served-steps` fits it."""
     from servelm.bench.calibrate import front_end_lag
     from servelm.bench.results import git_commit, machine_info
-    from servelm.sim.cost_model import fit_cost_model
+    from servelm.engine.step_cost_model import fit_cost_model
 
     shapes, seconds, admissions = [], [], []
     engines = {json.dumps(e, sort_keys=True) for e, _, _ in traces.values()}
@@ -387,7 +387,7 @@ def simulate_args(argv: list[str]):
     """`servelm sim ARGV` in this process: (cost, replica spec, args), as cmd_sim sets them up."""
     from servelm.cli import build_parser
     from servelm.sim.cli import ScaledCost, check_load_flags, replica_spec
-    from servelm.sim.cost_model import StepCostModel
+    from servelm.engine.step_cost_model import StepCostModel
     from servelm.sim.roofline import roofline_from_args
 
     args = build_parser(["sim"]).parse_args(["sim", *argv])

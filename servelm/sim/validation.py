@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from servelm.sim.step_trace import TimedStep
+from servelm.engine.step_trace import TimedStep
 
 METRICS = ("ttft_ms", "tpot_ms")
 PERCENTILES = ("p50", "p90", "p99")

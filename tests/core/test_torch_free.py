@@ -12,7 +12,7 @@ TORCH_FREE = [
     "servelm.engine.scheduler", "servelm.engine.block_manager", "servelm.engine.prefix_cache",
     "servelm.engine.sequence", "servelm.engine.detokenizer", "servelm.engine.engine_loop",
     "servelm.engine.async_engine", "servelm.protocol", "servelm.config", "servelm.cost",
-    "servelm.sim.cost_model", "servelm.sim.runner", "servelm.sim.fleet", "servelm.sim.cli",
+    "servelm.engine.step_cost_model", "servelm.sim.runner", "servelm.sim.fleet", "servelm.sim.cli",
     "servelm.router.policies", "servelm.router.replicas", "servelm.router.app",
     "servelm.router.cli",
 ]

@@ -150,7 +150,7 @@ def test_tenant_salts_isolate_every_tier(tmp_path):
 
 def test_cost_policy_recomputes_when_reload_is_slower():
     from servelm.kv_tiers.reload_policy import PrefillEstimate
-    from servelm.sim.cost_model import StepCostModel
+    from servelm.engine.step_cost_model import StepCostModel
 
     engine, kv, _runner = tiered_engine(num_blocks=16, host_bytes=1 << 20, policy="cost")
     history = _prompt(1, 40)

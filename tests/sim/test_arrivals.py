@@ -14,7 +14,7 @@ import pytest
 from servelm.router.policies import make_policy
 from servelm.sim import cli as sim_cli
 from servelm.sim.arrivals import TraceError, gamma_offsets, read_trace, trace_line
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, simulate
 
 SPEC = ReplicaSpec(num_blocks=512, block_size=16, max_num_seqs=32,

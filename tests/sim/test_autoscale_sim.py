@@ -18,7 +18,7 @@ from servelm.sim.autoscale import (
     diurnal_share,
     simulate_autoscaled,
 )
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, SimRequest
 
 SPEC = ReplicaSpec(num_blocks=1024, block_size=16, max_num_seqs=16,

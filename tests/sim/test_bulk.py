@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from servelm.bench.workloads import conversation
 from servelm.router.policies import make_policy, policy_names
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 
 COST = StepCostModel("ctx", base_s=0.003, per_seq_s=0.0001, per_decode_token_s=0.0004,

@@ -10,7 +10,7 @@ import pytest
 
 from servelm.bench.calibrate import calibrate_served
 from servelm.cli import main
-from servelm.sim.cost_model import StepCostModel, StepShape
+from servelm.engine.step_cost_model import StepCostModel, StepShape
 
 TRUTH = StepCostModel("truth", form="roofline", base_s=0.03, per_seq_s=1.5e-4,
                       per_decode_token_s=1.5e-4, per_decode_context_s=3.5e-6,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from servelm.sim.cost_model import (STEP_CLASSES, StepCostModel, StepShape, fit_cost_model,
+from servelm.engine.step_cost_model import (STEP_CLASSES, StepCostModel, StepShape, fit_cost_model,
                                     step_class, step_class_errors)
 
 ROOF = StepCostModel("roof", form="roofline", base_s=0.03, per_seq_s=1.5e-4,
@@ -124,7 +124,7 @@ def test_the_fit_predicts_the_mean_step_time_under_skewed_noise(form):
     step times), where weights from the measurement alone come out a few per cent low."""
     import numpy as np
 
-    from servelm.sim import cost_model
+    from servelm.engine import step_cost_model as cost_model
 
     rng = np.random.default_rng(3)
     shapes, seconds = [], []

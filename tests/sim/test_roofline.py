@@ -16,7 +16,7 @@ from servelm.planner.deployment import Deployment
 from servelm.planner.hardware import get_accelerator
 from servelm.planner.model_catalog import resolve_model
 from servelm.planner.prefill import prefill_time
-from servelm.sim.cost_model import StepShape
+from servelm.engine.step_cost_model import StepShape
 from servelm.sim.roofline import RooflineCostModel
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from servelm.router.policies import make_policy
-from servelm.sim.cost_model import StepCostModel, StepShape, fit_cost_model
+from servelm.engine.step_cost_model import StepCostModel, StepShape, fit_cost_model
 from servelm.sim.fleet import ReplicaSpec, SimRequest, simulate
 
 SPEC = ReplicaSpec(num_blocks=512, block_size=16, max_num_seqs=32,
@@ -223,7 +223,7 @@ def test_skipping_the_cache_lookup_for_a_policy_that_ignores_it_changes_nothing(
     import random
 
     from servelm.router.policies import make_policy
-    from servelm.sim.cost_model import StepCostModel
+    from servelm.engine.step_cost_model import StepCostModel
     from servelm.sim.fleet import ReplicaSpec, SimRequest, simulate
 
     class Reads:

@@ -15,7 +15,7 @@ from servelm.bench.fake_server import FakeBehaviour, FakeServer
 from servelm.bench.loadgen import EndpointConfig
 from servelm.bench.serve import ClassRequest
 from servelm.cli import main as servelm_main
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, SimRequest
 from servelm.slo import SLOSpec, class_workload, parse_class_lengths, parse_class_mix
 

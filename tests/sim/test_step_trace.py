@@ -17,9 +17,9 @@ from servelm.engine.block_manager import BlockManager
 from servelm.engine.engine import Engine
 from servelm.engine.engine_loop import EngineLoop
 from servelm.protocol import EngineRequest, SamplingParams
-from servelm.sim.cost_model import StepCostModel, StepShape
+from servelm.engine.step_cost_model import StepCostModel, StepShape
 from servelm.sim.runner import SimRunner, VirtualClock
-from servelm.sim.step_trace import Admission, StepTrace, read_step_trace
+from servelm.engine.step_trace import Admission, StepTrace, read_step_trace
 
 COST = StepCostModel("t", base_s=0.002, per_decode_token_s=0.0003, per_prefill_token_s=2e-5)
 

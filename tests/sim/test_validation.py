@@ -24,7 +24,7 @@ from servelm.sim.validate_cli import simulate_cli
 from servelm.router.policies import make_policy
 from servelm.sim.arrivals import read_trace, trace_prompts
 from servelm.sim.cli import replica_spec
-from servelm.sim.cost_model import StepCostModel
+from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import SimRequest, simulate
 
 DATA = Path(__file__).parent / "data"

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from servelm.sim import validation as V
-from servelm.sim.cost_model import StepCostModel, StepShape
-from servelm.sim.step_trace import TimedStep
+from servelm.engine.step_cost_model import StepCostModel, StepShape
+from servelm.engine.step_trace import TimedStep
 from servelm.sim.validate_cli import (Progress, ValidationPlan, estimate_total_s, schedule)
 
 

@@ -31,7 +31,7 @@ runs the model eagerly, an all-decode step the C++ decode stack).
 
 One part is per request, not per step: `arrival_s`, a request's time from reaching the
 server to the engine's queue (the front end's parsing, tokenizing and hop into the engine),
-measured by a served-step trace (servelm/sim/step_trace.py); the simulator admits each
+measured by a served-step trace (servelm/engine/step_trace.py); the simulator admits each
 request that long after it arrives. 0 for a model fitted to a lone engine's steps.
 """
 

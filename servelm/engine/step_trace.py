@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from servelm.sim.cost_model import StepShape, step_shape
+from servelm.engine.step_cost_model import StepShape, step_shape
 
 KIND = "step-trace"
 _FLUSH_EVERY = 256  # steps; also flushed whenever the loop goes idle
