@@ -4,7 +4,10 @@ from servelm.autoscale.policy import (
     AutoscaleConfig,
     AutoscaleConfigError,
     Autoscaler,
+    BatchBacklog,
+    BatchDemand,
     Decision,
 )
 
-__all__ = ["AutoscaleConfig", "AutoscaleConfigError", "Autoscaler", "Decision"]
+__all__ = ["AutoscaleConfig", "AutoscaleConfigError", "Autoscaler", "BatchBacklog",
+           "BatchDemand", "Decision"]

@@ -1,7 +1,7 @@
 """The autoscaler's decision: how many replicas a fleet should have, from a load signal.
 
 Owns: `AutoscaleConfig` (the policy file, validated with errors naming the field) and
-`Autoscaler.decide(total_signal, num_ready, num_booting) -> Decision`, the same object the
+`Autoscaler.decide(total_signal, num_ready, num_booting, goodput, batch) -> Decision`, the same object the
 real controller (servelm/autoscale/controller.py, on Ray) and the simulator
 (servelm/sim/autoscale.py, in virtual time) call.
 Never: imports torch, reads a clock other than the one it is given, starts or stops a
@@ -34,6 +34,18 @@ over the spec's window; a class below its target (over at least `slo_min_request
 requests) orders one more replica ("slo") when nothing is booting and no scale event came in
 the last up_window_s, and holds off any scale-down: the signal's target is a proxy for the
 SLO, and this is the SLO itself.
+
+The batch backlog (`BatchDemand`: each batch's lines without a result and the seconds until
+its window closes, and the line rate one replica measures with its batch seats) adds the
+replicas that finish those lines by their deadlines, earliest deadline first:
+
+    batch_replicas = max over deadlines d (soonest first) of
+                     lines due by d / (line_rate x max(d - boot_s, tick_s))
+
+added to the signal as batch_replicas x target, so the rest of the rule is unchanged: a
+24-hour batch adds a fraction of a replica, one near its deadline as many as it needs (a
+replica ordered now helps only after boot_s). With no rate measured yet, a backlog asks for
+one replica (some replica must run it to measure one).
 
 Counting booting replicas as capacity is what keeps a spike from ordering a replica per tick
 while the first ones boot: once ready + booting covers `wanted`, `load` drops and nothing
@@ -145,12 +157,48 @@ def _positive(name: str, value) -> None:
         raise AutoscaleConfigError(f"{name}: must be a positive number, got {value!r}")
 
 
+class BatchBacklog(NamedTuple):
+    """One batch's work left: lines with no result yet, due when its window closes."""
+
+    num_lines: int
+    seconds_left: float
+
+
+class BatchDemand(NamedTuple):
+    """The fleet's batch backlog, as the policy reads it beside the signal."""
+
+    backlogs: tuple[BatchBacklog, ...] = ()
+    # Lines a second one replica finishes with all its batch seats, measured (the replicas'
+    # servelm_batch_line_rate); None before any line finished
+    line_rate: float | None = None
+
+
 class Decision(NamedTuple):
     num_replicas: int  # the fleet's size to be: ready + booting after this decision
     delta: int  # replicas to start (> 0) or to drain (< 0)
-    load: float  # total_signal / (target x capacity)
-    wanted: int  # ceil(total_signal / target), clamped
+    load: float  # (total_signal + batch_replicas x target) / (target x capacity)
+    wanted: int  # ceil(total_signal / target + batch_replicas), clamped
     reason: str
+    batch_replicas: float = 0.0  # the replicas the batch backlog asked for
+
+
+def batch_replicas(demand: BatchDemand | None, boot_s: float, tick_s: float) -> float:
+    """Replicas that finish every batch's lines by its deadline at the measured per-replica
+    line rate, earliest deadline first (the most any prefix of deadlines needs)."""
+    if demand is None:
+        return 0.0
+    backlogs = sorted((b for b in demand.backlogs if b.num_lines > 0),
+                      key=lambda b: b.seconds_left)
+    if not backlogs:
+        return 0.0
+    rate = demand.line_rate
+    if rate is None or not 0 < rate < math.inf:
+        return 1.0
+    need = num_due = 0.0
+    for b in backlogs:
+        num_due += b.num_lines
+        need = max(need, num_due / (rate * max(b.seconds_left - boot_s, tick_s)))
+    return need
 
 
 class Autoscaler:
@@ -191,9 +239,17 @@ class Autoscaler:
         return min(c.max_replicas, max(c.min_replicas, n))
 
     def decide(self, total_signal: float, num_ready: int, num_booting: int = 0,
-               goodput: dict | None = None) -> Decision:
+               goodput: dict | None = None, batch: BatchDemand | None = None) -> Decision:
         """goodput: {SLO class: (goodput over the spec's window or None, requests counted)},
-        read with an SLO spec only."""
+        read with an SLO spec only; batch: the batch backlog (None: no batches)."""
+        c = self.config
+        extra = batch_replicas(batch, c.boot_s, c.tick_s)
+        decision = self._decide(total_signal + extra * c.target, num_ready, num_booting,
+                                goodput)
+        return decision._replace(batch_replicas=extra) if extra else decision
+
+    def _decide(self, total_signal: float, num_ready: int, num_booting: int,
+                goodput: dict | None) -> Decision:
         c = self.config
         now = self.clock()
         capacity = num_ready + num_booting
@@ -264,4 +320,5 @@ class Autoscaler:
         return Decision(target, target - capacity, load, wanted, reason)
 
 
-__all__ = ["SIGNALS", "AutoscaleConfig", "AutoscaleConfigError", "Autoscaler", "Decision"]
+__all__ = ["SIGNALS", "AutoscaleConfig", "AutoscaleConfigError", "Autoscaler", "BatchBacklog",
+           "BatchDemand", "Decision", "batch_replicas"]

@@ -16,6 +16,9 @@ At each tick (every `config.tick_s`), over the serving replicas (ready, not drai
     request_rate      requests arrived in the last RATE_WINDOW_S / RATE_WINDOW_S
     utilization       busy seconds in the last tick / tick_s (a replica stepping all the
                       tick counts 1): what a CPU or GPU utilisation gauge reports
+
+and, when the caller gives one, the batch backlog at that time (`batch`: a BatchDemand the
+policy adds as the replicas its deadlines need; its lines use no simulated capacity).
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from servelm.autoscale.policy import AutoscaleConfig, Autoscaler
+from servelm.autoscale.policy import AutoscaleConfig, Autoscaler, BatchDemand
 from servelm.bench.metrics import RequestRecord
 from servelm.router.policies import RoutingPolicy
 from servelm.sim.bulk import advance_decodes
@@ -126,7 +129,11 @@ class _Fleet:
 
 def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
                         cost: StepCostModel, routing: RoutingPolicy, config: AutoscaleConfig,
-                        initial_replicas: int | None = None) -> AutoscaleResult:
+                        initial_replicas: int | None = None,
+                        batch: Callable[[float], BatchDemand | None] | None = None
+                        ) -> AutoscaleResult:
+    """batch: the batch backlog at a virtual time, fed to the policy at each tick (a replay
+    of a recorded backlog, or one written for the run); its lines use no simulated capacity."""
     started = time.perf_counter()
     arrivals = sorted(requests, key=lambda r: r.arrival_s)
     t0 = arrivals[0].arrival_s if arrivals else 0.0
@@ -163,7 +170,8 @@ def simulate_autoscaled(requests: Sequence[SimRequest], spec: ReplicaSpec,
             sample, decision = _tick(fleet, scaler, config, now,
                                      next_arrival - arrived_at_tick,
                                      sum(_held_work(arrivals[i]) for i in held),
-                                     slo.goodput(now) if slo is not None else None)
+                                     slo.goodput(now) if slo is not None else None,
+                                     batch(now) if batch is not None else None)
             arrived_at_tick = next_arrival
             timeline.append(sample)
             if decision.delta:
@@ -273,13 +281,14 @@ class _SLOWindow:
 
 
 def _tick(fleet: _Fleet, scaler: Autoscaler, config: AutoscaleConfig, now: float,
-          num_arrived: int, held_tokens: int = 0, goodput: dict | None = None):
+          num_arrived: int, held_tokens: int = 0, goodput: dict | None = None,
+          batch: BatchDemand | None = None):
     serving = fleet.serving(now)
     signal, tokens = _signal(fleet, config, serving, now, num_arrived)
     if held_tokens and config.signal == "tokens_in_flight":
         signal, tokens = signal + held_tokens, tokens + held_tokens
     booting = fleet.booting(now)
-    decision = scaler.decide(signal, len(serving), len(booting), goodput)
+    decision = scaler.decide(signal, len(serving), len(booting), goodput, batch)
     sample = FleetSample(now, len(serving), len(booting), len(fleet.draining()), signal,
                          num_arrived / config.tick_s, tokens)
     return sample, decision

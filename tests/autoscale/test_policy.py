@@ -216,3 +216,82 @@ def test_min_replicas_one_never_goes_to_zero():
     fleet = Fleet(CONFIG, num_ready=1)
     fleet.run(0, 3000)
     assert fleet.size == 1 and not fleet.events
+
+
+def _run_with_batch(fleet: Fleet, signal: float, seconds: float, demand) -> list:
+    """Ticks with a fixed signal and a batch demand (a function of the time); the
+    decisions."""
+    c, decisions = fleet.scaler.config, []
+    end = fleet.clock.now + seconds
+    while fleet.clock.now < end:
+        fleet.num_ready += sum(1 for t in fleet.booting if t <= fleet.clock.now)
+        fleet.booting = [t for t in fleet.booting if t > fleet.clock.now]
+        d = fleet.scaler.decide(signal, fleet.num_ready, len(fleet.booting),
+                                batch=demand(fleet.clock.now))
+        decisions.append(d)
+        if d.delta > 0:
+            fleet.booting += [fleet.clock.now + c.boot_s] * d.delta
+        elif d.delta < 0:
+            fleet.num_ready += d.delta
+        if d.delta:
+            fleet.events.append((fleet.clock.now, d.delta))
+        fleet.clock.now += c.tick_s
+    return decisions
+
+
+def test_a_day_long_batch_adds_a_fraction_of_a_replica_not_the_maximum():
+    from servelm.autoscale.policy import BatchBacklog, BatchDemand
+
+    fleet = Fleet(CONFIG, 2)
+    # 50,000 lines in 24 h at 0.8 lines/s per replica: 0.72 replicas' work
+    demand = lambda t: BatchDemand((BatchBacklog(50_000, 86_400 - t),), line_rate=0.8)
+    decisions = _run_with_batch(fleet, 1500, 3600, demand)
+    assert 0.7 < decisions[0].batch_replicas < 0.8
+    assert fleet.events == [] and fleet.size == 2  # 1.5 + 0.72 on 2: inside the dead band
+
+
+def test_a_batch_near_its_deadline_scales_the_fleet_up():
+    from servelm.autoscale.policy import BatchBacklog, BatchDemand
+
+    fleet = Fleet(CONFIG, 2)
+    demand = lambda t: BatchDemand((BatchBacklog(20_000, 3600 - t),), line_rate=0.8)
+    decisions = _run_with_batch(fleet, 1500, 120, demand)
+    # 20,000 lines in the hour less a boot at 0.8 lines/s: 7.06 replicas beside 1.5
+    assert 7.0 < decisions[0].batch_replicas < 7.2
+    ups = [d for d in decisions if d.delta > 0]
+    assert ups and ups[0].reason == "up" and ups[0].num_replicas == 9
+    assert fleet.size == 9 and fleet.size < CONFIG.max_replicas
+    # The same interactive signal without the batch holds at 2
+    alone = Fleet(CONFIG, 2)
+    _run_with_batch(alone, 1500, 120, lambda t: None)
+    assert alone.events == [] and alone.size == 2
+
+
+def test_batch_replicas_takes_deadlines_earliest_first():
+    from servelm.autoscale.policy import BatchBacklog, BatchDemand, batch_replicas
+
+    soon, later = BatchBacklog(100, 1060), BatchBacklog(10_000, 86_460)
+    demand = BatchDemand((later, soon), line_rate=0.5)
+    need = batch_replicas(demand, boot_s=60, tick_s=5)
+    assert need == pytest.approx(max(100 / (0.5 * 1000), 10_100 / (0.5 * 86_400)))
+    assert batch_replicas(BatchDemand((soon,), 0.5), 60, 5) == pytest.approx(0.2)
+    # due within a boot: the time a new replica could still help is one tick at least
+    assert batch_replicas(BatchDemand((BatchBacklog(10, 30),), 1.0), 60, 5) == 2.0
+    assert batch_replicas(BatchDemand((soon,), None), 60, 5) == 1.0  # nothing measured
+    assert batch_replicas(BatchDemand((BatchBacklog(0, 10),), 1.0), 60, 5) == 0.0
+    assert batch_replicas(None, 60, 5) == 0.0
+
+
+def test_a_pending_batch_wakes_a_fleet_at_zero_and_keeps_it_from_idling():
+    from servelm.autoscale.policy import BatchBacklog, BatchDemand
+
+    config = AutoscaleConfig(target=1000, min_replicas=0, max_replicas=4, up_window_s=15,
+                             down_cooldown_s=60, tick_s=5, boot_s=30)
+    demand = lambda t: BatchDemand((BatchBacklog(100, 86_400),), line_rate=None)
+    fleet = Fleet(config, 0)
+    decisions = _run_with_batch(fleet, 0, 5, demand)
+    assert decisions[0].reason == "wake" and decisions[0].num_replicas == 1
+    _run_with_batch(fleet, 0, 600, demand)
+    assert fleet.size == 1  # no interactive work for ten minutes, but a batch to run
+    _run_with_batch(fleet, 0, 600, lambda t: BatchDemand((BatchBacklog(0, 86_400),), 1.0))
+    assert fleet.size == 0  # its lines done: idle

@@ -174,3 +174,20 @@ def test_scale_to_zero_holds_the_first_request_and_drops_nothing():
     by_arrival = sorted(res.records, key=lambda r: r.scheduled_time)
     for held in (by_arrival[0], by_arrival[len(first)]):  # each waited out a boot
         assert held.ttft_s >= zero.boot_s - zero.tick_s
+
+
+def test_a_batch_backlog_fed_to_the_simulated_policy_scales_the_fleet():
+    from servelm.autoscale.policy import BatchBacklog, BatchDemand
+
+    reqs = _load([(120, 2)])
+    plain = simulate_autoscaled(reqs, SPEC, COST, make_policy("least_loaded"), CONFIG)
+    # A backlog due at 100 s that two replicas' worth of lines a second would finish
+    near = lambda t: BatchDemand((BatchBacklog(2_000, 100 - t),), line_rate=10.0)
+    paced = simulate_autoscaled(reqs, SPEC, COST, make_policy("least_loaded"), CONFIG,
+                                batch=near)
+    assert len(paced.records) == len(reqs)
+    assert paced.max_replicas > plain.max_replicas
+    far = lambda t: BatchDemand((BatchBacklog(2_000, 86_400 - t),), line_rate=10.0)
+    relaxed = simulate_autoscaled(reqs, SPEC, COST, make_policy("least_loaded"), CONFIG,
+                                  batch=far)
+    assert relaxed.max_replicas == plain.max_replicas
