@@ -12,6 +12,12 @@ requests finish (up to `config.drain_timeout_s`), then the backend stops them.
 A fleet's goodput per class is the replicas' requests met over their requests finished in
 the window, summed (`servelm_slo_window_met_requests` / `servelm_slo_window_requests`): one
 replica with 9 of 10 met and one with 10 of 100 is 19 / 110 (17%), not a mean of ratios (50%).
+The batch backlog is read from the same pages: each replica's lines pending
+(`servelm_batch_requests_pending`), taken as due when the earliest of its batches' windows
+closes (`servelm_batch_deadline_seconds`: an over-estimate when it holds two batches, never
+an under-estimate), and the replicas' mean measured line rate (`servelm_batch_line_rate`),
+for the policy's deadline demand (`BatchDemand`). A batch no replica has claimed yet is not
+on any page: it counts once a replica holds it.
 Never: places a replica (the backend does: Ray), decides a size (policy.py does), or drops a
 request: a replica leaves the router only once nothing is in flight there, or its drain
 timed out (then the replica's own SIGTERM drain still finishes what it holds).
@@ -29,7 +35,14 @@ from typing import Any, NamedTuple, Protocol
 
 import httpx
 
-from servelm.autoscale.policy import AutoscaleConfig, AutoscaleConfigError, Autoscaler, Decision
+from servelm.autoscale.policy import (
+    AutoscaleConfig,
+    AutoscaleConfigError,
+    Autoscaler,
+    BatchBacklog,
+    BatchDemand,
+    Decision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +87,36 @@ def parse_slo_window(text: str) -> dict[str, ClassWindow]:
             for name, v in seen.items() if len(v) == 2}
 
 
+_BATCH_GAUGES = ("servelm_batch_requests_pending", "servelm_batch_deadline_seconds",
+                 "servelm_batch_line_rate")
+
+
+def parse_batch_demand(texts: Iterable[str]) -> BatchDemand | None:
+    """The fleet's batch backlog from the replicas' /metrics pages: per replica its pending
+    lines due at its earliest window, and the mean of the measured line rates; None when no
+    replica holds a line (a page that does not parse counts nothing)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    backlogs, rates = [], []
+    for text in texts:
+        seen: dict[str, float] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in _BATCH_GAUGES and math.isfinite(sample.value):
+                        seen[sample.name] = sample.value
+        except ValueError:
+            continue
+        pending, deadline, rate = (seen.get(name) for name in _BATCH_GAUGES)
+        if pending and pending > 0 and deadline is not None:
+            backlogs.append(BatchBacklog(round(pending), deadline))
+        if rate is not None and rate > 0:
+            rates.append(rate)
+    if not backlogs:
+        return None
+    return BatchDemand(tuple(backlogs), sum(rates) / len(rates) if rates else None)
+
+
 def combine_goodput(names: Iterable[str],
                     windows: Iterable[dict[str, ClassWindow]]) -> dict[str, tuple]:
     """Each class's goodput over the fleet, as the policy reads it: {class: (met / requests,
@@ -105,6 +148,7 @@ class AutoscaleController:
         self._jobs: set[asyncio.Task] = set()
         self.num_booting = 0
         self.goodput: dict | None = None  # what the last tick passed to the policy
+        self.batch: BatchDemand | None = None  # the batch backlog the last tick passed
         self.events: deque[Decision] = deque(maxlen=1000)  # the decisions carried out
         self._warned: set[str] = set()
 
@@ -116,33 +160,42 @@ class AutoscaleController:
             async with httpx.AsyncClient() as client:
                 while True:
                     await asyncio.sleep(self.config.tick_s)
-                    goodput = None
-                    if self.scaler.slo is not None:
-                        goodput = await self.read_goodput(replicas, client)
-                    self.tick(replicas, goodput)
+                    goodput, batch = await self.read_replicas(replicas, client)
+                    self.tick(replicas, goodput, batch)
         finally:
             for job in list(self._jobs):
                 job.cancel()
 
-    async def read_goodput(self, replicas, client: httpx.AsyncClient) -> dict:
-        """Each SLO class's goodput over the window, from the /metrics of every replica
-        that answers probes (draining ones too: what they finished in the window counts)."""
+    async def read_replicas(self, replicas,
+                            client: httpx.AsyncClient) -> tuple[dict | None, BatchDemand | None]:
+        """(each SLO class's goodput over the window, with an SLO spec; the batch backlog)
+        from the /metrics of every replica that answers probes (draining ones too: what
+        they finished in the window counts), each page read once."""
         reps = [r for r in replicas.replicas if r.is_healthy]
-        pages = await asyncio.gather(*(self._read_window(replicas, client, r.url)
+        pages = await asyncio.gather(*(self._read_page(replicas, client, r.url)
                                        for r in reps))
-        return combine_goodput(self.scaler.slo.names, [p for p in pages if p is not None])
+        read = [(r.url, page) for r, page in zip(reps, pages) if page is not None]
+        goodput = None
+        if self.scaler.slo is not None:
+            goodput = combine_goodput(self.scaler.slo.names,
+                                      [self._window(url, page) for url, page in read])
+        return goodput, parse_batch_demand(page for _, page in read)
 
-    async def _read_window(self, replicas, client: httpx.AsyncClient,
-                           url: str) -> dict[str, ClassWindow] | None:
+    async def read_goodput(self, replicas, client: httpx.AsyncClient) -> dict:
+        """Each SLO class's goodput over the window (read_replicas, with an SLO spec)."""
+        return (await self.read_replicas(replicas, client))[0]
+
+    async def _read_page(self, replicas, client: httpx.AsyncClient, url: str) -> str | None:
         try:
             page = await client.get(url + "/metrics", timeout=replicas.probe_timeout,
                                     headers=replicas.headers)
         except httpx.HTTPError as exc:  # the probes eject it if it keeps failing
-            logger.debug("autoscale: goodput of %s not read: %r", url, exc)
+            logger.debug("autoscale: /metrics of %s not read: %r", url, exc)
             return None
-        if page.status_code != 200:
-            return None
-        window = parse_slo_window(page.text)
+        return page.text if page.status_code == 200 else None
+
+    def _window(self, url: str, page: str) -> dict[str, ClassWindow]:
+        window = parse_slo_window(page)
         missing = sorted(set(self.scaler.slo.names) - set(window))
         if missing and url not in self._warned:  # said once per replica
             self._warned.add(url)
@@ -151,13 +204,15 @@ class AutoscaleController:
                            "they count nothing there", url, missing)
         return window
 
-    def tick(self, replicas, goodput: dict | None = None) -> None:
-        """goodput: {class: (goodput over the window or None, requests)} (read_goodput),
-        with an SLO spec."""
+    def tick(self, replicas, goodput: dict | None = None,
+             batch: BatchDemand | None = None) -> None:
+        """goodput: {class: (goodput over the window or None, requests)}, with an SLO spec;
+        batch: the fleet's batch backlog (read_replicas)."""
         serving = replicas.healthy
         self.goodput = goodput
+        self.batch = batch
         decision = self.scaler.decide(replicas.tokens_in_flight(), len(serving),
-                                      self.num_booting, goodput)
+                                      self.num_booting, goodput, batch)
         if decision.delta != 0:
             self.events.append(decision)
         if decision.delta > 0:
@@ -216,4 +271,4 @@ class AutoscaleController:
 
 
 __all__ = ["AutoscaleController", "ClassWindow", "ReplicaBackend", "check_controller_config",
-           "combine_goodput", "parse_slo_window"]
+           "combine_goodput", "parse_batch_demand", "parse_slo_window"]
