@@ -334,24 +334,5 @@ def parse_class_lengths(items, spec: SLOSpec, flag: str = "--class-len") -> dict
     return out
 
 
-
-def class_workload(num: int, mix: list[tuple[str, float]], lengths: dict[str, tuple[str, str]],
-                   input_len: str, output_len: str, vocab_size: int, seed: int = 0):
-    """`num` random-length requests (bench.workloads.random_lengths), each with a class from
-    the mix; a class in `lengths` draws its own input/output lengths. Returns (requests,
-    class names), in send order. The same flags give the same requests to `servelm sim` and
-    `servelm bench serve`."""
-    from servelm.bench.workloads import random_lengths
-
-    classes = assign_classes(num, mix, seed)
-    pools = {}
-    for i, (name, _) in enumerate(mix):
-        count = classes.count(name)
-        if count:
-            inp, out = lengths.get(name, (input_len, output_len))
-            pools[name] = iter(random_lengths(count, inp, out, vocab_size, seed + 7919 * i))
-    return [next(pools[c]) for c in classes], classes
-
-
 __all__ = ["SLOClass", "SLOSpec", "SLOSpecError", "SlidingGoodput", "assign_classes",
            "goodput_by_class", "parse_class_lengths", "parse_class_mix", "spec_from_flags"]

@@ -105,7 +105,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("config", "cpu_kernels"): "EngineArgs resolves the CPU kernel choice at validation",
     ("cost", "config"): "cost reads ModelConfig while ModelConfig.kv_bytes_per_token "
                         "calls cost back: one of the two belongs in the other",
-    ("slo", "bench"): "slo.class_workload draws its lengths with bench.workloads",
     ("engine", "core"): "engine <-> core: core/ holds both the step contract (below the "
                         "engine) and the engine core process (above it)",
     ("core", "engine_builder"): "core/process.py builds the engine it hosts",

@@ -58,8 +58,8 @@ def build_workload(kind: str, num_prompts: int, input_len: str, output_len: str,
 def slo_workload(args: argparse.Namespace) -> list[Request] | None:
     """--slo-spec / --class-mix: the requests `servelm sim` simulates for the same flags, each
     carrying its class (None without --class-mix). Sets args.slo (the spec, or None)."""
-    from servelm.slo import (SLOSpecError, class_workload, parse_class_lengths,
-                             parse_class_mix, spec_from_flags)
+    from servelm.bench.class_workload import class_workload
+    from servelm.slo import SLOSpecError, parse_class_lengths, parse_class_mix, spec_from_flags
 
     try:
         args.slo = spec_from_flags(args.slo_spec, None, None) if args.slo_spec else None

@@ -17,7 +17,8 @@ from servelm.bench.serve import ClassRequest
 from servelm.cli import main as servelm_main
 from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, SimRequest
-from servelm.slo import SLOSpec, class_workload, parse_class_lengths, parse_class_mix
+from servelm.bench.class_workload import class_workload
+from servelm.slo import SLOSpec, parse_class_lengths, parse_class_mix
 
 from test_bulk import COST, _random_requests, run_both
 
