@@ -182,12 +182,17 @@ class ModelConfig:
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
 
+    @property
+    def kv_elems_per_token_layer(self) -> int:
+        """Cached elements per token per layer: K and V heads, or MLA's latent + rope key."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers (MLA: its latent and
         shared rope key); servelm.cost.kv_bytes_per_token takes a KV cache dtype name."""
-        from servelm.cost import kv_elems_per_token_layer
-
-        return self.num_layers * kv_elems_per_token_layer(self) * dtype_bytes
+        return self.num_layers * self.kv_elems_per_token_layer * dtype_bytes
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

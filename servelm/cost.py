@@ -219,10 +219,9 @@ def weight_bytes_read_per_step(m: ModelConfig, num_tokens: float,
 
 
 def kv_elems_per_token_layer(m: ModelConfig) -> int:
-    """Cached elements per token per layer: K and V heads, or MLA's latent + rope key."""
-    if m.is_mla:
-        return m.kv_lora_rank + m.qk_rope_head_dim
-    return 2 * m.num_kv_heads * m.head_dim
+    """Cached elements per token per layer: K and V heads, or MLA's latent + rope key
+    (ModelConfig derives it, so config never imports cost)."""
+    return m.kv_elems_per_token_layer
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, dtype: str = "float32") -> float:

@@ -103,8 +103,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("config", "quant"): "EngineArgs validates --quantization and the int8 activation "
                          "choice against the quant registry",
     ("config", "cpu_kernels"): "EngineArgs resolves the CPU kernel choice at validation",
-    ("cost", "config"): "cost reads ModelConfig while ModelConfig.kv_bytes_per_token "
-                        "calls cost back: one of the two belongs in the other",
     ("engine", "core"): "engine <-> core: core/ holds both the step contract (below the "
                         "engine) and the engine core process (above it)",
     ("core", "engine_builder"): "core/process.py builds the engine it hosts",
