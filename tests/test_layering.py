@@ -87,9 +87,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("config", frozenset({"config", "cost", "slo", "planner"})),
     ("engine", frozenset({"core", "engine"})),
     ("kernels", frozenset({"cpu_kernels", "kernels"})),
-    ("quant", frozenset({"quant", "dtype_choice"})),
+    ("quant", frozenset({"quant"})),
     ("layers", frozenset({"layers", "attention"})),
-    ("models", frozenset({"models", "loader", "lora", "structured"})),
+    ("models", frozenset({"models", "loader", "lora", "structured", "dtype_choice"})),
     ("runner", frozenset({"runner", "spec", "parallel", "disagg", "kv_tiers"})),
     ("assembly", frozenset({"engine_builder", "llm"})),
     ("services", frozenset({"server", "router", "autoscale"})),
@@ -115,9 +115,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
                          "above the loader)",
     ("quant", "models"): "quant/checkpoint.py and community.py read the packed-modules "
                          "table and the model registry",
-    ("dtype_choice", "loader"): "--dtype auto reads the GGUF file's tensor types",
-    ("spec", "runner"): "the draft proposer runs a second ModelRunner and the C++ "
-                        "decode stack (runner <-> spec)",
     ("spec", "engine_builder"): "servelm spec train builds the engine it distils",
     ("spec", "llm"): "servelm spec train runs the LLM API",
     ("parallel", "engine_builder"): "a worker rank builds its engine shard",

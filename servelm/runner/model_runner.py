@@ -27,7 +27,7 @@ from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.deterministic import enable_deterministic
 from servelm.runner.logits import finish_logits, head_rows
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
-from servelm.spec.verify import accept_greedy, accept_sampled
+from servelm.sampling.verify import accept_greedy, accept_sampled
 from servelm.vision.runner import VisionRunner
 
 
@@ -264,7 +264,7 @@ class ModelRunner:
 
     def _verify(self, spec: list, logits: torch.Tensor, proposals: dict,
                 result: StepResult, masks: dict) -> None:
-        """Accept or reject each sequence's drafts (servelm/spec/verify.py). A structured
+        """Accept or reject each sequence's drafts (servelm/sampling/verify.py). A structured
         sequence's rows are masked first (row i: the grammar after its first i drafts), so a
         draft the grammar forbids has target probability 0 and is rejected."""
         greedy_rows, sampled = [], []

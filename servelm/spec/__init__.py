@@ -3,7 +3,7 @@
     Scheduler (k from SpecController)  ->  draft slots: a decode computes 1 + k positions
     ModelRunner: Proposer.propose      ->  up to k draft tokens per sequence (ngram / draft)
                  target forward        ->  logits at all 1 + m positions
-                 verify.py             ->  accepted drafts + one target token
+                 sampling/verify.py    ->  accepted drafts + one target token
     Engine: rollback (KV valid up to the accepted tokens; draft-only blocks given back),
             stats, SpecController.observe_*  (acceptance, step and draft times)
 

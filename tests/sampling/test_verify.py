@@ -4,7 +4,7 @@ distributed exactly as the target's p, whatever the draft's q (chi-square bounds
 import pytest
 import torch
 
-from servelm.spec.verify import accept_greedy, accept_sampled
+from servelm.sampling.verify import accept_greedy, accept_sampled
 
 
 def test_greedy_accepts_longest_matching_prefix():
