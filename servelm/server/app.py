@@ -155,10 +155,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     serving = OpenAIServing(state)
     store = AsyncStore(config.state_store)
     responses = ResponsesServing(serving, store)
-    files = FilesServing(store.call, config.max_file_bytes)
+    files = FilesServing(store.call, config.max_file_bytes, config.tenant_quota)
     runner = _batch_runner(config, serving, responses, store, metrics)
     batches = BatchesServing(store.call, runner, config.served_model_name,
-                             config.max_body_bytes, config.max_active_batches)
+                             config.max_body_bytes, config.max_active_batches,
+                             config.tenant_quota)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -2,7 +2,8 @@
 
 Owns: the Batch object as created (OpenAI's shape, status validating, its window's
 expires_at), the checks of a create request (input file, endpoint, completion_window,
-metadata, the limit on batches not yet finished), and cancel (validating or in_progress ->
+metadata, the limit on batches not yet finished, the tenant's quota:
+servelm/server/batch_quota.py), and cancel (validating or in_progress ->
 cancelling; the runner holding the batch aborts its lines and ends it cancelled).
 Never: runs a line (servelm/server/batch_runner.py does, on whichever replica holds the
 batch), or keeps a batch anywhere but the state store.
@@ -18,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from servelm.server.batch_input import BATCH_ENDPOINTS, completion_window_s
+from servelm.server.batch_quota import TenantQuota, check_batch, tenant_of
 from servelm.server.errors import APIError, read_json_object
 from servelm.server.files_serving import list_body, page_params
 
@@ -43,14 +45,17 @@ def _check_metadata(metadata: Any) -> None:
 
 
 class BatchesServing:
-    def __init__(self, db, runner, model: str, max_body_bytes: int, max_active_batches: int):
+    def __init__(self, db, runner, model: str, max_body_bytes: int, max_active_batches: int,
+                 quota: TenantQuota = TenantQuota()):
         self.db = db  # AsyncStore.call
         self.runner = runner  # BatchRunner: woken when a batch is created or cancelled
         self.model = model
         self.max_body_bytes = max_body_bytes
         self.max_active_batches = max_active_batches
+        self.quota = quota
 
     async def create(self, request: Request) -> Response:
+        tenant = tenant_of(request)
         body = await read_json_object(request, self.max_body_bytes)
         unknown = next((k for k in body if k not in _FIELDS), None)
         if unknown is not None:
@@ -72,8 +77,9 @@ class BatchesServing:
             raise APIError(429, f"this server runs at most {self.max_active_batches} batches "
                            "at once; retry when one has finished", "rate_limit_error",
                            code="batch_limit_reached", headers={"Retry-After": "60"})
+        await check_batch(self.db, self.quota, tenant)
         batch = self._new(body, window_s)
-        await self.db("put_batch", batch)
+        await self.db("put_batch", batch, tenant)
         self.runner.wake()
         return JSONResponse(batch)
 

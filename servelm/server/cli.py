@@ -168,6 +168,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests in one batch's input file (the batch fails beyond)")
     g.add_argument("--max-active-batches", type=int, default=d("max_active_batches"),
                    help="batches not yet finished in the state store (429 beyond)")
+    for flag, what in (("files", "uploaded files not deleted"),
+                       ("file-bytes", "bytes of uploaded files"),
+                       ("active-batches", "batches not yet finished")):
+        g.add_argument(f"--quota-{flag}", type=int,
+                       default=d(f"quota_{flag.replace('-', '_')}"),
+                       help=f"{what} per tenant: the OpenAI-Project header, else the API "
+                            "key (429 beyond; 0: no limit)")
     g.add_argument("--batch-max-inflight", type=int, default=d("batch_max_inflight"),
                    help="batch lines this replica keeps in the engine at once (each enters "
                         "only while no other request waits, or when its batch's window needs "
@@ -211,7 +218,9 @@ def server_config_from_cli(args, model_name: str):
         otlp_traces_endpoint=args.otlp_traces_endpoint, state_store=args.state_store,
         max_file_bytes=args.max_file_bytes, max_batch_lines=args.max_batch_lines,
         max_active_batches=args.max_active_batches,
-        batch_max_inflight=args.batch_max_inflight,
+        batch_max_inflight=args.batch_max_inflight, quota_files=args.quota_files,
+        quota_file_bytes=args.quota_file_bytes,
+        quota_active_batches=args.quota_active_batches,
         **{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
 

@@ -2,7 +2,8 @@
 
 Owns: the File object (OpenAI's shape), the multipart upload (one `file` part and its
 `purpose`; a size limit checked from Content-Length before the body is read and again on
-the part), and listing pages.
+the part), the tenant's quota checked before a file is stored (servelm/server/batch_quota.py),
+and listing pages.
 Never: interprets a file's bytes (a batch's runner reads its input file), or keeps a file
 anywhere but the state store.
 """
@@ -17,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
+from servelm.server.batch_quota import TenantQuota, check_file, tenant_of
 from servelm.server.errors import APIError
 
 UPLOAD_PURPOSES = ("batch",)  # what a client may upload (batch_output: the runner's files)
@@ -62,9 +64,10 @@ def list_body(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 class FilesServing:
-    def __init__(self, db, max_file_bytes: int):
+    def __init__(self, db, max_file_bytes: int, quota: TenantQuota = TenantQuota()):
         self.db = db  # AsyncStore.call
         self.max_file_bytes = max_file_bytes
+        self.quota = quota
 
     async def create(self, request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -74,17 +77,18 @@ class FilesServing:
         if length is not None and length.isdigit() \
                 and int(length) > self.max_file_bytes + _FORM_OVERHEAD:
             raise self._too_large()
+        tenant = tenant_of(request)
         try:
             form = await request.form(max_files=1, max_fields=len(_FORM_FIELDS))
         except Exception as exc:  # the multipart parser's errors are about this body
             raise APIError(400, f"the upload is not valid multipart/form-data: {exc}",
                            param="file") from None
         try:
-            return await self._store(form)
+            return await self._store(form, tenant)
         finally:
             await form.close()
 
-    async def _store(self, form) -> Response:
+    async def _store(self, form, tenant: str) -> Response:
         unknown = next((k for k in form.keys() if k not in _FORM_FIELDS), None)
         if unknown is not None:
             raise APIError(400, f"unknown field {unknown[:64]!r}", param=unknown[:64],
@@ -99,8 +103,9 @@ class FilesServing:
         content = await upload.read(self.max_file_bytes + 1)
         if len(content) > self.max_file_bytes:
             raise self._too_large()
+        await check_file(self.db, self.quota, tenant, len(content))
         body = file_object(upload.filename or "upload.jsonl", purpose, len(content))
-        await self.db("put_file", body, content)
+        await self.db("put_file", body, content, tenant)
         return JSONResponse(body)
 
     def _too_large(self) -> APIError:

@@ -59,6 +59,11 @@ class ServerConfig:
     max_batch_lines: int = 50_000
     max_active_batches: int = 100
     batch_max_inflight: int = 8
+    # Per tenant (the OpenAI-Project header, else the API key: servelm/server/batch_quota.py):
+    # uploaded files, their bytes, batches not yet finished; 0: no limit
+    quota_files: int = 1000
+    quota_file_bytes: int = 10 * 2**30
+    quota_active_batches: int = 20
 
     def __post_init__(self):
         for name in ("max_file_bytes", "max_batch_lines", "max_active_batches",
@@ -67,6 +72,13 @@ class ServerConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got "
                                  f"{value!r}")
+        _ = self.tenant_quota  # a bad quota fails here, naming its flag
+
+    @property
+    def tenant_quota(self):
+        from servelm.server.batch_quota import TenantQuota
+
+        return TenantQuota(self.quota_files, self.quota_file_bytes, self.quota_active_batches)
 
     def load_slo_spec(self):
         """The server's SLO spec: the --slo-spec file, else the TTFT/TPOT flags' one class."""

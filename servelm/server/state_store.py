@@ -7,6 +7,8 @@ response whose runner stopped touching it for `lease_s` reads as failed, so a re
 died never leaves a response in progress forever); uploaded and generated files (metadata
 and bytes); batches (the Batch object, the replica running it under a lease, and each
 finished line's result, written once: a resumed batch never runs a finished line again);
+the tenant (a project or an API key: servelm/server/batch_quota.py) each uploaded file and
+batch counts against, and its usage;
 and the choice of an implementation by URL (`sqlite:///path` as SQLAlchemy reads it, the
 default a file in $SERVELM_HOME; `postgresql://...` for a fleet on several machines,
 servelm/server/state_store_postgres.py). SQLite runs in WAL mode, so several replicas on
@@ -50,6 +52,14 @@ class BatchResult(NamedTuple):
     body: dict[str, Any]
 
 
+class TenantUsage(NamedTuple):
+    """What one tenant holds: its uploaded files (not deleted) and its unfinished batches."""
+
+    num_files: int
+    num_file_bytes: int
+    num_active_batches: int
+
+
 class StateStore(abc.ABC):
     """Responses and their input items, files and batches, by id. Bodies are JSON objects
     with `id` and, for responses and batches, `status`."""
@@ -88,8 +98,9 @@ class StateStore(abc.ABC):
     # -- files -------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def put_file(self, body: dict[str, Any], content: bytes) -> None:
-        """Store a new file: its File object (with `purpose`) and its bytes."""
+    def put_file(self, body: dict[str, Any], content: bytes, tenant: str | None = None) -> None:
+        """Store a new file: its File object (with `purpose`) and its bytes; an upload
+        counts against `tenant`'s quota."""
 
     @abc.abstractmethod
     def get_file(self, file_id: str) -> dict[str, Any] | None:
@@ -111,8 +122,9 @@ class StateStore(abc.ABC):
     # -- batches -----------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def put_batch(self, body: dict[str, Any]) -> None:
-        """Store a new batch (status validating, no owner: any replica may claim it)."""
+    def put_batch(self, body: dict[str, Any], tenant: str | None = None) -> None:
+        """Store a new batch (status validating, no owner: any replica may claim it),
+        counted against `tenant`'s quota."""
 
     @abc.abstractmethod
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
@@ -131,6 +143,10 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     def num_active_batches(self) -> int:
         """Batches not yet completed, failed, expired or cancelled."""
+
+    @abc.abstractmethod
+    def tenant_usage(self, tenant: str) -> TenantUsage:
+        """The files (stored, with their bytes) and active batches counted against tenant."""
 
     @abc.abstractmethod
     def claim_batch(self, owner: str, lease_s: float,
@@ -201,7 +217,12 @@ CREATE TABLE IF NOT EXISTS batch_results (
     is_error INTEGER NOT NULL,
     body TEXT NOT NULL,
     PRIMARY KEY (batch_id, line)
-)
+);
+CREATE TABLE IF NOT EXISTS tenants (
+    object_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tenants_by_tenant ON tenants (tenant)
 """
 
 Execute = Callable[[str, tuple], Any]  # (sql, args) -> cursor, inside a transaction
@@ -298,9 +319,12 @@ class SQLStateStore(StateStore):
 
     # -- files -------------------------------------------------------------------------------
 
-    def put_file(self, body, content):
+    def put_file(self, body, content, tenant=None):
         with self._transaction() as execute:
             self._insert_file(execute, body, content)
+            if tenant is not None:
+                execute("INSERT INTO tenants (object_id, tenant) VALUES (?, ?)",
+                        (body["id"], tenant))
 
     @staticmethod
     def _insert_file(execute: Execute, body: dict[str, Any], content: bytes) -> None:
@@ -337,15 +361,21 @@ class SQLStateStore(StateStore):
         return ItemPage([json.loads(r[0]) for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id):
-        return self._exec("DELETE FROM files WHERE id = ?", (file_id,)) == 1
+        with self._transaction() as execute:
+            execute("DELETE FROM tenants WHERE object_id = ?", (file_id,))
+            return execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 1
 
     # -- batches -----------------------------------------------------------------------------
 
-    def put_batch(self, body):
+    def put_batch(self, body, tenant=None):
         now = time.time()
-        self._exec("INSERT INTO batches (id, status, created_at, body, owner, heartbeat_at) "
-                   "VALUES (?, ?, ?, ?, NULL, ?)",
-                   (body["id"], body["status"], now, _dumps(body), now))
+        with self._transaction() as execute:
+            execute("INSERT INTO batches (id, status, created_at, body, owner, heartbeat_at) "
+                    "VALUES (?, ?, ?, ?, NULL, ?)",
+                    (body["id"], body["status"], now, _dumps(body), now))
+            if tenant is not None:
+                execute("INSERT INTO tenants (object_id, tenant) VALUES (?, ?)",
+                        (body["id"], tenant))
 
     def get_batch(self, batch_id):
         row = self._one("SELECT status, body FROM batches WHERE id = ?", (batch_id,))
@@ -377,6 +407,15 @@ class SQLStateStore(StateStore):
     def num_active_batches(self):
         return int(self._one(f"SELECT COUNT(*) FROM batches WHERE status IN "
                              f"{_in(ACTIVE_BATCH_STATUSES)}")[0])
+
+    def tenant_usage(self, tenant):
+        num_files, num_bytes = self._one(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(f.content)), 0) FROM tenants t JOIN files f "
+            "ON f.id = t.object_id WHERE t.tenant = ?", (tenant,))
+        num_batches = self._one(
+            f"SELECT COUNT(*) FROM tenants t JOIN batches b ON b.id = t.object_id WHERE "
+            f"t.tenant = ? AND b.status IN {_in(ACTIVE_BATCH_STATUSES)}", (tenant,))[0]
+        return TenantUsage(int(num_files), int(num_bytes), int(num_batches))
 
     def claim_batch(self, owner, lease_s, model=None):
         now = time.time()
@@ -522,6 +561,7 @@ def open_state_store(url: str | None, lease_s: float = DEFAULT_LEASE_S) -> State
 
 
 __all__ = ["ACTIVE_BATCH_STATUSES", "ACTIVE_STATUSES", "BatchResult", "ItemPage",
-           "SQLStateStore", "SQLiteStateStore", "StateStore", "check_state_store",
+           "SQLStateStore", "SQLiteStateStore", "StateStore", "TenantUsage",
+           "check_state_store",
            "default_state_store_url",
            "open_state_store", "state_store_path", "state_store_scheme"]
