@@ -1,8 +1,8 @@
 """The autoscaler's decision: how many replicas a fleet should have, from a load signal.
 
 Owns: `AutoscaleConfig` (the policy file, validated with errors naming the field) and
-`Autoscaler.decide(total_signal, num_ready, num_booting, goodput, batch) -> Decision`, the same object the
-real controller (servelm/autoscale/controller.py, on Ray) and the simulator
+`Autoscaler.decide(total_signal, num_ready, num_booting, goodput, batch) -> Decision`, the
+same object the real controller (servelm/autoscale/controller.py, on Ray) and the simulator
 (servelm/sim/autoscale.py, in virtual time) call.
 Never: imports torch, reads a clock other than the one it is given, starts or stops a
 replica, or looks at a replica: the caller measures the signal and carries out the decision.

@@ -2,7 +2,8 @@
 
 Owns: claiming batches from the state store (those created for the model it serves; one
 replica runs a batch at a time, under a lease it touches every second, so a replica that
-died leaves its batch to another after `lease_s`), each batch's life (validating -> in_progress -> finalizing -> completed;
+died leaves its batch to another after `lease_s`), each batch's life (validating ->
+in_progress -> finalizing -> completed;
 cancelling -> cancelled; past its window -> expired; a malformed input file -> failed),
 running its lines through the endpoint code that serves HTTP (an in-process request: the same
 validation, templates, parsers, limits and logs), pacing, recording each line's result in
