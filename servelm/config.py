@@ -92,6 +92,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # multi-token-prediction modules stored after the decoder layers (DeepSeek-V3's
+    # num_nextn_predict_layers): kept only for --speculative-method mtp
+    num_mtp_layers: int = 0
     norm_topk_prob: bool = True  # renormalise a token's top-k routing weights to sum to 1
     # "greedy": top-k of softmax scores; "group_limited_greedy" (DeepSeek-V2): within the
     # num_topk_groups best of num_expert_groups groups, a group scored by its best expert;
@@ -427,6 +430,7 @@ def _hf_moe_mla(cfg: dict[str, Any]) -> dict[str, int]:
     for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"):
         out[key] = int(_first(cfg, key, default=0))
+    out["num_mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
     return out
 
 
@@ -649,7 +653,7 @@ class SchedulerConfig:
                              f"{self.scheduling_policy!r}")
 
 
-SPEC_METHODS = ("ngram", "draft", "eagle3")
+SPEC_METHODS = ("ngram", "draft", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -660,7 +664,8 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup, no model) or "draft" (a draft model: `draft_model`, a
     smaller model with the same tokenizer; or the target itself made cheaper: its first
     `draft_layers` layers plus its head, or a copy quantized with `draft_quantization`), or
-    "eagle3" (an EAGLE-3 head in `draft_model` reading the target's hidden states).
+    "eagle3" (an EAGLE-3 head in `draft_model` reading the target's hidden states), or
+    "mtp" (the target checkpoint's own multi-token-prediction layers, DeepSeek-V3's).
     adaptive: shrink k, or turn speculation off for a step, when the measured acceptance and
     step times say it no longer pays at the current batch size.
     """
@@ -688,6 +693,11 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'eagle3' needs --speculative-model (an "
                              "EAGLE-3 checkpoint) and takes no --spec-draft-layers or "
                              "--spec-draft-quantization")
+        if self.method == "mtp" and (self.draft_model or self.draft_layers
+                                     or self.draft_quantization):
+            raise ValueError("speculative method 'mtp' drafts with the target's own "
+                             "multi-token-prediction layers: it takes no --speculative-model, "
+                             "--spec-draft-layers or --spec-draft-quantization")
         if self.method == "draft":
             if (self.draft_model, self.draft_layers, self.draft_quantization) == (None,) * 3:
                 raise ValueError("speculative method 'draft' needs --spec-draft-model, "
@@ -1081,8 +1091,9 @@ def add_engine_cli_args(parser) -> None:
                          "before the prompt is computed here instead (default %(default)s)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=d("speculative_method"), choices=SPEC_METHODS,
-                   help="propose tokens with an n-gram lookup, a draft model or an EAGLE-3 "
-                        "head and verify them in one target step (default: off)")
+                   help="propose tokens with an n-gram lookup, a draft model, an EAGLE-3 "
+                        "head or the model's own multi-token-prediction layers (mtp: "
+                        "DeepSeek-V3) and verify them in one target step (default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
                    help="most draft tokens per sequence and step (k)")
     s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"))

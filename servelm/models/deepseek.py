@@ -13,6 +13,13 @@ up-projects c to each head's key (nope part, W_k [H, Dn, L]) and value (W_v [H, 
 Both give softmax((q_nope.k_nope + q_pe.k_pe) * scale) v exactly. DeepSeek's rope rotates
 interleaved pairs (x0, x1), (x2, x3), ...; q_pe and k_pe are permuted to the rotate-half layout
 (evens, then odds) before the rotary and stay so: a dot product does not see the order.
+
+Multi-token prediction (DeepSeek-V3, `num_nextn_predict_layers`): the checkpoint stores its MTP
+modules as layers past the decoder's (model.layers.{L}.*: enorm, hnorm, eh_proj, a full decoder
+layer with MLA and MoE, shared_head.norm / shared_head.head). The model skips them at load; with
+--speculative-method mtp the engine builder hands them to `build_mtp`, which builds the first
+as a MultiTokenPredictor for the drafter (servelm/spec/mtp.py). Never: the drafter's cache or
+chain (spec/ owns those).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,7 +36,7 @@ from servelm.attention.forward_batch import ForwardBatch
 from servelm.config import ModelConfig
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.models.decoder import WEIGHT_ONLY_METHODS, Placement, expert_rules, \
+from servelm.models.decoder import WEIGHT_ONLY_METHODS, DecoderLM, Placement, expert_rules, \
     gate_up_rule
 from servelm.models.mixtral import MixtralForCausalLM
 
@@ -138,16 +146,68 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
     def place(self, name: str) -> Placement | None:
         """DeepSeek-V3 checkpoints carry num_nextn_predict_layers multi-token-prediction
         modules as layers past num_hidden_layers (model.layers.61.* for a 61-layer model):
-        skipped at load, said once; servelm's speculative decoding uses its own proposers."""
-        m = re.match(r"layers\.(\d+)\.", name)
-        if m is not None and int(m[1]) >= self.config.num_layers:
+        skipped at load, said once (--speculative-method mtp takes them before they get
+        here: `build_mtp`)."""
+        if mtp_module_index(name, self.config) is not None:
             if not getattr(self, "_mtp_said", False):
                 self._mtp_said = True
-                logger.info("skipping layer %s and beyond: multi-token-prediction modules "
-                            "(the model has %d layers); not used as a draft", m[1],
-                            self.config.num_layers)
+                logger.info("skipping layer %d and beyond: multi-token-prediction modules "
+                            "(the model has %d layers); --speculative-method mtp drafts with "
+                            "them", self.config.num_layers, self.config.num_layers)
             return None
         return super().place(name)
+
+    def build_mtp(self, tensors: Iterable[tuple[str, torch.Tensor]], backend
+                  ) -> MultiTokenPredictor:
+        """The checkpoint's first multi-token-prediction module from its `tensors`
+        (model.layers.{L}.*), float, on this model's device and dtype; its attention runs on
+        `backend` (the drafter's own cache). Later modules are not kept: the drafter chains
+        the first. Its decoder layer's tensors are placed by this family's rules."""
+        c = self.config
+        mine = {n.removeprefix("model."): t for n, t in tensors
+                if mtp_module_index(n, c) == 0}
+        if not mine:
+            raise ValueError(f"{c.name or c.architecture}: the checkpoint has no tensors of "
+                             f"its multi-token-prediction module (model.layers.{c.num_layers}"
+                             ".*) for speculative_method 'mtp'")
+        has_head = f"layers.{c.num_layers}.shared_head.head.weight" in mine
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        with torch.device("meta"):
+            layer = self.make_layer(c, c.num_layers, self.make_rotaries(c)[0], backend, None)
+            mtp = MultiTokenPredictor(c, layer, has_head)
+        mtp = mtp.to_empty(device=device).to(dtype)
+        mtp.layer.self_attn.rotary.materialize(device)
+        self._load_mtp(mtp, mine)
+        return mtp.eval()
+
+    def _load_mtp(self, mtp: MultiTokenPredictor, tensors: dict[str, torch.Tensor]) -> None:
+        prefix = f"layers.{self.config.num_layers}."
+        saved = set(mtp.state_dict())  # parameters and persistent buffers (score_bias)
+        params = {n: t for n, t in [*mtp.named_buffers(), *mtp.named_parameters()]
+                  if n in saved}
+        filled = dict.fromkeys(params, 0)
+        for name, tensor in tensors.items():
+            part = name[len(prefix):]
+            if part == "embed_tokens.weight":
+                continue  # a copy of the model's own: the drafter embeds with the model's
+            if part.split(".")[0] in _MTP_PARTS:
+                p = Placement(_MTP_PARTS[part.split(".")[0]] + part.partition(".")[2])
+            else:
+                p = DecoderLM.place(self, name)  # the decoder layer's: this family's rules
+                p = p and p._replace(target="layer." + p.target[len(prefix):])
+            if p is None or p.target not in params:
+                raise ValueError(f"checkpoint tensor model.{name} has no place in the "
+                                 "multi-token-prediction module")
+            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: the module runs in float
+                tensor = tensor.dequantize()
+            self._copy(p, name, params[p.target], tensor.to(params[p.target].dtype))
+            filled[p.target] += tensor.numel()
+        missing = [n for n, t in params.items() if filled[n] != t.numel()]
+        if missing:
+            raise ValueError(f"the multi-token-prediction module lacks tensors: {missing[:8]}")
+        for name, buf in mtp.named_buffers():
+            if name.endswith("num_routed_tokens"):
+                buf.zero_()
 
     def make_attention(self, config: ModelConfig, layer: int, rotary, backend, quant):
         return MLAttention(config, layer, rotary, backend)  # quantized after loading
@@ -169,3 +229,45 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     family = "deepseek_v3"
+
+
+# the MTP module's own parts (checkpoint name's first component -> its parameter's prefix)
+_MTP_PARTS = {"enorm": "enorm.", "hnorm": "hnorm.", "eh_proj": "eh_proj.",
+              "shared_head": "shared_head_"}
+
+
+def mtp_module_index(name: str, config: ModelConfig) -> int | None:
+    """j for a tensor of multi-token-prediction module j (model.layers.{L + j}.*, L the
+    decoder's layers); None for any other tensor."""
+    m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    if m is None or int(m[1]) < config.num_layers:
+        return None
+    return int(m[1]) - config.num_layers
+
+
+class MultiTokenPredictor(nn.Module):
+    """One DeepSeek-V3 multi-token-prediction module. At position i, from the hidden state
+    h_i that predicted token i + 1 and that token's embedding:
+
+        x      = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])       (2 H -> H)
+        out    = shared_head.norm(layer(x))       the layer: MLA + MoE, this family's own
+        logits = shared_head.head(out), or the model's head where the checkpoint has none
+
+    `out` predicts token i + 2 and is the next chain step's h."""
+
+    def __init__(self, config: ModelConfig, layer: nn.Module, has_head: bool):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = _linear(2 * h, h)
+        self.layer = layer
+        self.shared_head_norm = RMSNorm(h, eps)
+        self.shared_head_head = _linear(h, config.vocab_size) if has_head else None
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                batch) -> torch.Tensor:
+        """hidden, embeds [T, H] -> out [T, H] (normed: the head's input)."""
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        x, residual = self.layer(positions, x, None, batch)
+        return self.shared_head_norm(x, residual)[0]

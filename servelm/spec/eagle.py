@@ -9,21 +9,14 @@ a chain of k tokens.
     chain step j > 0:        input  = (out of the step before, embed(draft j))
 
 Owns: the drafter (Eagle3Drafter), its configuration read from a checkpoint (two published
-layouts, others refused by name), its weights, and the proposer (Eagle3Proposer) that keeps
-per sequence the target features not yet consumed and the drafter's KV.
+layouts, others refused by name) and its weights. The proposer, the per-sequence features
+and drafter KV, and the chain are servelm/spec/chain.py's (shared with MTP).
 Never: the target's forward (the runner calls it with `aux_layers` and hands the features
 to `observe`), verification, or the block manager.
 
 Choices, and why:
-- The drafter's KV is its own small contiguous cache per sequence, not the paged cache: the
-  drafter can only compute a position once the target has, so blocks shared through the
-  prefix cache would hold drafter KV that no sequence computed. A sequence's drafter context
-  starts at the first position whose target features it saw (a prefix-cache hit's earlier
-  positions are not in it); positions stay absolute. Drafted (chain) positions' KV is
-  dropped after each proposal: the next one recomputes them from the target's features.
 - Chain drafting only (one candidate per depth); tree drafting and tree verification are a
-  later step. Drafts are the drafter's argmax and reach verification as point masses (like
-  n-gram's), so sampled requests keep the target's distribution exactly.
+  later step.
 - Aux layer i means the hidden state after layer i (the EAGLE-3 trainer's choice: its
   hidden_states[3], [L//2 + 1], [-3] are after layers 2, L//2, L - 3; the default here).
 """
@@ -40,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.spec.proposer import Proposal, Proposer
+from servelm.spec.chain import ChainProposer, SeqKV, causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -222,16 +215,29 @@ class Eagle3Drafter(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def step(self, hidden, tokens, positions, cache: _SeqKV) -> torch.Tensor:
+    # -- the chain proposer's drafter (servelm/spec/chain.py) ------------------------------
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.cfg.aux_layers
+
+    def features(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(aux, dim=-1).float())  # [T, H]
+
+    def new_cache(self, start: int) -> SeqKV:
+        return SeqKV(start, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def next_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        return self.to_target(self.logits(out).argmax(-1))
+
+    def step(self, hidden, tokens, positions, cache: SeqKV) -> torch.Tensor:
         """Run positions (consecutive, after the cache's) through the layer, appending their
         K/V to `cache`: -> outputs [T, hidden]."""
         q, k, v, residual = self.qkv(hidden, tokens, positions)
         cache.append(k, v)
         keys, values = cache.k, cache.v
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
-        n, total = q.shape[0], keys.shape[0]
-        # query j sees the cache up to its own position: total - n + j
-        mask = (torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None])
+        mask = causal_mask(q.shape[0], keys.shape[0])
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
             values.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
@@ -244,25 +250,6 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> t
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class _SeqKV:
-    """One sequence's drafter K/V for positions start .. start + len - 1."""
-
-    def __init__(self, start: int, num_kv_heads: int, head_dim: int):
-        self.start = start
-        self.k = torch.empty(0, num_kv_heads, head_dim)
-        self.v = torch.empty(0, num_kv_heads, head_dim)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.k.shape[0]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = torch.cat((self.k, k)), torch.cat((self.v, v))
-
-    def truncate(self, end: int) -> None:
-        self.k, self.v = self.k[:end - self.start], self.v[:end - self.start]
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -381,82 +368,8 @@ def save_drafter(drafter: Eagle3Drafter, path: str, layout: str = "eagle3") -> N
 
 # -- the proposer -------------------------------------------------------------------------
 
-@dataclass
-class _SeqState:
-    num_resets: int
-    kv: _SeqKV
-    feat_start: int = 0  # fc'd target features for positions feat_start .. + len
-    feat: torch.Tensor | None = None
-
-
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(ChainProposer):
     name = "eagle3"
-
-    def __init__(self, drafter: Eagle3Drafter):
-        self.drafter = drafter
-        self.aux_layers = drafter.cfg.aux_layers
-        self._seqs: dict[int, _SeqState] = {}
-
-    def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
-
-    def _state(self, seq) -> _SeqState:
-        st = self._seqs.get(seq.seq_id)
-        if st is None or st.num_resets != seq.num_resets:
-            c = self.drafter.cfg
-            st = self._seqs[seq.seq_id] = _SeqState(seq.num_resets,
-                                                    _SeqKV(0, c.num_kv_heads, c.head_dim))
-        return st
-
-    @torch.inference_mode()
-    def observe(self, works: list, query_start_loc: list[int], aux: list[torch.Tensor]) -> None:
-        """The target computed `works` (rows query_start_loc[i] ..): keep their features.
-        Rows past the verified tokens (rejected drafts) are replaced the next time."""
-        feats = self.drafter.fc(torch.cat(aux, dim=-1).float())  # [T, H]
-        for i, w in enumerate(works):
-            st = self._state(w.seq)
-            rows = feats[query_start_loc[i]:query_start_loc[i + 1]]
-            end = st.feat_start + (0 if st.feat is None else st.feat.shape[0])
-            if st.feat is None or not st.feat_start <= w.start <= end:
-                st.feat_start, st.feat = w.start, rows  # a gap (prefix hit) or a restart
-            else:
-                st.feat = torch.cat((st.feat[:w.start - st.feat_start], rows))
-
-    @torch.inference_mode()
-    def propose(self, scheduled: list) -> dict[int, Proposal]:
-        out = {}
-        for s in scheduled:
-            drafts = self._chain(s.seq, s.start, s.num_spec)
-            if drafts:
-                out[s.seq.seq_id] = Proposal(drafts)
-        return out
-
-    def _chain(self, seq, start: int, k: int) -> list[int]:
-        """Catch the drafter up on positions < start (whose features the target gave), then
-        draft k tokens for positions start + 1 ..."""
-        st = self._state(seq)
-        kv = st.kv
-        if st.feat is None:
-            return []
-        if not st.feat_start <= kv.end <= start:  # features begin later (a prefix hit)
-            kv.start, kv.k, kv.v = st.feat_start, kv.k[:0], kv.v[:0]
-        if kv.end >= start or st.feat_start + st.feat.shape[0] < start:
-            return []
-        lo = kv.end
-        hidden = st.feat[lo - st.feat_start:start - st.feat_start]
-        tokens = torch.tensor(seq.token_ids[lo + 1:start + 1])
-        out = self.drafter.step(hidden, tokens, torch.arange(lo, start), kv)[-1:]
-        real_end = kv.end
-        drafts = []
-        for j in range(k):
-            d = int(self.drafter.to_target(self.drafter.logits(out).argmax(-1))[0])
-            drafts.append(d)
-            if j + 1 < k:
-                out = self.drafter.step(out, torch.tensor([d]),
-                                        torch.tensor([start + j]), kv)
-        kv.truncate(real_end)
-        st.feat_start, st.feat = start, st.feat[start - st.feat_start:]
-        return drafts
 
 
 def build_eagle3_proposer(path: str, target_model, target_config) -> Eagle3Proposer:
