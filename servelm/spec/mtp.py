@@ -143,6 +143,8 @@ def build_mtp_proposer(target, mtp_tensors) -> MTPProposer:
         mtp = target.build_mtp(mtp_tensors, backend)
     except ValueError as e:
         raise UnsupportedMTPError(str(e)) from e
+    if isinstance(mtp_tensors, list):
+        mtp_tensors.clear()  # copied into the module: the checkpoint's tensors can go
     logger.info("mtp drafter: the checkpoint's multi-token-prediction module %d of %d "
                 "(%s head), chained", 0, c.num_mtp_layers,
                 "its own" if mtp.shared_head_head is not None else "the model's")

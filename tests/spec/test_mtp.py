@@ -244,3 +244,16 @@ def test_targets_without_mtp_layers_are_refused_by_name(hf, tmp_path):
         check_mtp_target(cfg)
     with pytest.raises(ValueError, match="'mtp'.*--speculative-model"):
         SpeculativeConfig(method="mtp", draft_model="x")
+
+
+def test_the_flag_asks_for_mtp():
+    import argparse
+
+    from servelm.config import add_engine_cli_args, engine_args_from_cli
+
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser)
+    ns = parser.parse_args(["--speculative-method", "mtp", "--num-speculative-tokens", "2"])
+    ns.model = "tiny"
+    spec = engine_args_from_cli(ns).speculative_config()
+    assert (spec.method, spec.num_tokens, spec.draft_model) == ("mtp", 2, None)
