@@ -275,7 +275,8 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
 
         weights = iter_gguf_quantized_weights(source.path, config, select)
     else:
-        weights = iter_weights(source, config, select, _DTYPES[args.dtype])
+        weights = iter_weights(source, config, select, _DTYPES[args.dtype],
+                               _unread_mtp(args, config))
     engine = assemble_engine(args, config, weights, tokenizer, source.name,
                              prepared_key=None if checkpoint is not None else key,
                              parallel=parallel)
@@ -514,6 +515,18 @@ def _build_proposer(args, spec, config, model, backend, draft, num_blocks, block
                                                               draft.config.head_dim ** -0.5)
     bind_attention(draft, draft_backend)
     return DraftModelProposer(draft, draft_backend, block_size, device)
+
+
+def _unread_mtp(args: EngineArgs, config: ModelConfig):
+    """The checkpoint's multi-token-prediction modules, left unread unless they draft."""
+    if not config.num_mtp_layers or args.speculative_method == "mtp":
+        return None
+    from servelm.models.deepseek import mtp_module_index
+
+    logger.info("layers %d..%d: multi-token-prediction modules, not read (--speculative-method "
+                "mtp drafts with them)", config.num_layers,
+                config.num_layers + config.num_mtp_layers - 1)
+    return lambda name: mtp_module_index(name, config) is not None
 
 
 def _take_mtp_tensors(args, config: ModelConfig, weights, parallel):

@@ -132,18 +132,20 @@ def model_vocab_size(model: str) -> int:
 
 
 def iter_weights(source: ModelSource, config: ModelConfig, select=None,
-                 dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
+                 dtype=None, skip=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF Llama name, CPU tensor) for every weight; `lm_head.weight` absent if tied.
 
     select: a model-parallel rank's `(name, view) -> (name, tensor) | None` (servelm/parallel/
     sharding.py); safetensors and GGUF then read only the slices it asks for (GGUF: rows, and
     column blocks where aligned), dummy weights are made whole and narrowed.
     dtype: the model's dtype, which safetensors weights are read into (a bfloat16 model's
-    never pass through float32); None: float32, as every other source gives them."""
+    never pass through float32); None: float32, as every other source gives them.
+    skip: `name -> bool`, tensors of a safetensors checkpoint left unread (modules the
+    engine will not run, e.g. DeepSeek-V3's multi-token prediction without mtp)."""
     from servelm.loader import gguf_loader, hf_loader  # torch/gguf: only when loading
 
     if source.kind == "hf":
-        return hf_loader.iter_hf_weights(source.path, config, select, dtype)
+        return hf_loader.iter_hf_weights(source.path, config, select, dtype, skip)
     if source.kind == "gguf":
         return gguf_loader.iter_gguf_weights(source.path, config, select)
     if source.kind == "dummy":

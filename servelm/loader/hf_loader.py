@@ -68,12 +68,13 @@ def hf_weight_names(config: ModelConfig) -> list[str]:
 
 
 def iter_hf_weights(model_dir: Path, config: ModelConfig, select=None,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None,
+                    skip=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor in `dtype`) for every weight `config` needs, read memory-mapped.
     select: `(name, safetensors slice) -> (name, tensor) | None`, a model-parallel rank's
     part of each tensor (only those bytes are read). dtype: the model's (None: float32), so
     a bfloat16 model's weights (and fp8 blocks' dequantized values) never pass through
-    float32."""
+    float32. skip: `name -> bool`, tensors not read at all (nor their fp8 scales)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -85,7 +86,7 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig, select=None,
     read = _Reader(files, fp8_blocks.fp8_block_size(model_dir), select,
                    torch.float32 if dtype is None else dtype)
     if config.architecture not in _LLAMA_NAMED:
-        yield from _iter_all(files, read)
+        yield from _iter_all(files, read, skip)
         return
     wanted = set(hf_weight_names(config))
     seen: set[str] = set()
@@ -107,13 +108,15 @@ def iter_hf_weights(model_dir: Path, config: ModelConfig, select=None,
 _LLAMA_NAMED = ("llama", "qwen2", "qwen3")  # the families hf_weight_names describes
 
 
-def _iter_all(files: list[Path], read) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_all(files: list[Path], read, skip=None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     seen: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 if name not in seen and not read.is_scale(name):
                     seen.add(name)
                     if (picked := read(f, name)) is not None:

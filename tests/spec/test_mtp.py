@@ -114,15 +114,24 @@ def test_greedy_with_mtp_equals_plain_decoding(checkpoint, prompts):
     assert spec.stats.spec_num_proposed > 0
 
 
-def test_mtp_module_is_kept_only_when_asked(checkpoint, hf):
+def test_mtp_module_is_kept_only_when_asked(checkpoint, hf, monkeypatch):
+    from servelm.loader import hf_loader
     from servelm.spec.mtp import MTPProposer
 
+    read, call = [], hf_loader._Reader.__call__
+    monkeypatch.setattr(hf_loader._Reader, "__call__",
+                        lambda self, f, name: read.append(name) or call(self, f, name))
+    prefix = f"model.layers.{hf.config.num_hidden_layers}."  # the MTP module's tensors
+    mtp_name = prefix + "eh_proj.weight"
     spec = _mtp_engine(checkpoint)
+    assert mtp_name in read
     assert isinstance(spec.runner.proposer, MTPProposer)
     mtp = spec.runner.proposer.drafter.mtp
-    want = mtp_tensors(hf)[f"model.layers.{hf.config.num_hidden_layers}.eh_proj.weight"]
+    want = mtp_tensors(hf)[mtp_name]
     assert torch.equal(mtp.eh_proj.weight, want)
-    plain = _engine(checkpoint)
+    read.clear()
+    plain = _engine(checkpoint)  # without mtp the module's tensors are not even read
+    assert read and not [n for n in read if n.startswith(prefix)]
     assert plain.runner.proposer is None
     assert not any("eh_proj" in n for n, _ in plain.runner.model.named_parameters())
 
