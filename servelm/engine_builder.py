@@ -388,7 +388,7 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         parallel_build.attach_decode_stack(parallel, runner, cpu_choice.decode)
         runner = parallel_build.wrap_runner(parallel, runner)
     if device.type == "cpu":
-        from servelm.cpu_kernels.kernel_paths import describe, kernel_paths
+        from servelm.runner.kernel_paths import describe, kernel_paths
         from servelm.own_env import startup_line
 
         if startup_line():

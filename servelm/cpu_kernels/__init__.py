@@ -187,7 +187,7 @@ def source() -> str:
 
 
 def _build_dir() -> Path:
-    from servelm.loader.model_cache import cache_home
+    from servelm.home import cache_home
 
     return cache_home() / "torch_extensions" / f"servelm_cpu_kernels_{_build_key()}"
 

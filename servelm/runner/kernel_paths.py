@@ -3,7 +3,8 @@
 Owns: reading that back from what was built (the attention backend's decode kernel, the
 runner's decode stack, the layer ops for the model's dtype and device, the quantized linears'
 kernels), so the log says what runs, not what was asked for.
-Never: chooses a path (CpuKernelChoice and each part do).
+Never: chooses a path (CpuKernelChoice and each part do). It reads the layers and linears
+the runner drives, so it sits with the runner, above them, not in cpu_kernels/ below them.
 """
 
 from __future__ import annotations
