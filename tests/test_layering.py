@@ -114,7 +114,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("spec", "engine_builder"): "servelm spec train builds the engine it distils",
     ("spec", "llm"): "servelm spec train runs the LLM API",
     ("parallel", "engine_builder"): "a worker rank builds its engine shard",
-    ("parallel", "router"): "the Ray rank launcher reuses the Ray replica helpers",
     ("router", "server"): "the router reuses the server's dashboard and request schemas "
                           "(router <-> server)",
     ("bench", "sim"): "bench serve writes the arrival trace that sim/arrivals.py reads, while "

@@ -38,12 +38,12 @@ import torch
 from servelm.config import EngineArgs
 from servelm.core import codec
 from servelm.core.codec import WorkerStart
-from servelm.parallel.group import ParallelGroup
-from servelm.parallel.launcher import JOIN_TIMEOUT_S, WorkerSet, split_cpus
 # Set by the router's Ray backend for the `servelm serve` it starts in a replica's actor: the
 # hex id of the placement group it reserved for the replica, one bundle per rank, bundle 0
 # the actor's own. Not a user option: a handoff down one process tree, like $RAY_ADDRESS.
-from servelm.router.ray_backend import PLACEMENT_GROUP_ENV
+from servelm.launch.ray_cluster import PLACEMENT_GROUP_ENV
+from servelm.parallel.group import ParallelGroup
+from servelm.parallel.launcher import JOIN_TIMEOUT_S, WorkerSet, split_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,9 @@ class RayWorkerSet(WorkerSet):
 def _connect():
     """The Ray this process already joined, else the router's way in ($RAY_ADDRESS, a
     cluster started here with `ray start`, else a local instance)."""
-    from servelm.router.ray_backend import _import_ray, connect
+    from servelm.launch.ray_cluster import connect, import_ray
 
-    ray = _import_ray()
+    ray = import_ray()
     return ray if ray.is_initialized() else connect(None)
 
 

@@ -1,6 +1,6 @@
 """`servelm serve --backend ray --num-replicas N`: replicas as Ray actors, the router in front.
 
-Owns: connecting to a Ray cluster (or starting a local one), placing each replica as an actor
+Owns (joining the cluster is servelm/launch/ray_cluster.py's): placing each replica as an actor
 that holds the replica's resources (`--replica-cpus`, `--replica-gpus`) on some node, the
 actor starting the very same `servelm serve` process a single machine runs (bound to its
 node's address, on a free port, told the cluster's address; its options handed by value,
@@ -42,24 +42,9 @@ import time
 from typing import NamedTuple
 
 from servelm.launch import INHERIT, HttpHealth, ProcessHandle, ProcessSpec, Resources, Supervisor
+from servelm.launch.ray_cluster import PLACEMENT_GROUP_ENV, RayUnavailableError, connect
 
-# The environment the replica's `servelm serve` gets from its actor: the hex id of the
-# replica's placement group, read by servelm/parallel/ray_launcher.py (its ranks go there).
-PLACEMENT_GROUP_ENV = "SERVELM_RAY_PLACEMENT_GROUP"
 PLACEMENT_TIMEOUT_S = 120.0  # a replica group the cluster cannot hold fails the start
-
-
-class RayUnavailableError(RuntimeError):
-    pass
-
-
-def _import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise RayUnavailableError("--backend ray needs Ray: pip install 'servelm[ray]'") \
-            from None
-    return ray
 
 
 class ReplicaActor:
@@ -173,34 +158,6 @@ class ReplicaShape(NamedTuple):
 
     def options(self, args) -> dict:
         return replica_serve_options(args, self.cpus, self.is_grouped)
-
-
-def _token_auth_as_ray_start_would() -> None:
-    """With RAY_AUTH_MODE unset and a Ray token on this machine ($RAY_AUTH_TOKEN,
-    $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which any local `ray.init` writes), `ray
-    start` turns token authentication on, but `ray.init(address=...)` does not: turn it on
-    here too (RAY_AUTH_MODE=token, so this process's children, the engine core among them,
-    connect the same way). A token client still joins a cluster without authentication."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available)
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def connect(address: str | None):
-    """ray.init against `address` (or $RAY_ADDRESS, or a cluster started on this machine
-    with `ray start`); with none of those, a local Ray instance for this process."""
-    ray = _import_ray()
-    import logging
-
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        _token_auth_as_ray_start_would()
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=True)
-    return ray
 
 
 def new_replica(ray, shape: ReplicaShape):
