@@ -116,8 +116,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("parallel", "engine_builder"): "a worker rank builds its engine shard",
     ("router", "server"): "the router reuses the server's dashboard and request schemas "
                           "(router <-> server)",
-    ("bench", "sim"): "bench serve writes the arrival trace that sim/arrivals.py reads, while "
-                      "sim draws bench's workloads and metrics (bench <-> sim)",
 }
 
 

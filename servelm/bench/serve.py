@@ -255,11 +255,11 @@ def run_serve(args: argparse.Namespace, cfg: EndpointConfig, requests: Sequence[
 
 def record_requests(path: str, requests: Sequence[Request], records) -> None:
     """One JSON line per measured request, in send order: the trace `servelm sim --trace`
-    replays (format: servelm/sim/arrivals.py). Records follow the requests in order (both
+    replays (format: servelm/bench/request_trace.py). Records follow the requests in order (both
     load loops send requests[i] as the i-th record); times are from the first send. Where
     the server counted another prompt length (a text or chat prompt, which it tokenized
     itself), the line keeps the server's count and not the workload's ids."""
-    from servelm.sim.arrivals import trace_line
+    from servelm.bench.request_trace import trace_line
 
     origin = min((r.scheduled_time for r in records), default=0.0)
     lines = []

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from servelm.bench.metrics import build_serve_result, goodput, render_serve_table
+from servelm.bench.request_trace import read_trace
 from servelm.bench.class_workload import class_workload
 from servelm.bench.workloads import RandomPrompts, RangeError, parse_range
 from servelm.config import SCHEDULING_POLICIES
 from servelm.engine.step_cost_model import StepCostModel, StepShape
 from servelm.loader.model_cache import DEFAULT_MODEL
 from servelm.router.policies import DEFAULT_POLICY, make_policy, policy_help, policy_names
-from servelm.sim.arrivals import gamma_offsets, read_trace, trace_prompts
+from servelm.sim.arrivals import gamma_offsets, trace_prompts
 from servelm.sim.roofline import roofline_from_args
 from servelm.sim.fleet import ReplicaSpec, SimRequest, SimResult, simulate
 from servelm.slo import (SLOSpec, goodput_by_class, parse_class_lengths, parse_class_mix,

@@ -13,7 +13,8 @@ import pytest
 
 from servelm.router.policies import make_policy
 from servelm.sim import cli as sim_cli
-from servelm.sim.arrivals import TraceError, gamma_offsets, read_trace, trace_line
+from servelm.bench.request_trace import TraceError, read_trace, trace_line
+from servelm.sim.arrivals import gamma_offsets
 from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import ReplicaSpec, simulate
 

@@ -22,7 +22,8 @@ from servelm.sim import validation as V
 from servelm.sim.validate_cli import simulate_cli
 
 from servelm.router.policies import make_policy
-from servelm.sim.arrivals import read_trace, trace_prompts
+from servelm.bench.request_trace import read_trace
+from servelm.sim.arrivals import trace_prompts
 from servelm.sim.cli import replica_spec
 from servelm.engine.step_cost_model import StepCostModel
 from servelm.sim.fleet import SimRequest, simulate
