@@ -114,6 +114,9 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("spec", "engine_builder"): "servelm spec train builds the engine it distils",
     ("spec", "llm"): "servelm spec train runs the LLM API",
     ("parallel", "engine_builder"): "a worker rank builds its engine shard",
+    ("quant", "layers"): "quantized linears build their own C++ decode-stack entry with "
+                         "layers/decode_entry.py's DecodeEntry, while layers/ names quant's "
+                         "linears (quant <-> layers): the entry type belongs below both",
     ("router", "server"): "the router reuses the server's dashboard and request schemas "
                           "(router <-> server)",
 }
