@@ -59,7 +59,7 @@ _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "decode_stack.cpp",
             "det_gemm.cpp", "mla_attention.cpp", "quant_gemm_a8.cpp", "logit_rows.cpp",
             "amx_gemm.cpp", "prefill_attention.cpp", "dot_gemm.cpp", "kquant_gemm.cpp")
-_HEADERS = ("vec16.h", "paged_tables.h", "tile_linear.h")
+_HEADERS = ("vec16.h", "paged_tables.h", "tile_linear.h", "kquant_gemm.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 PREBUILT_DIR = _DIR / "prebuilt"  # where a wheel carries its prebuilt levels (prebuilt.py)
 _lock = threading.Lock()

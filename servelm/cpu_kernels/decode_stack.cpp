@@ -15,8 +15,12 @@
 //   ... final: add_rms_norm(x, residual, norm)
 //
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
-// panels), int8 (int8_gemm on panels) or batch-invariant float (det_linear, deterministic
-// mode, where the runner sends prefill chunks through the stack too: one row per token).
+// panels), int8 (int8_gemm on panels), batch-invariant float (det_linear, deterministic
+// mode, where the runner sends prefill chunks through the stack too: one row per token) or a
+// GGUF K-quant matrix (kquant_gemm.h on the file's super-blocks). Two kinds hold other
+// linears: row parts (a fused q/k/v or gate/up whose parts are separate layers, each writing
+// its columns of the output; K-quant parts share one rounding of x to q8_K) and a permuted
+// layer (its inner linear on x's columns gathered into the codes' order).
 // A bfloat16 model runs the same ops on bfloat16 rows (float32 arithmetic inside each op),
 // its float linears on oneDNN's bfloat16 GEMM, its cache bfloat16.
 // Every op is reached through the dispatcher's typed handles (no boxing), so the results are
@@ -29,6 +33,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "kquant_gemm.h"
 
 #include <chrono>
 #include <string>
@@ -82,14 +88,20 @@ struct Ops {
 // layers with int8 activations (quant_gemm_a8.cpp; the ops pad x to the codes' width).
 // kAmx: a bfloat16 model's AmxLinear (servelm/layers/amx_linear.py, amx_gemm.cpp); kDot: its
 // DotLinear (servelm/layers/dot_linear.py, dot_gemm.cpp), the same packed weight and bias.
+// kKQuant: servelm/quant/kquant_linear.py's KQuantLinear (a: codes; group: ggml's type;
+// k_padded: the most rows the q8_K kernel takes, more run a dequantized GEMM as it does).
+// kParts: servelm/quant/row_parts_linear.py's RowPartsLinear (group: its number of parts,
+// held in `parts`, rows in order). kPermuted: servelm/quant/permuted_linear.py's
+// PermutedLinear (a: perm, the input column of each code column; parts[0]: its inner).
 enum LinearKind : int64_t {
   kFloat = 0, kInt4 = 1, kInt8 = 2, kPacked = 3, kDet = 4, kInt4A8 = 5, kInt8A8 = 6, kAmx = 7,
-  kDot = 8
+  kDot = 8, kKQuant = 9, kParts = 10, kPermuted = 11
 };
 
 struct Linear {
   int64_t kind = kFloat, n = 0, group = 0, k_padded = 0;
   at::Tensor a, b, bias;  // float: (weight, -); int4: (codes, sz); int8: (codes, scale32)
+  std::vector<Linear> parts;  // kParts: the row parts; kPermuted: the inner linear
 };
 
 struct Layer {
@@ -102,42 +114,34 @@ at::Tensor optional(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); 
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // tensors: cos, sin, final norm, then per layer kTensorsPerLayer (see cpu_decode.py);
-  // ints: num_layers, heads, kv_heads, head_dim, block_size, then per layer 4 x (kind, n,
-  // group, k_padded) for qkv, o, gate_up, down; floats: rms eps, attention scale.
-  static constexpr int64_t kTensorsPerLayer = 20;
-
+  // tensors: cos, sin, final norm, then per layer: in norm, post norm, q norm, k norm, K
+  // cache, V cache, the 4 linears' tensors (qkv, o, gate_up, down), K scale, V scale.
+  // ints: num_layers, heads, kv_heads, head_dim, block_size, then per layer the 4 linears'.
+  // A linear is 3 tensors (a, b, bias) and 4 ints (kind, n, group, k_padded), then those of
+  // the linears it holds (kParts, kPermuted; see cpu_decode.py and layers/decode_entry.py).
+  // floats: rms eps, attention scale.
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
               std::vector<double> floats) {
-    TORCH_CHECK(ints.size() >= 5 && floats.size() == 2, "DecodeStack: bad header");
+    TORCH_CHECK(ints.size() >= 5 && floats.size() == 2 && tensors.size() >= 3,
+                "DecodeStack: bad header");
     const int64_t L = ints[0];
     heads_ = ints[1], kv_heads_ = ints[2], head_dim_ = ints[3], block_size_ = ints[4];
     eps_ = floats[0], scale_ = floats[1];
-    TORCH_CHECK(int64_t(tensors.size()) == 3 + L * kTensorsPerLayer &&
-                    int64_t(ints.size()) == 5 + L * 16,
-                "DecodeStack: expected ", L, " layers of tensors and ints");
     cos_ = tensors[0], sin_ = tensors[1], final_norm_ = tensors[2];
+    Reader in{tensors, ints, 3, 5};
     for (int64_t i = 0; i < L; ++i) {
-      const at::Tensor* t = tensors.data() + 3 + i * kTensorsPerLayer;
-      const int64_t* m = ints.data() + 5 + i * 16;
       Layer layer;
-      layer.in_norm = t[0], layer.post_norm = t[1];
-      layer.q_norm = optional(t[2]), layer.k_norm = optional(t[3]);
-      layer.k_cache = t[4], layer.v_cache = t[5];
-      Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int j = 0; j < 4; ++j) {
-        Linear& l = *lins[j];
-        l.kind = m[4 * j], l.n = m[4 * j + 1], l.group = m[4 * j + 2], l.k_padded = m[4 * j + 3];
-        TORCH_CHECK(l.kind >= kFloat && l.kind <= kDot, "DecodeStack: unknown linear kind ",
-                    l.kind);
-        if (l.kind == kPacked && !mkldnn_linear_)
-          mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
-              "mkldnn::_linear_pointwise", "");
-        l.a = t[6 + 3 * j], l.b = t[7 + 3 * j], l.bias = optional(t[8 + 3 * j]);
-      }
-      layer.k_scale = optional(t[18]), layer.v_scale = optional(t[19]);
+      layer.in_norm = in.tensor(), layer.post_norm = in.tensor();
+      layer.q_norm = optional(in.tensor()), layer.k_norm = optional(in.tensor());
+      layer.k_cache = in.tensor(), layer.v_cache = in.tensor();
+      for (Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        *l = read_linear(in);
+      layer.k_scale = optional(in.tensor()), layer.v_scale = optional(in.tensor());
       layers_.push_back(std::move(layer));
     }
+    TORCH_CHECK(in.t == tensors.size() && in.m == ints.size(), "DecodeStack: expected ", L,
+                " layers of tensors and ints, got ", tensors.size() - in.t, " tensors and ",
+                ints.size() - in.m, " ints more");
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
@@ -245,6 +249,44 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // The constructor's cursor over its flat lists.
+  struct Reader {
+    const std::vector<at::Tensor>& tensors;
+    const std::vector<int64_t>& ints;
+    size_t t, m;
+    const at::Tensor& tensor() {
+      TORCH_CHECK(t < tensors.size(), "DecodeStack: too few tensors");
+      return tensors[t++];
+    }
+    int64_t integer() {
+      TORCH_CHECK(m < ints.size(), "DecodeStack: too few ints");
+      return ints[m++];
+    }
+  };
+
+  Linear read_linear(Reader& in) {
+    Linear l;
+    l.kind = in.integer(), l.n = in.integer(), l.group = in.integer();
+    l.k_padded = in.integer();
+    TORCH_CHECK(l.kind >= kFloat && l.kind <= kPermuted, "DecodeStack: unknown linear kind ",
+                l.kind);
+    l.a = in.tensor(), l.b = in.tensor(), l.bias = optional(in.tensor());
+    if (l.kind == kPacked && !mkldnn_linear_)
+      mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow(
+          "mkldnn::_linear_pointwise", "");
+    if (l.kind == kParts || l.kind == kPermuted) {
+      const int64_t held = l.kind == kParts ? l.group : 1;
+      TORCH_CHECK(held >= 1, "DecodeStack: a row-parts linear without parts");
+      int64_t n = 0;
+      for (int64_t p = 0; p < held; ++p) {
+        l.parts.push_back(read_linear(in));
+        n += l.parts.back().n;
+      }
+      TORCH_CHECK(n == l.n, "DecodeStack: parts of ", n, " rows for a linear of ", l.n);
+    }
+    return l;
+  }
+
   // silu_and_mul(gate_up(x)): in one pass for a DotLinear of 2 I rows, I a multiple of 16, as
   // its eager forward takes it (servelm/layers/activation.py, gate_up_silu).
   at::Tensor gate_up_silu(const Linear& l, const at::Tensor& x) {
@@ -256,6 +298,12 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   at::Tensor linear(const Linear& l, const at::Tensor& x) {
+    if (l.kind == kKQuant) {
+      c10::optional<servelm_kquant::QuantizedRows> q8;
+      return kquant_linear(l, x, q8);
+    }
+    if (l.kind == kParts) return row_parts(l, x);
+    if (l.kind == kPermuted) return linear(l.parts[0], x.index_select(1, l.a));  // as its forward
     if (l.kind == kAmx || l.kind == kDot)  // as AmxLinear / DotLinear.forward; bias float32
       return (l.kind == kAmx ? ops_.amx_linear : ops_.dot_linear)
           .call(x.stride(1) == 1 ? x : x.contiguous(), l.a,
@@ -288,6 +336,45 @@ class DecodeStack : public torch::CustomClassHolder {
       y = ops_.int8_gemm.call(x.contiguous(), l.a, l.b, l.n, l.group);
     }
     return l.bias.defined() ? y + l.bias : y;
+  }
+
+  // As KQuantLinear.forward: at most k_padded rows on x rounded to q8_K (once, into q8, for
+  // every K-quant part of a fused layer), else the dequantized weight's GEMM; then its bias
+  // as it adds it, in x's dtype.
+  static at::Tensor kquant_linear(const Linear& l, const at::Tensor& x,
+                                  c10::optional<servelm_kquant::QuantizedRows>& q8) {
+    const int64_t M = x.size(0);
+    at::Tensor y;
+    if (M <= l.k_padded) {
+      if (!q8) q8 = servelm_kquant::quantize_rows(x.contiguous());
+      y = at::empty({M, l.n}, x.options().dtype(at::kFloat));
+      servelm_kquant::gemm(*q8, l.a, l.group, l.n, y.data_ptr<float>(), l.n);
+      if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+    } else {
+      y = at::mm(x, servelm_kquant::dequant(l.a, l.group, l.n, x.scalar_type()).t());
+    }
+    if (l.bias.defined()) y = y + l.bias;
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+
+  // As RowPartsLinear.forward (its parts' outputs side by side), each part written into its
+  // columns: a float32 K-quant part without a bias by the kernel itself, the others copied.
+  at::Tensor row_parts(const Linear& l, const at::Tensor& x) {
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, l.n}, x.options());
+    c10::optional<servelm_kquant::QuantizedRows> q8;
+    int64_t col = 0;
+    for (const Linear& p : l.parts) {
+      if (p.kind == kKQuant && M <= p.k_padded && !p.bias.defined() &&
+          x.scalar_type() == at::kFloat) {
+        if (!q8) q8 = servelm_kquant::quantize_rows(x.contiguous());
+        servelm_kquant::gemm(*q8, p.a, p.group, p.n, y.data_ptr<float>() + col, l.n);
+      } else {
+        y.narrow(1, col, p.n).copy_(p.kind == kKQuant ? kquant_linear(p, x, q8) : linear(p, x));
+      }
+      col += p.n;
+    }
+    return y;
   }
 
   // code = saturate(x / scale) rounded to e4m3, written through byte views (index_copy_ has

@@ -33,6 +33,8 @@
 
 #include <immintrin.h>
 
+#include "kquant_gemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -187,14 +189,7 @@ inline void decode(const uint8_t* b, Decoded& out) {
   }
 }
 
-// Activation rows rounded to q8_K: codes (row stride K), d and bsum16 (row stride K / 256 and
-// K / 16).
-struct RowsQ8K {
-  const int8_t* q;
-  const float* d;
-  const int16_t* bsum;
-  int64_t K;
-};
+using servelm_kquant::RowsQ8K;  // rows rounded to q8_K (kquant_gemm.h)
 
 #if defined(__AVX512BW__)
 // The 4 vectors of one scale a column pair (32 pairs a vector: 4 groups of 16 columns).
@@ -306,8 +301,10 @@ inline void row_dot(const uint8_t* row, int64_t S, const RowsQ8K& x, int64_t m, 
   }
 }
 
+// y[m * ldy + n]: a fused layer's part writes its columns of the whole output (ldy its width).
 template <int64_t Type>
-void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y) {
+void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y,
+               int64_t ldy) {
   const int64_t S = x.K / kQK, row_bytes = S * block_bytes(Type);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
@@ -317,11 +314,11 @@ void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, flo
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
         row_dot<Type, 4>(row, S, x, m, out);
-        for (int r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
+        for (int r = 0; r < 4; ++r) y[(m + r) * ldy + n] = out[r];
       }
       for (; m < M; ++m) {
         row_dot<Type, 1>(row, S, x, m, out);
-        y[m * N + n] = out[0];
+        y[m * ldy + n] = out[0];
       }
     }
   });
@@ -392,17 +389,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_quantize_act(const at::Ten
   return quantize_x(x, x.size(1));
 }
 
+void gemm_type(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t type, int64_t N,
+               float* y, int64_t ldy) {
+  if (type == kTypeQ4K) gemm_rows<kTypeQ4K>(x, M, codes, N, y, ldy);
+  else if (type == kTypeQ5K) gemm_rows<kTypeQ5K>(x, M, codes, N, y, ldy);
+  else gemm_rows<kTypeQ6K>(x, M, codes, N, y, ldy);
+}
+
 // y[M, N] = x @ w.T in x's dtype; w: N rows of `type` super-blocks as the file stores them.
 at::Tensor kquant_gemm(const at::Tensor& x, const at::Tensor& codes, int64_t type, int64_t N) {
   const int64_t K = check_codes(codes, type, N, "kquant_gemm");
   auto [q, d, bsum] = quantize_x(x, K);
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsQ8K rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), bsum.data_ptr<int16_t>(), K};
-  const uint8_t* pc = codes.data_ptr<uint8_t>();
-  float* py = y.data_ptr<float>();
-  if (type == kTypeQ4K) gemm_rows<kTypeQ4K>(rows, x.size(0), pc, N, py);
-  else if (type == kTypeQ5K) gemm_rows<kTypeQ5K>(rows, x.size(0), pc, N, py);
-  else gemm_rows<kTypeQ6K>(rows, x.size(0), pc, N, py);
+  gemm_type(rows, x.size(0), codes.data_ptr<uint8_t>(), type, N, y.data_ptr<float>(), N);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
@@ -470,6 +470,33 @@ at::Tensor kquant_dequant(const at::Tensor& codes, int64_t type, int64_t N, at::
 }
 
 }  // namespace
+
+namespace servelm_kquant {
+
+RowsQ8K QuantizedRows::rows() const {
+  return {q.data_ptr<int8_t>(), d.data_ptr<float>(), bsum.data_ptr<int16_t>(), q.size(1)};
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kQK == 0,
+              "kquant quantize_rows: x must be [M, K] with K % 256 == 0");
+  auto [q, d, bsum] = quantize_x(x, x.size(1));
+  return {q, d, bsum};
+}
+
+void gemm(const QuantizedRows& x, const at::Tensor& codes, int64_t type, int64_t N, float* y,
+          int64_t ldy) {
+  const int64_t K = check_codes(codes, type, N, "kquant gemm");
+  TORCH_CHECK(x.q.size(1) == K, "kquant gemm: x has ", x.q.size(1), " columns, the weight ", K);
+  TORCH_CHECK(ldy >= N, "kquant gemm: ldy ", ldy, " < N ", N);
+  gemm_type(x.rows(), x.q.size(0), codes.data_ptr<uint8_t>(), type, N, y, ldy);
+}
+
+at::Tensor dequant(const at::Tensor& codes, int64_t type, int64_t N, at::ScalarType dtype) {
+  return kquant_dequant(codes, type, N, dtype);
+}
+
+}  // namespace servelm_kquant
 
 TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
   m.def("kquant_gemm(Tensor x, Tensor codes, int type, int n) -> Tensor", &kquant_gemm);

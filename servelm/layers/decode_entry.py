@@ -2,8 +2,9 @@
 
 Owns: the stack's linear kinds (the C++ `LinearKind` numbers) and `decode_entry(m)`, a
 linear's tensors and integers in the order the stack reads them. A layer class of servelm's
-own describes itself (`decode_entry()` on PackedLinear, DetLinear, AmxLinear, DotLinear);
-torch's nn.Linear and the quantized layers (servelm/quant) are described here. A layer
+own describes itself (`decode_entry()` on PackedLinear, DetLinear, AmxLinear, DotLinear,
+and in servelm/quant KQuantLinear, RowPartsLinear and PermutedLinear); torch's nn.Linear and
+the plain Int4Linear / Int8Linear are described here. A layer
 without a form gets None, and the caller says so by name. Never: chooses a layer's kind
 (the engine build does) or reads a model's layout (models/fast_path.py does).
 
@@ -16,6 +17,11 @@ without a form gets None, and the caller says so by name. Never: chooses a layer
     int4 a8     codes, so, bias as the layer adds    n, group, k padded
     int8 a8     codes, scale32, bias as the layer    n, group, k
     amx / dot   tiles, -, float32 bias               n, 0, k
+    kquant      codes, -, bias as the layer adds it  n, ggml type, most q8_K rows
+    row parts   -, -, -                              n, number of parts, k    + each part
+    permuted    perm, -, -                           n, 1, k                  + the inner
+
+A layer holding others (row parts, permuted) is followed by their entries, in order.
 """
 
 from __future__ import annotations
@@ -29,14 +35,19 @@ KIND_FLOAT, KIND_INT4, KIND_INT8, KIND_PACKED, KIND_DET = 0, 1, 2, 3, 4
 KIND_INT4_A8, KIND_INT8_A8 = 5, 6  # the same layers with int8 activations (quant_gemm_a8.cpp)
 KIND_AMX = 7  # a bfloat16 AmxLinear (amx_gemm.cpp)
 KIND_DOT = 8  # a bfloat16 DotLinear (dot_gemm.cpp)
+KIND_KQUANT = 9  # a GGUF K-quant matrix as the file's super-blocks (kquant_gemm.cpp)
+KIND_PARTS = 10  # a fused layer whose row parts are layers of their own
+KIND_PERMUTED = 11  # an int4 / int8 layer on its inputs gathered into its codes' order
 # kinds whose kernels take bfloat16 rows (the others take float32 rows)
-BF16_ROW_KINDS = frozenset({KIND_FLOAT, KIND_PACKED, KIND_DOT, KIND_INT4_A8, KIND_INT8_A8})
+BF16_ROW_KINDS = frozenset({KIND_FLOAT, KIND_PACKED, KIND_DOT, KIND_INT4_A8, KIND_INT8_A8,
+                            KIND_KQUANT})
 
 _NONE = torch.empty(0)
 
 
 class DecodeEntry(NamedTuple):
-    """One linear as the stack takes it; an absent tensor is empty."""
+    """One linear as the stack takes it; an absent tensor is empty. `held`: the entries of
+    the layers it holds (row parts, a permuted layer's inner), which follow its own."""
 
     kind: int
     a: torch.Tensor
@@ -45,14 +56,32 @@ class DecodeEntry(NamedTuple):
     n: int
     group: int
     k: int
+    held: tuple[DecodeEntry, ...] = ()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.a, self.b, self.bias]
+        return [self.a, self.b, self.bias] + [t for e in self.held for t in e.tensors]
 
     @property
     def ints(self) -> list[int]:
-        return [self.kind, self.n, self.group, self.k]
+        return [self.kind, self.n, self.group, self.k] + [i for e in self.held for i in e.ints]
+
+    @property
+    def kernel_kinds(self) -> set[int]:
+        """The kinds whose kernels run on x: its own, or those of the layers it holds."""
+        if not self.held:
+            return {self.kind}
+        return set().union(*(e.kernel_kinds for e in self.held))
+
+
+def holding_entry(kind: int, m: nn.Module, held: list[DecodeEntry | None],
+                  a: torch.Tensor = _NONE) -> DecodeEntry | None:
+    """The entry of layer `m` that holds the layers of entries `held` (KIND_PARTS: its row
+    parts; KIND_PERMUTED: its inner, `a` the permutation), or None where one has no form."""
+    if not held or any(e is None for e in held):
+        return None
+    group = len(held) if kind == KIND_PARTS else 1
+    return DecodeEntry(kind, a, _NONE, _NONE, m.out_features, group, m.in_features, tuple(held))
 
 
 def plain_entry(kind: int, m: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None

@@ -8,9 +8,9 @@ q8_K), integer dot products with the codes, the super-blocks' scales applied onc
 multiplies with torch's GEMM: the decode is cheap beside many rows' products, and the
 activations keep their precision there.
 
-What a hand-written decode stack needs to run one (its entry): `codes`, `kind` (ggml's type
-number: 12 Q4_K, 13 Q5_K, 14 Q6_K), `out_features`, `in_features`; the scales live inside the
-codes' super-blocks.
+The C++ decode stack runs it from `decode_entry()`: `codes`, `kind` (ggml's type number: 12
+Q4_K, 13 Q5_K, 14 Q6_K), `out_features` and `max_int8_rows`; the scales live inside the
+codes' super-blocks (cpu_kernels/kquant_gemm.h).
 
 Never: keeps a float copy of the weight, or runs where servelm's C++ kernels do not build (the
 method builds a float layer there: servelm/quant/methods.py).
@@ -76,6 +76,16 @@ class KQuantLinear(QuantizedLinear):
                                                      dtype)
             y = x2.to(dtype) @ w.t()
         return self._add_bias(y).to(x.dtype).reshape(*lead, self.out_features)
+
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py): the codes, its ggml type
+        and the most rows it rounds to q8_K; the bias as forward adds it."""
+        from servelm.layers.decode_entry import KIND_KQUANT, DecodeEntry
+
+        none = torch.empty(0)
+        bias = none if self.bias is None else self.bias.detach()
+        return DecodeEntry(KIND_KQUANT, self.codes, none, bias, self.out_features, self.kind,
+                           self.max_int8_rows)
 
     def dequantize(self) -> torch.Tensor:
         return torch.ops.servelm_cpu.kquant_dequant(self.codes, self.kind, self.out_features,

@@ -8,8 +8,7 @@ the layer then multiplies the codes by the activations gathered into that order:
     y = codes @ x[:, perm]        perm[i]: the input column of code column i
 
 One gather of T x in values a call, exact (the same products, summed in the kernel's order).
-The C++ decode stack (runner/cpu_decode.py) takes only plain Int4Linear / Int8Linear layers,
-so a model holding these runs its steps eagerly.
+The C++ decode stack takes it as its inner layer after the same gather (`decode_entry()`).
 
 Never: reorders codes (the reader did, once at load: servelm/quant/community_codes.py).
 """
@@ -33,6 +32,12 @@ class PermutedLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.perm))
+
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py): perm, then its inner's."""
+        from servelm.layers.decode_entry import KIND_PERMUTED, decode_entry, holding_entry
+
+        return holding_entry(KIND_PERMUTED, self, [decode_entry(self.inner)], self.perm)
 
     def dequantize(self) -> torch.Tensor:
         return self.inner.dequantize()[:, torch.argsort(self.perm)].contiguous()

@@ -5,6 +5,10 @@ a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K -- while the model fuses th
 matrix. Requantizing the fused rows into one type would change the weights; this keeps each
 part as its method builds it, and computes the fused output as the parts' outputs side by side.
 
+The C++ decode stack (`decode_entry()`) runs each part into its columns of the output, the
+parts' K-quant matrices on one rounding of x to q8_K; a part without a stack form keeps the
+whole layer (and model) eager.
+
 Never: mixes parts' codes, or runs parts that disagree on in_features.
 """
 
@@ -25,6 +29,12 @@ class RowPartsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def decode_entry(self):
+        """Its form in the C++ decode stack (layers/decode_entry.py): its parts', in order."""
+        from servelm.layers.decode_entry import KIND_PARTS, decode_entry, holding_entry
+
+        return holding_entry(KIND_PARTS, self, [decode_entry(p) for p in self.parts])
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() if hasattr(p, "dequantize") else p.weight.float()

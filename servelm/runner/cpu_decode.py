@@ -25,8 +25,10 @@ gives the reason instead, and it is logged at start-up with the layer), on the C
 or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
 (TorchAttentionBackend), and every linear of the layers has a stack form
 (layers/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
-layer on servelm's C++ kernels (Int4Linear / Int8Linear with kernel "cpu") or a DetLinear, in
-bfloat16 a DotLinear (an AmxLinear alone in deterministic mode). Steps with a prefill chunk
+layer on servelm's C++ kernels (Int4Linear / Int8Linear with kernel "cpu", also behind a
+PermutedLinear's gather) or a DetLinear, in bfloat16 a DotLinear (an AmxLinear alone in
+deterministic mode); in either a GGUF K-quant matrix (KQuantLinear) and a fused layer of
+row parts (RowPartsLinear) whose parts all have a form the model's rows take. Steps with a prefill chunk
 and models without the stack run eagerly; `CpuDecodeStack.steps` counts the steps it ran.
 
 The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
@@ -249,8 +251,8 @@ def _linear_refusal(m: nn.Module, dtype: torch.dtype, deterministic: bool) -> st
     # form (its eager forward does the same)
     allowed = set(BF16_ROW_KINDS) | ({KIND_AMX} if deterministic else set())
     if is_mixed(m):
-        allowed.add(entries["small"].kind)
-    if entries["full"].kind not in allowed:
+        allowed |= entries["small"].kernel_kinds
+    if not entries["full"].kernel_kinds <= allowed:
         return f"{type(forms(m)['full']).__name__} takes float32 rows; the model is {dtype}"
     return None
 

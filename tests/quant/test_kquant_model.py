@@ -114,3 +114,29 @@ def test_q4_k_m_holds_about_the_files_bytes():
                if hasattr(m, "num_weight_bytes") and not hasattr(m, "parts"))
     # the file's matrices plus the int8 head's group scales and Q5_0 widened to a byte
     assert held < 1.6 * path.stat().st_size
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_q4_k_m_decodes_on_the_stack_as_eagerly(activations):
+    """The Q4_K_M file with its codes kept (K-quant matrices, q/k/v and down as row parts of
+    two types, Q5_0 / Q8_0 as int8 codes) decodes on the C++ stack with the eager path's
+    tokens and logprobs, exactly: the stack runs the same kernels."""
+    from servelm.runner.cpu_decode import refusal
+
+    path = _file("Q4_K_M")
+    kwargs = dict(quantization="gguf", quant_activations=activations)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for mode in ("kernel", "torch"):
+        llm = _llm(path, cpu_kernels=f"decode={mode}", **kwargs)
+        runner = llm.engine.runner
+        prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if mode == "kernel":
+            assert runner.cpu_stack is not None, refusal(runner.model, runner.backend.kv_cache,
+                                                         runner.backend)
+            assert runner.cpu_stack.steps >= 15
+    for a, b in zip(outs["kernel"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]

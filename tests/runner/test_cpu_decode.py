@@ -186,3 +186,98 @@ def test_many_row_decode_steps_run_in_slices_with_the_eager_tokens(tiny_hf, tiny
         assert a.token_ids == b.token_ids
         assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
             [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+
+
+def _kquant(kind: str, out_f: int, in_f: int, seed: int, max_int8_rows: int = 128):
+    """A KQuantLinear of random `kind` super-blocks (the documented layouts: any byte pattern
+    is a valid block; small float16 super-block scales keep the activations in range)."""
+    import numpy as np
+
+    from servelm.quant.kquant_linear import KQUANT_TYPES, KQuantLinear
+
+    rng = np.random.default_rng(seed)
+    per_row, block_bytes = in_f // 256, KQUANT_TYPES[kind][1]
+    raw = rng.integers(0, 256, (out_f, per_row, block_bytes), dtype=np.uint8)
+    d = (rng.uniform(0.2, 1.0, (out_f, per_row, 2)) * 2e-4).astype(np.float16)
+    if kind == "Q6_K":
+        raw[..., 208:210] = d[..., :1].view(np.uint8)  # ... | scales int8 x16 | d
+    else:
+        raw[..., 0:4] = d.view(np.uint8).reshape(out_f, per_row, 4)  # d | dmin | ...
+    codes = torch.from_numpy(raw.reshape(out_f, per_row * block_bytes))
+    return KQuantLinear(kind, codes, (out_f, in_f), None, max_int8_rows=max_int8_rows)
+
+
+def _kquant_layers(model, seed: int) -> None:
+    """A Q4_K_M-like model: q/k in Q4_K beside v in Q6_K (row parts), o_proj in Q5_K whose
+    steps of more than 2 rows dequantize, gate_up in Q4_K, down in Q6_K."""
+    from servelm.quant.row_parts_linear import RowPartsLinear
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden, q = attn.qkv_proj.in_features, attn.num_heads * attn.head_dim
+        kv = attn.num_kv_heads * attn.head_dim
+        s = seed + 10 * i
+        attn.qkv_proj = RowPartsLinear([_kquant("Q4_K", q, hidden, s),
+                                        _kquant("Q4_K", kv, hidden, s + 1),
+                                        _kquant("Q6_K", kv, hidden, s + 2)])
+        attn.o_proj = _kquant("Q5_K", hidden, q, s + 3, max_int8_rows=2)
+        inter = mlp.down_proj.in_features
+        mlp.gate_up_proj = _kquant("Q4_K", 2 * inter, hidden, s + 4)
+        mlp.down_proj = _kquant("Q6_K", hidden, inter, s + 5)
+
+
+def _assert_same_outputs(ours, eager):
+    for a, b in zip(ours, eager):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_runs_k_quant_layers_and_row_parts_bit_for_bit(tiny_hf, tiny_engine, dtype):
+    """GGUF K-quant matrices (one rounding of x to q8_K shared by a fused layer's K-quant
+    parts; more rows than a layer's q8_K limit on its dequantized GEMM) give the eager
+    path's tokens and logprobs exactly."""
+    from servelm.layers.decode_entry import KIND_KQUANT, KIND_PARTS, decode_entry
+
+    hf = tiny_hf("llama", hidden_size=256, intermediate_size=512)
+    outs = {}
+    for mode in ("kernel", "torch"):
+        engine = tiny_engine(hf, cpu_kernels=f"decode={mode}", dtype=dtype,
+                             max_num_batched_tokens=32)
+        _kquant_layers(engine.runner.model, seed=3)
+        outs[mode] = _run(engine)
+        stack = engine.runner.cpu_stack
+        if mode == "kernel":
+            assert stack is not None and stack.steps >= 15
+            assert cpu_decode.refusal(engine.runner.model, stack.kv_cache, stack.backend) is None
+            entry = decode_entry(engine.runner.model.layers[0].self_attn.qkv_proj)
+            assert entry.kind == KIND_PARTS and entry.kernel_kinds == {KIND_KQUANT}
+        else:
+            assert stack is None
+    _assert_same_outputs(outs["kernel"], outs["torch"])
+
+
+def test_stack_runs_permuted_layers_with_one_gather_bit_for_bit(tiny_hf, tiny_engine):
+    """GPTQ act-order layers (PermutedLinear: int4 codes over gathered inputs) in the stack:
+    the eager path's tokens and logprobs exactly; a permutation that is not the identity
+    changes them (the gather is not skipped)."""
+    from servelm.quant.permuted_linear import PermutedLinear
+
+    hf = tiny_hf("qwen2")  # qkv biases: the inner layer's, added after the product
+    outs = {}
+    for mode, seed in (("kernel", 0), ("torch", 0), ("kernel-other", 1)):
+        engine = tiny_engine(hf, cpu_kernels=f"decode={mode.split('-')[0]}",
+                             quantization="int4-g32", max_num_batched_tokens=32)
+        gen = torch.Generator().manual_seed(seed)
+        for layer in engine.runner.model.layers:
+            for owner, name in ((layer.self_attn, "qkv_proj"), (layer.mlp, "down_proj")):
+                inner = getattr(owner, name)
+                setattr(owner, name, PermutedLinear(
+                    inner, torch.randperm(inner.in_features, generator=gen)))
+        outs[mode] = _run(engine)
+        if mode != "torch":
+            assert engine.runner.cpu_stack.steps >= 15
+    _assert_same_outputs(outs["kernel"], outs["torch"])
+    assert [o.logprobs[0].logprob for o in outs["kernel"]] != \
+        [o.logprobs[0].logprob for o in outs["kernel-other"]]
