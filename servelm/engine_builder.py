@@ -296,31 +296,12 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
                     parallel=None) -> Engine:
     """Engine from a config and a weights iterator (tests pass in-memory checkpoints).
     parallel: this rank's ParallelGroup; `weights` are then its slices (build_engine)."""
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    cpu_choice = args.cpu_kernel_choice()
-    cpu_kernels.configure(cpu_choice)  # before the model: its layers read it as they build
-    if torch.device(args.device).type == "cpu" and str(cpu_choice) != "torch":
-        with startup.timer().stage("kernels"):
-            try:
-                cpu_kernels.load()  # built once per machine; a failure is reported where used
-            except Exception:  # noqa: BLE001 - 'auto' falls back to torch, 'kernel' raises later
-                pass
-        if cpu_kernels.source():  # where the library came from: compiled now, prebuilt, ...
-            startup.timer().add("kernels", 0.0, note=cpu_kernels.source())
+    cpu_choice = _prepare_process(args)
     device = torch.device(args.device)
-    if device.type == "cpu":
-        keep_freed_memory()
     args = _resolve_dtype(args, None)  # weights handed in: as if stored in float32
     dtype = _DTYPES[args.dtype]
-    eos = set(config.eos_token_ids)
-    if tokenizer is not None:
-        eos |= set(tokenizer.eos_token_ids)
-    eos = tuple(sorted(eos))
-    max_model_len = args.max_model_len or config.max_position_embeddings
-    if max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"{config.max_position_embeddings} positions")
+    eos = _eos_token_ids(config, tokenizer)
+    max_model_len = _max_model_len(args, config)
     cache_config = args.cache_config()
     # A model-parallel rank builds, caches and attends over its share of the heads.
     model_config = config if parallel is None else parallel_build.local_config(parallel, config)
@@ -337,65 +318,26 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     if spec_config is not None and spec_config.method == "draft" \
             and spec_config.draft_layers is None:
         draft = _build_draft_model(args, spec_config, config, dtype, device)
-    num_blocks = num_kv_blocks(model_config, cache_config, kv_dtype, device)
-    if parallel is not None:
-        num_blocks = parallel_build.agree_num_blocks(parallel, num_blocks)
-    if draft is not None and cache_config.num_blocks_override is None:
-        # The draft's KV shares the block tables: every block costs both caches.
-        per_target = KVCache.bytes_per_block(config, cache_config.block_size, kv_dtype)
-        per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
-        num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
-    with startup.timer().stage("kv_alloc"):
-        kv_cache = KVCache(model_config, num_blocks, cache_config.block_size, kv_dtype, device)
-        # the blocks handed out first, mapped now: never more than max_num_seqs sequences of
-        # max_model_len tokens could hold (a small model's tests map next to nothing)
-        per_token = kv_cache.block_nbytes // cache_config.block_size
-        kv_cache.prefault(min(PREFAULT_BYTES, args.max_num_seqs * max_model_len * per_token))
+    num_blocks = _num_blocks(config, model_config, cache_config, kv_dtype, device, parallel,
+                             draft, dtype)
+    kv_cache = _allocate_kv_cache(args, model_config, num_blocks, kv_dtype, device,
+                                  max_model_len)
     backend = get_backend_class(args.attention_backend)(kv_cache, model_config.num_heads,
                                                         config.head_dim ** -0.5)
     bind_attention(model, backend)
-    proposer = speculator = None
-    if spec_config is not None:
-        proposer = _build_proposer(args, spec_config, config, model, backend, draft,
-                                   num_blocks, cache_config.block_size, dtype, device,
-                                   mtp_tensors)
-        from servelm.spec import SpecController
-
-        speculator = SpecController(spec_config.num_tokens, spec_config.adaptive)
-    graphs = None
-    if args.cuda_graphs:
-        if device.type != "cuda":
-            raise ValueError("cuda_graphs needs a CUDA device (--device cuda)")
-        from servelm.runner.cuda_graph import CudaGraphRunner
-
-        graphs = CudaGraphRunner(model, backend, args.max_num_seqs,
-                                 -(-min(max_model_len, num_blocks * cache_config.block_size)
-                                   // cache_config.block_size), device)
-        with startup.timer().stage("graph_capture"):
-            logger.info("CUDA graphs captured in %.1fs", graphs.capture())
-    grammars = None
-    if tokenizer is not None:  # structured outputs need the vocabulary's strings
-        from servelm.structured import GrammarMasks, compiler_for
-
-        grammars = GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos))
+    proposer, speculator = _build_speculation(args, spec_config, config, model, backend, draft,
+                                              num_blocks, dtype, device, mtp_tensors)
+    graphs = _build_cuda_graphs(args, model, backend, device, max_model_len, num_blocks)
     lora_manager, lora_slots = _build_lora(args, config, model, dtype, device)
     runner = ModelRunner(model, config, kv_cache, backend, eos, device, args.seed, graphs,
-                         proposer, grammars=grammars, lora=lora_manager,
+                         proposer, grammars=_build_grammars(tokenizer, config, eos),
+                         lora=lora_manager,
                          # a rank's sharded stack: parallel_build.attach_decode_stack
                          cpu_decode=cpu_choice.decode if parallel is None else "torch",
                          deterministic=args.deterministic)
-    if parallel is not None:
-        parallel_build.attach_decode_stack(parallel, runner, cpu_choice.decode)
-        runner = parallel_build.wrap_runner(parallel, runner)
+    runner = _parallel_runner(parallel, runner, cpu_choice)
     if device.type == "cpu":
-        from servelm.runner.kernel_paths import describe, kernel_paths
-        from servelm.own_env import startup_line
-
-        if startup_line():
-            logger.info("%s", startup_line())
-
-        logger.info("cpu kernels (--cpu-kernels %s): %s", cpu_choice, describe(
-            kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
+        _log_cpu_paths(cpu_choice, model, backend, runner, dtype, device)
     block_manager = BlockManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching,
                                  sliding_window=config.uniform_sliding_window,
@@ -406,6 +348,135 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
     engine = Engine(runner, tokenizer, block_manager, args.scheduler_config(), max_model_len,
                     config.vocab_size, eos, model_name=name or config.name,
                     speculator=speculator, loras=lora_slots, kv_connector=kv_connector)
+    _finish_engine(engine, args, config, runner)
+    logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
+                cache_config.block_size,
+                num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,
+                                                     kv_dtype) / 1e9,
+                max_model_len)
+    return engine
+
+
+def _prepare_process(args: EngineArgs):
+    """Threads, the CPU kernel choice (configured before the model: its layers read it as
+    they build) and the kernel library loaded; returns the choice."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    cpu_choice = args.cpu_kernel_choice()
+    cpu_kernels.configure(cpu_choice)
+    if torch.device(args.device).type == "cpu" and str(cpu_choice) != "torch":
+        with startup.timer().stage("kernels"):
+            try:
+                cpu_kernels.load()  # built once per machine; a failure is reported where used
+            except Exception:  # noqa: BLE001 - 'auto' falls back to torch, 'kernel' raises later
+                pass
+        if cpu_kernels.source():  # where the library came from: compiled now, prebuilt, ...
+            startup.timer().add("kernels", 0.0, note=cpu_kernels.source())
+    if torch.device(args.device).type == "cpu":
+        keep_freed_memory()
+    return cpu_choice
+
+
+def _build_speculation(args: EngineArgs, spec_config, config: ModelConfig, model, backend,
+                       draft, num_blocks: int, dtype: torch.dtype, device, mtp_tensors):
+    """(proposer, controller), or (None, None) without --speculative-method."""
+    if spec_config is None:
+        return None, None
+    proposer = _build_proposer(args, spec_config, config, model, backend, draft, num_blocks,
+                               args.cache_config().block_size, dtype, device, mtp_tensors)
+    from servelm.spec import SpecController
+
+    return proposer, SpecController(spec_config.num_tokens, spec_config.adaptive)
+
+
+def _parallel_runner(parallel, runner: ModelRunner, cpu_choice):
+    """A model-parallel rank's runner: its sharded decode stack, and rank 0 broadcasting
+    each step to the others; the runner itself without parallelism."""
+    if parallel is None:
+        return runner
+    parallel_build.attach_decode_stack(parallel, runner, cpu_choice.decode)
+    return parallel_build.wrap_runner(parallel, runner)
+
+
+def _eos_token_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    eos = set(config.eos_token_ids)
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    return tuple(sorted(eos))
+
+
+def _max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"{config.max_position_embeddings} positions")
+    return max_model_len
+
+
+def _num_blocks(config: ModelConfig, model_config: ModelConfig, cache_config, kv_dtype,
+                device, parallel, draft, dtype: torch.dtype) -> int:
+    """KV blocks from the memory left after the weights; every rank agrees on the fewest."""
+    num_blocks = num_kv_blocks(model_config, cache_config, kv_dtype, device)
+    if parallel is not None:
+        num_blocks = parallel_build.agree_num_blocks(parallel, num_blocks)
+    if draft is not None and cache_config.num_blocks_override is None:
+        # The draft's KV shares the block tables: every block costs both caches.
+        per_target = KVCache.bytes_per_block(config, cache_config.block_size, kv_dtype)
+        per_draft = KVCache.bytes_per_block(draft.config, cache_config.block_size, dtype)
+        num_blocks = max(1, num_blocks * per_target // (per_target + per_draft))
+    return num_blocks
+
+
+def _allocate_kv_cache(args: EngineArgs, model_config: ModelConfig, num_blocks: int,
+                       kv_dtype, device, max_model_len: int) -> KVCache:
+    block_size = args.cache_config().block_size
+    with startup.timer().stage("kv_alloc"):
+        kv_cache = KVCache(model_config, num_blocks, block_size, kv_dtype, device)
+        # the blocks handed out first, mapped now: never more than max_num_seqs sequences of
+        # max_model_len tokens could hold (a small model's tests map next to nothing)
+        per_token = kv_cache.block_nbytes // block_size
+        kv_cache.prefault(min(PREFAULT_BYTES, args.max_num_seqs * max_model_len * per_token))
+    return kv_cache
+
+
+def _build_cuda_graphs(args: EngineArgs, model, backend, device, max_model_len: int,
+                       num_blocks: int):
+    if not args.cuda_graphs:
+        return None
+    if device.type != "cuda":
+        raise ValueError("cuda_graphs needs a CUDA device (--device cuda)")
+    from servelm.runner.cuda_graph import CudaGraphRunner
+
+    block_size = args.cache_config().block_size
+    graphs = CudaGraphRunner(model, backend, args.max_num_seqs,
+                             -(-min(max_model_len, num_blocks * block_size) // block_size),
+                             device)
+    with startup.timer().stage("graph_capture"):
+        logger.info("CUDA graphs captured in %.1fs", graphs.capture())
+    return graphs
+
+
+def _build_grammars(tokenizer, config: ModelConfig, eos: tuple[int, ...]):
+    if tokenizer is None:  # structured outputs need the vocabulary's strings
+        return None
+    from servelm.structured import GrammarMasks, compiler_for
+
+    return GrammarMasks(compiler_for(tokenizer, config.vocab_size, eos))
+
+
+def _log_cpu_paths(cpu_choice, model, backend, runner, dtype: torch.dtype, device) -> None:
+    from servelm.own_env import startup_line
+    from servelm.runner.kernel_paths import describe, kernel_paths
+
+    if startup_line():
+        logger.info("%s", startup_line())
+    logger.info("cpu kernels (--cpu-kernels %s): %s", cpu_choice, describe(
+        kernel_paths(model, backend, runner.cpu_stack, dtype, device)))
+
+
+def _finish_engine(engine: Engine, args: EngineArgs, config: ModelConfig, runner) -> None:
+    """What the engine is told after it is built: its model and args (read back by the
+    server and the core), the SLO policy's step time, the vision limits."""
     engine.model_config = config
     if args.slo_cost_model is not None and engine.scheduler.policy is not None:
         from servelm.engine.step_cost_model import StepCostModel  # torch-free (docs/slo.md)
@@ -417,12 +488,6 @@ def assemble_engine(args: EngineArgs, config: ModelConfig, weights, tokenizer,
         if vision is not None:
             vision.cache.capacity_tokens = args.encoder_cache_tokens
     engine.engine_args = args
-    logger.info("%s: %d KV blocks of %d tokens (%.2f GB), context %d", name, num_blocks,
-                cache_config.block_size,
-                num_blocks * KVCache.bytes_per_block(config, cache_config.block_size,
-                                                     kv_dtype) / 1e9,
-                max_model_len)
-    return engine
 
 
 def _build_kv_connector(args: EngineArgs, config: ModelConfig, block_nbytes: int,
