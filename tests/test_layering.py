@@ -106,7 +106,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("engine", "core"): "engine <-> core: core/ holds both the step contract (below the "
                         "engine) and the engine core process (above it)",
     ("core", "engine_builder"): "core/process.py builds the engine it hosts",
-    ("kernels", "quant"): "Triton kernels reuse quant's fp8 and int4 packing helpers",
     ("quant", "loader"): "quant/checkpoint.py and community.py read checkpoints (tools "
                          "above the loader)",
     ("quant", "models"): "quant/checkpoint.py and community.py read the packed-modules "

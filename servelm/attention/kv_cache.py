@@ -36,7 +36,7 @@ import mmap
 import torch
 
 from servelm.config import ModelConfig
-from servelm.quant.fp8 import FP8_DTYPE, quantize_fp8
+from servelm.kernels.fp8_format import FP8_DTYPE, quantize_fp8
 
 
 def _store_ops(cache: torch.Tensor):

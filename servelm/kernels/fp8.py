@@ -8,7 +8,7 @@ float32 adder itself), and cast a value that is already on the grid, which every
 gets right. On a GPU this costs two adds per element in a memory-bound kernel, and the code
 the interpreter tests is the code the GPU runs.
 
-Owns the grid rounding and the saturation bound; the torch twin is servelm.quant.fp8.
+Owns the grid rounding and the saturation bound; the torch twin is servelm.kernels.fp8_format.
 """
 
 from __future__ import annotations

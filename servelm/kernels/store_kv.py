@@ -4,7 +4,7 @@
     slot_mapping[t] < 0           token t is padding (a CUDA-graph bucket): not written
 
 An fp8 cache (float8_e4m3fn) stores codes: k / k_scale[head], saturated to +-448 and rounded
-to nearest even (servelm.quant.fp8 is the definition; the kernel rounds in float32 first,
+to nearest even (servelm.kernels.fp8_format is the definition; the kernel rounds in float32 first,
 see servelm/kernels/fp8.py, so it matches torch's cast bit for bit).
 
 Owns the scatter kernel and its torch reference. Never allocates cache memory.
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from servelm.kernels.fp8 import saturate_round_e4m3
-from servelm.quant.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from servelm.kernels.fp8_format import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 PAD_SLOT = -1  # slot_mapping value of a padding token
 

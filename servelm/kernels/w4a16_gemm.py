@@ -18,7 +18,7 @@ to the dot dtype (bf16/fp16 tensor cores on a GPU; see dot_dtype.py for the inte
 Block sizes are fixed, not autotuned: BLOCK_M 16 for decode-sized M (<= 16), else 64.
 
 Owns the kernel, its launcher and its torch reference. Never packs weights (the layer does,
-once, with servelm.quant.int4_linear.pack_int4_along_k).
+once, with servelm.kernels.int4_layout.pack_int4_along_k).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from servelm.kernels.dot_dtype import dot_dtype
-from servelm.quant.int4_linear import unpack_int4_along_k
+from servelm.kernels.int4_layout import unpack_int4_along_k
 
 
 @triton.jit

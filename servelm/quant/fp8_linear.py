@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.quant.fp8 import FP8_DTYPE, amax_scale, dequantize_fp8, quantize_fp8
+from servelm.kernels.fp8_format import FP8_DTYPE, amax_scale, dequantize_fp8, quantize_fp8
 from servelm.quant.methods import QuantMethod
 from servelm.quant.quantized_linear import QuantizedLinear
 

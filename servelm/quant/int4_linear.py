@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servelm.kernels.int4_layout import pack_int4_along_k, unpack_int4_along_k
 from servelm.quant.cpu_panels import (int4_panel_weight, narrowest_exact, pack_int4_panels,
                                       pack_int4_vnni, panel_ops, unpack_int4_panels,
                                       unpack_int4_vnni)
@@ -67,25 +68,6 @@ def quantize_int4_groups(weight: torch.Tensor, group_size: int,
     q = torch.round((wg - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
     q = q.view(n, -1)[:, :k].to(torch.uint8)
     return q.contiguous(), scale, zero
-
-
-def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
-    """q[N, K] codes 0..15 -> [ceil(K / 8), N] int32, eight codes a word along K: nibble j of
-    word [i, n] is q[n, 8 i + j] (the Triton w4a16 kernel's layout). Columns past K are 8."""
-    n, k = q.shape
-    words = -(-k // 8)
-    codes = F.pad(q.to(torch.int64), (0, words * 8 - k), value=8).view(n, words, 8)
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
-    packed = (codes << shifts).sum(-1)  # [N, words] in 0 .. 2^32 - 1
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as int32 bits
-    return packed.to(torch.int32).t().contiguous()
-
-
-def unpack_int4_along_k(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The inverse of pack_int4_along_k: [ceil(K / 8), N] int32 -> q[N, K] uint8."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    codes = (packed.t()[:, :, None] >> shifts) & 0xF  # [N, words, 8]
-    return codes.reshape(packed.shape[1], -1)[:, :k].to(torch.uint8)
 
 
 class Int4Linear(QuantizedLinear):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from servelm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-from servelm.quant.fp8 import FP8_DTYPE
+from servelm.kernels.fp8_format import FP8_DTYPE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}

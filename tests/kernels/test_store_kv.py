@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from servelm.kernels.store_kv import PAD_SLOT, store_kv, store_kv_ref
-from servelm.quant.fp8 import FP8_DTYPE, FP8_MAX
+from servelm.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -9,13 +9,9 @@ the N tile; groups of 32/64/128.
 import pytest
 import torch
 
+from servelm.kernels.int4_layout import pack_int4_along_k, unpack_int4_along_k
 from servelm.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
-from servelm.quant.int4_linear import (
-    Int4Linear,
-    pack_int4_along_k,
-    quantize_int4_groups,
-    unpack_int4_along_k,
-)
+from servelm.quant.int4_linear import Int4Linear, quantize_int4_groups
 from servelm.quant.quantized_weight import QuantizedWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

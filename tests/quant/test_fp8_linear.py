@@ -10,7 +10,7 @@ import torch
 
 from servelm.protocol import InvalidParameterError
 from servelm.quant import get_quant_method
-from servelm.quant.fp8 import FP8_MAX
+from servelm.kernels.fp8_format import FP8_MAX
 from servelm.quant.fp8_linear import (
     Fp8Linear,
     fp8_linear_ref,
