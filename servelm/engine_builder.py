@@ -27,6 +27,7 @@ from servelm.loader import (iter_weights, load_model_config, load_tokenizer, pre
 from servelm.models import get_model_class
 from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
+from servelm.quant import kquant_default
 from servelm.quant.community import METHODS as CODES_METHODS
 from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
@@ -247,6 +248,8 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
         checkpoint = read_quantized_checkpoint(source.path)
     if checkpoint is not None:  # its method, before --dtype auto reads it
         args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
+    elif args.quantization is None:  # a GGUF K-quant file keeps its codes (kquant_default.py)
+        args = dataclasses.replace(args, quantization=kquant_default.default_method(source, args))
     args = _resolve_dtype(args, source)
     key = None
     if args.quantization is None and args.prepared_weights_cache and parallel is None:

@@ -38,7 +38,10 @@ def _llm(path: Path, **kwargs) -> LLM:
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_M", "Q6_K"])
 def test_codes_kept_give_the_float_models_next_tokens(kind):
     path = _file(kind)
-    kept, dequantized = _llm(path, quantization="gguf"), _llm(path)
+    # float values: without servelm's quantized kernels a K-quant file is not kept as codes
+    kept, dequantized = _llm(path, quantization="gguf"), _llm(path, cpu_kernels="quant=torch")
+    assert not any(isinstance(m, KQuantLinear)
+                   for m in dequantized.engine.runner.model.modules())
     model = kept.engine.runner.model
     kquant = [m for m in model.modules() if isinstance(m, KQuantLinear)]
     assert kquant, "no K-quant matrix kept as codes"
@@ -140,3 +143,26 @@ def test_q4_k_m_decodes_on_the_stack_as_eagerly(activations):
         assert a.token_ids == b.token_ids
         assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
             [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+
+
+def test_default_keeps_a_k_quant_files_codes_where_gguf_keeps_every_matrix_exactly():
+    """Without --quantization: the Q4_K_M file (K-quants, Q5_0 and Q8_0: all kept exactly)
+    runs as --quantization gguf on the stack; the Q5_K_M file (its Q5_1 matrices would be
+    requantized) keeps its float values, as does the Q4_K_M file with --cpu-kernels
+    quant=torch."""
+    from servelm.config import EngineArgs
+    from servelm.loader import resolve_model
+    from servelm.quant.kquant_default import default_method
+
+    q4 = _file("Q4_K_M")
+    llm = LLM(str(q4), kv_cache_memory=32 * 2**20, max_model_len=512)
+    runner = llm.engine.runner
+    assert any(isinstance(m, KQuantLinear) for m in runner.model.modules())
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    assert runner.cpu_stack is not None and runner.cpu_stack.steps >= 3
+    assert default_method(resolve_model(str(q4)), EngineArgs(model=str(q4))) == "gguf"
+    assert default_method(resolve_model(str(q4)), EngineArgs(
+        model=str(q4), cpu_kernels="quant=torch")) is None
+    q5 = _file("Q5_K_M")
+    assert default_method(resolve_model(str(q5)), EngineArgs(model=str(q5))) is None
