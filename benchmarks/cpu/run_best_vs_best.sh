@@ -19,11 +19,16 @@
 #   DRY=1 bash benchmarks/cpu/run_best_vs_best.sh    # tiny sizes, results in /tmp
 #   SERVELM_CONFIGS="default gguf" PEER_LIST=vllm-bf16 ...   # a subset
 #   ROUNDS=3 ...   # each system 3 times, in turn; the summary takes medians
+#   MODEL=/path/file.gguf ...   # another GGUF file (llama.cpp's peers serve the same file)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=${PEERS:-/work/peers}
 PY=${PY:-.venv/bin/python}
-MODEL=smollm2-135m-instruct
+MODEL=${MODEL:-smollm2-135m-instruct}
+ENV_SAID=""  # the settings that changed what ran, for the record's command line
+for v in MODEL ROUNDS SERVELM_CONFIGS PEER_LIST; do
+  [ -z "${!v+x}" ] || ENV_SAID+="$v=\"${!v}\" "
+done
 TS=$(date -u +%Y%m%dT%H%M%SZ)
 if [ "${DRY:-0}" = 1 ]; then
   OUT=${OUT_DIR:-/tmp/servelm-best-vs-best-$TS}
@@ -87,4 +92,4 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 echo "load after: $(cat /proc/loadavg); $(( $(date +%s) - START )) s" >&2
 "$PY" benchmarks/cpu/best_vs_best_summary.py "$OUT" \
-    --command "${DRY:+DRY=$DRY }bash benchmarks/cpu/run_best_vs_best.sh"
+    --command "${DRY:+DRY=$DRY }$ENV_SAID""bash benchmarks/cpu/run_best_vs_best.sh"
