@@ -9,7 +9,7 @@ tensors to the model as they are.
 
 Owns: the cache key -- the checkpoint's files (resolved path, size, modification time), the
 dtype, the model class, and a hash of the sources that decide the parameters' names and
-values (servelm/models, servelm/layers, servelm/loader, servelm/config.py), so a code change
+values (servelm/models, servelm/layers, servelm/loader, servelm/config), so a code change
 never meets a stale entry -- writing atomically, a size cap with least-recently-used
 eviction, and refusing what it cannot hold (quantized layers, non-CPU devices, tiny models).
 Never: holds a file it could not have written whole (a torn write is a temp file, never an
@@ -34,8 +34,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MIN_BYTES = 16 * 2**20  # below this the checkpoint loads about as fast as the cache reads
 CAP_BYTES = int(os.environ.get("SERVELM_PREPARED_CACHE_BYTES", 16 * 2**30))
-_CODE_DIRS = ("models", "layers", "loader")
-_CODE_FILES = ("config.py",)
+_CODE_DIRS = ("models", "layers", "loader", "config")
 
 
 def prepared_dir() -> Path:
@@ -48,7 +47,7 @@ def prepared_dir() -> Path:
 def code_hash() -> str:
     root = Path(__file__).resolve().parent.parent  # the servelm package
     h = hashlib.sha256()
-    files = [root / f for f in _CODE_FILES]
+    files = []
     for d in _CODE_DIRS:
         files += sorted((root / d).glob("*.py"))
     for f in files:

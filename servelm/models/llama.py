@@ -1,6 +1,6 @@
 """Llama (Llama 2/3/3.1, Mistral, SmolLM2), Qwen2 and Qwen3: the decoder frame as it is.
 
-Every difference between them is configuration (servelm/config.py ModelConfig): Qwen2's
+Every difference between them is configuration (servelm/config/model.py ModelConfig): Qwen2's
 biases on q/k/v (attention_bias), Qwen3's per-head RMSNorm on q and k before rotary
 (qk_norm), Mistral's sliding window (sliding_window: a layer that slides asks the attention
 backend for the window once a sequence in the step is longer than it), the rope scaling.

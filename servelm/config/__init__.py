@@ -1,0 +1,23 @@
+"""Frozen configuration dataclasses, normalised once at start-up, by job:
+
+    model.py    ModelConfig, the one description of a model's shape (HF config.json or GGUF)
+    engine.py   EngineArgs and the parts it hands out: CacheConfig, KVTiersConfig,
+                SchedulerConfig, SpeculativeConfig, ParallelConfig
+    flags.py    the engine's CLI flags, their defaults read from EngineArgs
+
+`from servelm.config import X` keeps working for each of them.
+Never: mutated after start-up (values found at run time, such as the number of KV blocks, are
+passed explicitly, not written back here); imports torch.
+"""
+
+from servelm.config.model import ModelConfig, _gguf_sliding_window
+from servelm.config.engine import (CacheConfig, EngineArgs, KVTiersConfig, KV_CACHE_DTYPES,
+                                   KV_RELOAD_POLICIES, PARALLEL_LAUNCHERS, ParallelConfig,
+                                   RAY_PLACEMENTS, SCHEDULING_POLICIES, SPEC_METHODS,
+                                   SchedulerConfig, SpeculativeConfig)
+from servelm.config.flags import add_engine_cli_args, engine_args_from_cli, parse_bytes
+
+__all__ = ["CacheConfig", "EngineArgs", "KVTiersConfig", "KV_CACHE_DTYPES", "KV_RELOAD_POLICIES",
+           "ModelConfig", "PARALLEL_LAUNCHERS", "ParallelConfig", "RAY_PLACEMENTS",
+           "SCHEDULING_POLICIES", "SPEC_METHODS", "SchedulerConfig", "SpeculativeConfig",
+           "add_engine_cli_args", "engine_args_from_cli", "parse_bytes"]
