@@ -28,12 +28,10 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -129,50 +127,32 @@ def estimate_total_s(plan: ValidationPlan, knee: float | None = None) -> float:
 
 
 class Server:
-    """`servelm serve` in its own process group, tracing its steps; stopped as a group."""
+    """`servelm serve` in its own process group, tracing its steps (a ProcessSpec the
+    launcher's Supervisor starts, waits for and stops, as a group: servelm/launch/)."""
 
     def __init__(self, plan: ValidationPlan, trace: Path, log: Path, ready_timeout_s: float):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from servelm.launch import TO_STDERR, HttpHealth, ProcessSpec, Supervisor
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "servelm.cli", "serve", plan.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--threads", str(plan.threads), "--max-num-seqs",
                str(plan.max_num_seqs), "--no-prefix-cache", "--no-log-requests",
                "--step-trace", str(trace)]
         # No prefix cache: the rounds send the same seeded prompts to their servers, and a
-        # replayed trace starts from an empty cache in the simulator.
-        self._log = open(log, "w")  # noqa: SIM115 (open for the server's life)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self._wait_ready(ready_timeout_s, log)
-
-    def _wait_ready(self, timeout_s: float, log: Path) -> None:
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): see {log}")
-            try:
-                urllib.request.urlopen(f"{self.url}/v1/models", timeout=2).close()
-                return
-            except OSError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"the server was not ready in {timeout_s:.0f} s: see {log}")
-            time.sleep(0.5)
+        # replayed trace starts from an empty cache in the simulator. Its own session: stopping
+        # the group leaves no engine core behind its front end.
+        spec = ProcessSpec(f"validation server {self.url}", tuple(cmd),
+                           readiness=HttpHealth(f"{self.url}/v1/models", probe_timeout_s=2.0),
+                           ready_timeout_s=ready_timeout_s, stdout=TO_STDERR,
+                           stderr=str(log), new_session=True)
+        self.handle = Supervisor(stop_at_exit=False).start(spec)  # LaunchError: why not
 
     def stop(self) -> None:
-        """The whole group, so that no engine core outlives its front end; the step trace is
-        complete once the server has exited."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        """The whole group; the step trace is complete once the server has exited."""
+        self.handle.stop(grace_s=60.0)
 
 
 def bench(plan: ValidationPlan, url: str, task: Task, out: Path, log: Path,
