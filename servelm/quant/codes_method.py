@@ -18,11 +18,10 @@ says which checkpoints those are).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from servelm.quant.int4_linear import GROUP_SIZES, Int4Linear
 from servelm.quant.int8_linear import Int8Linear
-from servelm.quant.methods import QuantMethod
+from servelm.quant.methods import QuantMethod, float_linear
 from servelm.quant.quantized_weight import QuantizedWeight
 
 
@@ -46,13 +45,7 @@ class CodesMethod(QuantMethod):
 
     def build(self, weight, bias):
         if not isinstance(weight, QuantizedWeight):
-            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                              device=weight.device, dtype=weight.dtype)
-            layer.requires_grad_(False)
-            layer.weight.copy_(weight)
-            if bias is not None:
-                layer.bias.copy_(bias)
-            return layer
+            return float_linear(weight, bias)
         if weight.perm is not None:  # act-order: codes in group order (permuted_linear.py)
             from servelm.quant.permuted_linear import PermutedLinear
 

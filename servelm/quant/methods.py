@@ -22,6 +22,18 @@ from servelm.quant.int8_linear import (Int8Linear, quantize_int8_groups,
 from servelm.quant.quantized_weight import QuantizedWeight
 
 
+def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A frozen nn.Linear holding a copy of `weight` (and `bias`), in their dtype: what a
+    method builds for a layer that stays float."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    layer.requires_grad_(False)
+    layer.weight.copy_(weight)
+    if bias is not None:
+        layer.bias.copy_(bias)
+    return layer
+
+
 class QuantMethod:
     """A named way to build linear layers; one instance is shared by a whole model.
 
@@ -210,13 +222,7 @@ class GGUFMethod(QuantMethod):
                                   self.activations).build(weight, bias)
             return Int4Linear(weight.q, weight.scale, weight.zero, 32, bias,
                               self.compute_dtype, activations=self.activations)
-        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                          device=weight.device, dtype=weight.dtype)
-        layer.requires_grad_(False)
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-        return layer
+        return float_linear(weight, bias)
 
     def accepted_formats(self):
         return ("int8", "int8-g32", "int4-g32")
