@@ -121,6 +121,8 @@ def find_records(results: Path) -> list[Record]:
             if match is None:
                 continue
             data = json.loads(path.read_text())
+            if kind == "best-vs-best" and "MODEL=" in str(data.get("command", "")):
+                break  # a run on another file: not the default model's comparison
             key = (kind, match.groupdict().get("variant") or "", match["stamp"],
                    cpu_class(*cpu_facts(data)))
             groups.setdefault(key, []).append((rel, data))
