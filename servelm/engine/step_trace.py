@@ -140,8 +140,9 @@ class StepTraceData(NamedTuple):
 _IDLE_GAP_S = 5e-4
 
 
-def read_step_trace(path: str | Path) -> StepTraceData:
-    """A trace file's steps and admissions; a file that is not a trace is refused."""
+def _read_rows(path: str | Path) -> tuple[dict, list[dict]]:
+    """A trace file's header and rows (admissions' idle flags inferred where an older trace
+    lacks them); a file that is not a trace is refused."""
     lines = Path(path).read_text().splitlines()
     head = json.loads(lines[0]) if lines else {}
     if head.get("kind") != KIND:
@@ -149,6 +150,12 @@ def read_step_trace(path: str | Path) -> StepTraceData:
     rows = [json.loads(line) for line in lines[1:] if line.strip()]
     if any("admit_s" in r and "idle" not in r for r in rows):
         rows = _infer_idle(rows)
+    return head, rows
+
+
+def read_step_trace(path: str | Path) -> StepTraceData:
+    """A trace file's steps and admissions; a file that is not a trace is refused."""
+    head, rows = _read_rows(path)
     shapes, seconds, admissions = [], [], []
     for row in rows:
         if "admit_s" in row:
@@ -173,13 +180,7 @@ class TimedAdmission(NamedTuple):
 def read_timed_trace(path: str | Path) -> tuple[dict, list[TimedStep], list[TimedAdmission]]:
     """A trace's steps and admissions with their wall-clock times, to split one server's
     trace into the windows of the runs it served (a client's record has the same clock)."""
-    lines = Path(path).read_text().splitlines()
-    head = json.loads(lines[0]) if lines else {}
-    if head.get("kind") != KIND:
-        raise ValueError(f"{path} is not a step trace (servelm serve --step-trace)")
-    rows = [json.loads(line) for line in lines[1:] if line.strip()]
-    if any("admit_s" in r and "idle" not in r for r in rows):
-        rows = _infer_idle(rows)
+    head, rows = _read_rows(path)
     steps = [TimedStep(float(r["t"]), float(r["s"]), StepShape(*r["shape"]))
              for r in rows if "shape" in r]
     admissions = [TimedAdmission(float(r.get("t", 0.0)),
