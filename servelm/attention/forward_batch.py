@@ -38,6 +38,9 @@ class ForwardBatch:
     # servelm.vision.runner.MultimodalBatch when rows take image embeddings (or M-RoPE
     # positions); None: token embeddings and 1-D positions only
     mm: Any = field(default=None)
+    # batch index -> [Q, Q] bool: that sequence's rows are a speculative tree's (each sees
+    # its ancestors; attention/tree_mask.py); None: every sequence causal
+    tree_masks: dict | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:

@@ -38,6 +38,7 @@ from servelm.attention.forward_batch import ForwardBatch
 from servelm.attention.kv_cache import KVCache
 from servelm.attention.paged_attention_cpu import (decode_kernel_for, mla_decode_kernel_for,
                                                   prefill_kernel_for)
+from servelm.attention.tree_mask import apply_tree_masks
 
 
 @dataclass
@@ -130,6 +131,8 @@ class TorchAttentionBackend:
             meta.prefill_context_lens = torch.tensor(batch.context_lens[nd:], dtype=torch.long)
         else:
             meta.prefill_slots, meta.prefill_masks = self._prefill_contexts(batch)
+        if batch.tree_masks:  # speculative tree verification (attention/tree_mask.py)
+            apply_tree_masks(self, batch, meta)
         return meta
 
     def _prefill_contexts(self, batch: ForwardBatch):
