@@ -389,7 +389,20 @@ def _build_speculation(args: EngineArgs, spec_config, config: ModelConfig, model
                                args.cache_config().block_size, dtype, device, mtp_tensors)
     from servelm.spec import SpecController
 
+    if spec_config.tree != "off":  # servelm/spec/tree.py
+        return _tree_speculation(args, spec_config, config, backend, proposer)
     return proposer, SpecController(spec_config.num_tokens, spec_config.adaptive)
+
+
+def _tree_speculation(args, spec_config, config: ModelConfig, backend, proposer):
+    """eagle3's drafter drafting trees, and a controller choosing their size."""
+    from servelm.spec.tree import UnsupportedTreeError, build_tree_speculation
+
+    try:
+        return build_tree_speculation(proposer, spec_config, backend, config,
+                                      args.deterministic)
+    except UnsupportedTreeError as e:
+        raise InvalidParameterError(str(e), param="spec_tree") from e
 
 
 def _parallel_runner(parallel, runner: ModelRunner, cpu_choice):

@@ -110,6 +110,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft", "eagle3", "mtp")
+SPEC_TREES = ("off", "static", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class SpeculativeConfig:
     "mtp" (the target checkpoint's own multi-token-prediction layers, DeepSeek-V3's).
     adaptive: shrink k, or turn speculation off for a step, when the measured acceptance and
     step times say it no longer pays at the current batch size.
+    tree: eagle3 drafts a tree of up to `num_tokens` nodes ("static": top-k per depth;
+    "dynamic": EAGLE-2's confidence-pruned tree, `tree_topk` children per expanded node) and
+    verifies it in one step (servelm/spec/tree.py); "off": a chain.
     """
 
     method: str
@@ -134,6 +138,8 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     draft_quantization: str | None = None
     adaptive: bool = True
+    tree: str = "off"
+    tree_topk: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -154,6 +160,14 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'mtp' drafts with the target's own "
                              "multi-token-prediction layers: it takes no --speculative-model, "
                              "--spec-draft-layers or --spec-draft-quantization")
+        if self.tree not in SPEC_TREES:
+            raise ValueError(f"spec_tree must be one of {SPEC_TREES}, got {self.tree!r}")
+        if self.tree != "off" and self.method != "eagle3":
+            raise ValueError(f"spec_tree {self.tree!r}: tree drafting needs --speculative-method "
+                             f"eagle3, got {self.method!r} (ngram and draft models propose one "
+                             "chain; mtp's targets keep an MLA cache the tree mask does not cover)")
+        if self.tree_topk < 1:
+            raise ValueError(f"spec_tree_topk must be >= 1, got {self.tree_topk}")
         if self.method == "draft":
             if (self.draft_model, self.draft_layers, self.draft_quantization) == (None,) * 3:
                 raise ValueError("speculative method 'draft' needs --spec-draft-model, "
@@ -246,6 +260,8 @@ class EngineArgs:
     spec_draft_layers: int | None = None
     spec_draft_quantization: str | None = None
     spec_adaptive: bool = True
+    spec_tree: str = "off"  # off | static | dynamic (eagle3: tree drafting and verification)
+    spec_tree_topk: int = 4
     # LoRA adapters (servelm/lora/, docs/lora.md): "name=path" each, loaded at start-up;
     # enable_lora: serve adapters loaded at run time even when none is given here.
     lora_modules: tuple[str, ...] = ()
@@ -324,7 +340,8 @@ class EngineArgs:
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens,
                                  self.spec_ngram_max, self.spec_ngram_min,
                                  self.spec_draft_model, self.spec_draft_layers,
-                                 self.spec_draft_quantization, self.spec_adaptive)
+                                 self.spec_draft_quantization, self.spec_adaptive,
+                                 self.spec_tree, self.spec_tree_topk)
 
     def check_parallel_launcher(self) -> None:
         if self.parallel_launcher not in PARALLEL_LAUNCHERS:

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any
 
 from servelm.config.engine import (KV_CACHE_DTYPES, KV_RELOAD_POLICIES, PARALLEL_LAUNCHERS,
-                                   RAY_PLACEMENTS, SCHEDULING_POLICIES, SPEC_METHODS, EngineArgs)
+                                   RAY_PLACEMENTS, SCHEDULING_POLICIES, SPEC_METHODS, SPEC_TREES,
+                                   EngineArgs)
 from servelm.quant import quant_method_names  # torch-free: the registry's names
 from servelm.quant.int8_act import ACTIVATIONS as QUANT_ACTIVATIONS  # torch-free
 
@@ -221,6 +222,12 @@ def add_engine_cli_args(parser) -> None:
     s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
                    default=d("spec_adaptive"),
                    help="always speculate k tokens, even past the break-even batch")
+    s.add_argument("--spec-tree", default=d("spec_tree"), choices=SPEC_TREES,
+                   help="eagle3: draft a tree of up to k nodes and verify it in one step "
+                        "(static: top-k per depth; dynamic: EAGLE-2's confidence-pruned "
+                        "tree) (default %(default)s: a chain)")
+    s.add_argument("--spec-tree-topk", type=int, default=d("spec_tree_topk"),
+                   help="tree drafting: children per expanded node (default %(default)s)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

@@ -119,6 +119,7 @@ class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
 class SpecOutcome(msgspec.Struct, array_like=True):
     num_proposed: int  # drafts scored this step
     num_accepted: int  # of which the target accepted (one more token is always emitted)
+    depth: int = 0  # draft positions that could be accepted (a tree's depth); 0: num_proposed
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):
@@ -169,6 +170,8 @@ class StepReport(msgspec.Struct, omit_defaults=True):
     spec_mean_accepted_length: float = 0.0
     spec_draft_time_share: float = 0.0
     spec_k: int | None = None  # None: speculation is off
+    spec_accepted_lengths: list[int] = []  # [n]: verifications that accepted n drafts
+    spec_position_acceptance: list[float] = []  # [i]: draft position i + 1's, when tried
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     num_used_blocks: int = 0

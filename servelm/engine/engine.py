@@ -77,6 +77,11 @@ class EngineStats:
     spec_num_accepted: int = 0  # of which accepted
     spec_draft_s: float = 0.0  # time in the proposer
     spec_step_s: float = 0.0  # time of the steps that speculated
+    # [n]: verifications that accepted n drafts; per draft position i + 1, verifications that
+    # tried it (every draft before it accepted) and that accepted it
+    spec_accepted_lengths: list[int] = field(default_factory=list)
+    spec_position_tried: list[int] = field(default_factory=list)
+    spec_position_accepted: list[int] = field(default_factory=list)
     # Vision encoder (zero for text-only models): images encoded, cache hits, seconds
     num_images_encoded: int = 0
     num_encoder_cache_hits: int = 0
@@ -95,6 +100,25 @@ class EngineStats:
     @property
     def spec_draft_time_share(self) -> float:
         return self.spec_draft_s / self.spec_step_s if self.spec_step_s else 0.0
+
+    @property
+    def spec_position_acceptance(self) -> list[float]:
+        return [a / t if t else 0.0
+                for a, t in zip(self.spec_position_accepted, self.spec_position_tried)]
+
+    def count_acceptance(self, num_accepted: int, depth: int) -> None:
+        """One verification's accepted drafts, of `depth` positions it could accept."""
+        _bump(self.spec_accepted_lengths, num_accepted)
+        for i in range(min(num_accepted + 1, depth)):
+            _bump(self.spec_position_tried, i)
+        for i in range(num_accepted):
+            _bump(self.spec_position_accepted, i)
+
+
+def _bump(counts: list[int], i: int) -> None:
+    if len(counts) <= i:
+        counts.extend([0] * (i + 1 - len(counts)))
+    counts[i] += 1
 
 
 class Engine:
@@ -516,6 +540,7 @@ class Engine:
         st.spec_num_verifications += 1
         st.spec_num_proposed += outcome.num_proposed
         st.spec_num_accepted += outcome.num_accepted
+        st.count_acceptance(outcome.num_accepted, outcome.depth or outcome.num_proposed)
         if self.speculator is not None:
             self.speculator.observe_verify(outcome.num_proposed, outcome.num_accepted)
 
@@ -599,6 +624,8 @@ class Engine:
             spec_mean_accepted_length=st.spec_mean_accepted_length,
             spec_draft_time_share=st.spec_draft_time_share,
             spec_k=self.speculator.last_k if self.speculator is not None else None,
+            spec_accepted_lengths=list(st.spec_accepted_lengths),
+            spec_position_acceptance=st.spec_position_acceptance,
             num_running_requests=num_running, num_waiting_requests=num_waiting,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,

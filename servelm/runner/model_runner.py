@@ -18,6 +18,7 @@ import torch
 from servelm.attention import AttentionBackend
 from servelm.attention.forward_batch import ForwardBatch
 from servelm.attention.kv_cache import KVCache
+from servelm.attention.tree_mask import compact_path_kv, node_depths, set_tree_rows
 from servelm.config import CacheConfig, ModelConfig
 from servelm.core.contract import (EXPERT_TOKENS_EVERY, KVBlock, PromptLogprobs, SampledToken,
                                    SpecOutcome, StepDescription, StepResult)
@@ -27,7 +28,8 @@ from servelm.runner.cpu_decode import CpuDecodeStack
 from servelm.runner.deterministic import enable_deterministic
 from servelm.runner.logits import finish_logits, head_rows
 from servelm.sampling import SamplingTensors, draw_tensors, sample, sampling_probs
-from servelm.sampling.verify import accept_greedy, accept_sampled
+from servelm.sampling.verify import (accept_greedy, accept_sampled, accept_tree_greedy,
+                                     accept_tree_sampled)
 from servelm.vision.runner import VisionRunner
 
 
@@ -142,6 +144,9 @@ class ModelRunner:
         proposals, draft_s = self._propose(scheduled)
         works = _decodes_first([_Work.of(s, proposals.get(s.seq.seq_id)) for s in scheduled])
         fb = build_forward_batch(works, self.block_size, self.device)
+        for i, w in enumerate(works):  # speculative trees (attention/tree_mask.py)
+            if w.parents is not None:
+                set_tree_rows(fb, i, len(w.tokens) - len(w.drafts), w.parents)
         if self.vision is not None:
             self.vision.prepare(works, fb)
         if self.lora is not None:
@@ -279,9 +284,14 @@ class ModelRunner:
             else:
                 sampled.append((w, row, n))
         emitted: dict[int, list[int]] = {}
+        paths: dict[int, list[int]] = {}  # trees: the accepted nodes
         if greedy_rows:
             argmax = logits.argmax(dim=-1).tolist()
             for w, row, n in greedy_rows:
+                if w.parents is not None:
+                    emitted[w.seq.seq_id], paths[w.seq.seq_id] = accept_tree_greedy(
+                        w.drafts, w.parents, argmax[row:row + n])
+                    continue
                 emitted[w.seq.seq_id] = accept_greedy(w.drafts, argmax[row:row + n])
         if sampled:
             idx = torch.tensor([r for _, row, n in sampled for r in range(row, row + n)],
@@ -292,11 +302,20 @@ class ModelRunner:
             at = 0
             for w, _, n in sampled:
                 q = proposals[w.seq.seq_id].probs
-                emitted[w.seq.seq_id] = accept_sampled(w.drafts, probs[at:at + n], q)
+                if w.parents is not None:
+                    emitted[w.seq.seq_id], paths[w.seq.seq_id] = accept_tree_sampled(
+                        w.drafts, w.parents, probs[at:at + n])
+                else:
+                    emitted[w.seq.seq_id] = accept_sampled(w.drafts, probs[at:at + n], q)
                 at += n
         for w, _ in spec:
+            if w.seq.seq_id in paths:  # keep the path's KV where rollback keeps KV
+                compact_path_kv(self.kv_cache, w.seq.block_table,
+                                w.start + len(w.tokens) - len(w.drafts) - 1,
+                                paths[w.seq.seq_id], self.block_size)
             tokens = emitted[w.seq.seq_id]
-            result.spec[w.seq.seq_id] = SpecOutcome(len(w.drafts), len(tokens) - 1)
+            depth = max(node_depths(w.parents)) if w.parents is not None else 0
+            result.spec[w.seq.seq_id] = SpecOutcome(len(w.drafts), len(tokens) - 1, depth)
             result.sampled += [SampledToken(w.seq.seq_id, t) for t in tokens]
 
     @torch.inference_mode()
@@ -324,8 +343,8 @@ class ModelRunner:
         # image rows and M-RoPE positions are not in a captured graph: those steps run eagerly
         hidden = (self.graphs.maybe_run(fb) if self.graphs is not None and fb.mm is None
                   else None)
-        if hidden is None and self.cpu_stack is not None:
-            hidden = self.cpu_stack.maybe_run(fb)
+        if hidden is None and self.cpu_stack is not None and not fb.tree_masks:
+            hidden = self.cpu_stack.maybe_run(fb)  # (its rows attend contiguous positions)
         if hidden is None:
             fb.attn_metadata = self.backend.build_metadata(fb)
             if self.aux_layers:
@@ -440,13 +459,15 @@ class _Work:
     scheduled: RunnerScheduled
     tokens: list[int]
     drafts: list[int] | None = None  # speculating: every position is scored
+    parents: list[int] | None = None  # the drafts are a tree (Proposal.parents)
 
     @classmethod
     def of(cls, s: RunnerScheduled, proposal=None) -> _Work:
         n = s.num_new_tokens - s.num_spec
         tokens = s.seq.token_ids[s.start:s.start + n]
         if proposal is not None and proposal.token_ids:
-            return cls(s, tokens + proposal.token_ids, list(proposal.token_ids))
+            return cls(s, tokens + proposal.token_ids, list(proposal.token_ids),
+                       proposal.parents)
         return cls(s, tokens)
 
     @property

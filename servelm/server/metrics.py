@@ -42,6 +42,7 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0
                           0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _RATIO_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
                   0.8, 0.9, 1.0)
+_SPEC_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # servelm_requests_rejected_total{reason}: a limit's error code names the reason; any other
@@ -246,6 +247,13 @@ class ServerMetrics:
                             "Draft tokens per sequence chosen for the last step (0: off)",
                             registry=r)
         self._spec_seen = (0, 0)
+        self.spec_accepted_len = hist("servelm_spec_acceptance_length",
+                                      "Drafts accepted per verifying sequence-step",
+                                      _SPEC_LENGTH_BUCKETS)
+        self.spec_position = Gauge("servelm_spec_position_acceptance_rate",
+                                   "Share of verifications trying draft position N that "
+                                   "accepted it", ["position"], registry=r)
+        self._spec_lengths_seen: list[int] = []
         self.alive = Gauge("servelm_engine_alive", "1 while the engine loop runs", registry=r)
         info = Gauge("servelm_info", "Served model and peak numbers", ["model", "peak_bandwidth",
                                                                         "peak_flops"],
@@ -272,6 +280,7 @@ class ServerMetrics:
         """Count from the engine's current totals (an engine may outlive one app)."""
         self._num_preemptions_seen = report.num_preemptions
         self._spec_seen = (report.spec_num_proposed, report.spec_num_accepted)
+        self._spec_lengths_seen = list(report.spec_accepted_lengths)
 
     def observe_images(self, num_images: int) -> None:
         self.vision.observe_images(num_images)
@@ -316,6 +325,13 @@ class ServerMetrics:
         self.spec_mean_len.set(report.spec_mean_accepted_length)
         self.spec_draft_share.set(report.spec_draft_time_share)
         self.spec_k.set(report.spec_k)
+        seen = self._spec_lengths_seen
+        for n, count in enumerate(report.spec_accepted_lengths):
+            for _ in range(count - (seen[n] if n < len(seen) else 0)):
+                self.spec_accepted_len.observe(n)
+        self._spec_lengths_seen = list(report.spec_accepted_lengths)
+        for i, rate in enumerate(report.spec_position_acceptance):
+            self.spec_position.labels(position=str(i + 1)).set(rate)
 
     def _observe_step_shape(self, stats, step_s: float) -> tuple[float | None, float | None]:
         """(bandwidth, compute) utilisation of the step; None without a cost model."""

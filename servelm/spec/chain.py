@@ -71,6 +71,9 @@ class _SeqState:
     kv: SeqKV
     feat_start: int = 0  # features for positions feat_start .. + len
     feat: torch.Tensor | None = None
+    # a tree verified last step: (start, its rows' features, drafts, parents), resolved to
+    # the accepted path's features once the sequence's new tokens are known
+    pending: tuple | None = None
 
 
 class ChainProposer(Proposer):
@@ -98,13 +101,17 @@ class ChainProposer(Proposer):
         Rows past the verified tokens (rejected drafts) are replaced the next time."""
         feats = self.drafter.features(aux)  # [T, H]
         for i, w in enumerate(works):
-            st = self._state(w.seq)
-            rows = feats[query_start_loc[i]:query_start_loc[i + 1]]
-            end = st.feat_start + (0 if st.feat is None else st.feat.shape[0])
-            if st.feat is None or not st.feat_start <= w.start <= end:
-                st.feat_start, st.feat = w.start, rows  # a gap (prefix hit) or a restart
-            else:
-                st.feat = torch.cat((st.feat[:w.start - st.feat_start], rows))
+            self._keep(self._state(w.seq), w.start,
+                       feats[query_start_loc[i]:query_start_loc[i + 1]])
+
+    @staticmethod
+    def _keep(st: _SeqState, start: int, rows: torch.Tensor) -> None:
+        """rows: the features of positions start .. start + len - 1."""
+        end = st.feat_start + (0 if st.feat is None else st.feat.shape[0])
+        if st.feat is None or not st.feat_start <= start <= end:
+            st.feat_start, st.feat = start, rows  # a gap (prefix hit) or a restart
+        else:
+            st.feat = torch.cat((st.feat[:start - st.feat_start], rows))
 
     @torch.inference_mode()
     def propose(self, scheduled: list) -> dict[int, Proposal]:
@@ -116,22 +123,12 @@ class ChainProposer(Proposer):
         return out
 
     def _chain(self, seq, start: int, k: int) -> list[int]:
-        """Catch the drafter up on positions < start (whose features the target gave), then
-        draft k tokens for positions start + 1 ..."""
+        """Catch the drafter up, then draft k tokens for positions start + 1 ..."""
         st = self._state(seq)
-        kv = st.kv
-        if st.feat is None:
+        out = self._catch_up(st, seq, start)
+        if out is None:
             return []
-        if not st.feat_start <= kv.end <= start:  # features begin later (a prefix hit)
-            kv.restart(st.feat_start)
-        if kv.end >= start or st.feat_start + st.feat.shape[0] < start:
-            return []
-        lo = kv.end
-        device = st.feat.device
-        hidden = st.feat[lo - st.feat_start:start - st.feat_start]
-        tokens = torch.tensor(seq.token_ids[lo + 1:start + 1], device=device)
-        positions = torch.arange(lo, start, device=device)
-        out = self.drafter.step(hidden, tokens, positions, kv)[-1:]
+        kv, device = st.kv, out.device
         real_end = kv.end
         drafts = []
         for j in range(k):
@@ -140,6 +137,29 @@ class ChainProposer(Proposer):
             if j + 1 < k:
                 out = self.drafter.step(out, torch.tensor([d], device=device),
                                         torch.tensor([start + j], device=device), kv)
-        kv.truncate(real_end)
-        st.feat_start, st.feat = start, st.feat[start - st.feat_start:]
+        self._finish(st, start, real_end)
         return drafts
+
+    def _catch_up(self, st: _SeqState, seq, start: int) -> torch.Tensor | None:
+        """Run the drafter over positions < start whose target features it has not used:
+        -> its output at position start - 1 [1, H] (what drafts position start + 1), or
+        None when the features do not reach start."""
+        kv = st.kv
+        if st.feat is None:
+            return None
+        if not st.feat_start <= kv.end <= start:  # features begin later (a prefix hit)
+            kv.restart(st.feat_start)
+        if kv.end >= start or st.feat_start + st.feat.shape[0] < start:
+            return None
+        lo = kv.end
+        device = st.feat.device
+        hidden = st.feat[lo - st.feat_start:start - st.feat_start]
+        tokens = torch.tensor(seq.token_ids[lo + 1:start + 1], device=device)
+        positions = torch.arange(lo, start, device=device)
+        return self.drafter.step(hidden, tokens, positions, kv)[-1:]
+
+    @staticmethod
+    def _finish(st: _SeqState, start: int, real_end: int) -> None:
+        """Drop the drafted positions' KV and the features already consumed."""
+        st.kv.truncate(real_end)
+        st.feat_start, st.feat = start, st.feat[start - st.feat_start:]

@@ -21,7 +21,9 @@ second for the current number of decodes B:
     T_k   = c0 + cd B (1 - f) + cv B f (1 + k) + k r T_off
     rate(k) = B (1 - f + f E(a, k)) / T_k,   E = (1 - a^(k+1)) / (1 - a)
 
-E is the planner's `expected_tokens_per_step` (servelm/planner/speculative.py). When the
+E is the planner's `expected_tokens_per_step` (servelm/planner/speculative.py). Trees
+(TreeSpecController) choose their node budget the same way, with their measured accepted
+length per size in place of E and a depth's drafter step in place of a position's. When the
 window cannot tell a verification token's cost (no verifying step in it) the controller
 drafts k_max for a step; when it cannot tell a plain decode's (no plain decodes in it) it runs
 one step without drafts: one probe per window at most, so a decision is re-measured as the
@@ -95,15 +97,23 @@ class SpecController:
             return self.k_max
         t_off = max(cost.off(b), 1e-9)
         best_k, best_rate = 0, b / t_off
-        a, f = self.acceptance, self.proposal_rate
+        f = self.proposal_rate
         for k in range(1, self.k_max + 1):
-            tokens = b * (1 - f + f * expected_tokens_per_step(a, k))
+            tokens = b * (1 - f + f * (1 + self.expected_accepted(k)))
             t_k = (cost.c0 + cost.decode * b * (1 - f) + cost.verify * b * f * (1 + k)
-                   + k * self.draft_ratio * t_off)
+                   + self.draft_steps(k) * self.draft_ratio * t_off)
             rate = tokens / max(t_k, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def expected_accepted(self, k: int) -> float:
+        """Drafts accepted per verification with k drafts: a chain's E(a, k) - 1."""
+        return expected_tokens_per_step(self.acceptance, k) - 1.0
+
+    def draft_steps(self, k: int) -> int:
+        """Proposer steps k drafts cost: one per chain position."""
+        return k
 
     def step_time_model(self) -> StepCost | None:
         """Least squares of step time on (1, decode, verify, prefill tokens) over the window;
@@ -142,7 +152,7 @@ class SpecController:
 
     def observe_verify(self, proposed: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of `proposed` drafts passed."""
-        tried = accepted + (1 if accepted < proposed else 0)
+        tried = accepted + (1 if accepted < self.draft_steps(proposed) else 0)
         if tried:
             sample = accepted / tried
             # Weight by trials, so long verifications count for more.
@@ -159,7 +169,7 @@ class SpecController:
             return
         target = cost.off(num_asked)
         if target > 0:
-            ratio = draft_s / self.last_k / target
+            ratio = draft_s / self.draft_steps(self.last_k) / target
             if not self._draft_measured:  # the first measurement replaces the prior (0)
                 self.draft_ratio, self._draft_measured = ratio, True
             else:  # a draft model's cost moves with the batch: follow it quickly
@@ -171,3 +181,50 @@ class SpecController:
                 "draft_ratio": self.draft_ratio, "last_k": self.last_k,
                 "step_cost": None if cost is None else dataclasses.asdict(cost),
                 "num_off_steps": self.num_off_steps, "num_probes": self.num_probes}
+
+
+class TreeSpecController(SpecController):
+    """The same choice for tree drafting (servelm/spec/tree.py): k is the tree's node
+    budget, and the tree's depth is `depth_for(k)`, so choosing the size chooses the depth.
+
+        accepted  L(k) = the measured mean accepted drafts of trees of k nodes (an EMA, once
+                         `min_samples` verifications used k), else sum_{i=1..D(k)} a^i with a
+                         the per-depth acceptance measured on trees (a chain of D(k) tried
+                         positions), never below a smaller size's measured L
+        draft     D(k) drafter steps (one per depth: a depth's nodes run as one step)
+        verify    1 + k tokens per sequence, at the fitted cost of a verification token
+
+    and rate(k) = B (1 - f + f (1 + L(k))) / T_k as for a chain; k = 0 (off) wins where no
+    tree pays. A bigger tree only pays where its extra nodes' acceptance beats their
+    verification cost, which the fitted per-token cost prices at every batch size."""
+
+    def __init__(self, k_max: int, adaptive: bool = True, depth_for=None,
+                 min_samples: int = 8, **kw):
+        super().__init__(k_max, adaptive, **kw)
+        self.depth_for = depth_for or (lambda k: k)
+        self.min_samples = min_samples
+        self._len = np.zeros(k_max + 1)  # EMA of accepted drafts per tree size
+        self._len_n = np.zeros(k_max + 1, dtype=np.int64)
+
+    def draft_steps(self, k: int) -> int:
+        return self.depth_for(k) if k > 0 else 0
+
+    def expected_accepted(self, k: int) -> float:
+        prior = sum(self.acceptance ** i for i in range(1, self.draft_steps(k) + 1))
+        measured = [self._len[j] for j in range(1, k) if self._len_n[j] >= self.min_samples]
+        if self._len_n[k] >= self.min_samples:
+            return float(self._len[k])
+        return max([prior] + measured)
+
+    def observe_verify(self, proposed: int, accepted: int) -> None:
+        super().observe_verify(proposed, accepted)
+        if 0 < proposed <= self.k_max:
+            n = self._len_n[proposed] = self._len_n[proposed] + 1
+            w = max(1.0 / n, self.ema)
+            self._len[proposed] += w * (accepted - self._len[proposed])
+
+    def snapshot(self) -> dict:
+        out = super().snapshot()
+        out["tree_accepted"] = {int(k): float(self._len[k])
+                                for k in np.nonzero(self._len_n)[0]}
+        return out

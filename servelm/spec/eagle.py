@@ -15,8 +15,8 @@ Never: the target's forward (the runner calls it with `aux_layers` and hands the
 to `observe`), verification, or the block manager.
 
 Choices, and why:
-- Chain drafting only (one candidate per depth); tree drafting and tree verification are a
-  later step.
+- Chain drafting here; tree drafting (several candidates per depth, EAGLE-2's dynamic tree)
+  is servelm/spec/tree.py's, over the same drafter (`step` takes a tree mask).
 - Aux layer i means the hidden state after layer i (the EAGLE-3 trainer's choice: its
   hidden_states[3], [L//2 + 1], [-3] are after layers 2, L//2, L - 3; the default here).
 """
@@ -230,14 +230,17 @@ class Eagle3Drafter(nn.Module):
     def next_tokens(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_target(self.logits(out).argmax(-1))
 
-    def step(self, hidden, tokens, positions, cache: SeqKV) -> torch.Tensor:
+    def step(self, hidden, tokens, positions, cache: SeqKV,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run positions (consecutive, after the cache's) through the layer, appending their
-        K/V to `cache`: -> outputs [T, hidden]."""
+        K/V to `cache`: -> outputs [T, hidden]. mask: [T, cached + T] keys each row sees
+        (tree drafting: its context and its ancestors); None: causal."""
         q, k, v, residual = self.qkv(hidden, tokens, positions)
         cache.append(k, v)
         keys, values = cache.k, cache.v
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
-        mask = causal_mask(q.shape[0], keys.shape[0])
+        if mask is None:
+            mask = causal_mask(q.shape[0], keys.shape[0])
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
             values.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)

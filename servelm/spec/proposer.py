@@ -19,6 +19,9 @@ class Proposal:
     # [len(token_ids), V] the draft distribution each token was drawn from, for rejection
     # sampling of sampled requests; None: a point mass (n-gram, or a greedy draft).
     probs: torch.Tensor | None = None
+    # a tree (servelm/spec/tree.py): token_ids[i] is node i + 1, its parent parents[i]
+    # (0: the token fed this step; parents before children); None: a chain
+    parents: list[int] | None = None
 
 
 class Proposer:
