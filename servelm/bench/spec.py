@@ -1,14 +1,17 @@
 """`servelm bench spec`: where speculative decoding helps, breaks even and hurts.
 
-For each proposer (off, ngram, the target's first N layers, a quantized copy, a draft model)
-and each mode (fixed k; adaptive: the controller may shrink k or switch off), on a copy-heavy
-task and on open chat, at each batch size: end-to-end output tok/s of a greedy batch, mean
-accepted length, acceptance, draft time share and how often the controller turned
+For each proposer (off, ngram, the target's first N layers, a quantized copy, a draft model,
+an EAGLE-3 head drafting a chain or a tree) and each mode (fixed k; adaptive: the controller
+may shrink k or switch off), on a copy-heavy task and on open chat, at each batch size:
+end-to-end output tok/s of a greedy batch, mean accepted length (and its histogram),
+acceptance per draft position, draft time share and how often the controller turned
 speculation off. Greedy speculation is exact, so every method generates the same tokens and
 the tok/s compare like for like. Writes JSON (command, machine, commit) and a PNG.
 
     servelm bench spec smollm2-135m-instruct --methods off,ngram,layers:8,quant:gguf \
         --batch-sizes 1,4,16,64 --tasks copy,chat --output-len 64 --threads 2
+    servelm bench spec --methods off,ngram,quant:gguf,eagle3:HEAD,eagle3-tree:HEAD \
+        --modes adaptive --tasks chat --tree-tokens 8
 """
 
 from __future__ import annotations
@@ -27,9 +30,18 @@ from servelm.loader.model_cache import DEFAULT_MODEL
 PROMPTS = Path(__file__).with_name("data") / "spec_prompts.json"
 
 
+TREES = {"eagle3-tree": "dynamic", "eagle3-static": "static"}
+
+
 def parse_method(text: str) -> dict[str, Any]:
-    """off | ngram | layers:N | quant:METHOD | model:PATH -> EngineArgs speculative fields."""
+    """off | ngram | layers:N | quant:METHOD | model:PATH | eagle3:HEAD | eagle3-tree:HEAD |
+    eagle3-static:HEAD -> EngineArgs speculative fields."""
     kind, _, value = text.partition(":")
+    if kind == "eagle3" and value:
+        return {"speculative_method": "eagle3", "spec_draft_model": value}
+    if kind in TREES and value:
+        return {"speculative_method": "eagle3", "spec_draft_model": value,
+                "spec_tree": TREES[kind]}
     if kind == "off" and not value:
         return {}
     if kind == "ngram" and not value:
@@ -41,7 +53,8 @@ def parse_method(text: str) -> dict[str, Any]:
     if kind == "model" and value:
         return {"speculative_method": "draft", "spec_draft_model": value}
     raise ValueError(f"--methods: unknown method {text!r} (off, ngram, layers:N, "
-                     f"quant:METHOD, model:PATH)")
+                     f"quant:METHOD, model:PATH, eagle3:HEAD, eagle3-tree:HEAD, "
+                     f"eagle3-static:HEAD)")
 
 
 def task_prompts(llm, task: str, batch: int) -> list[list[int]]:
@@ -53,10 +66,14 @@ def task_prompts(llm, task: str, batch: int) -> list[list[int]]:
 def _fresh_controller(engine, k: int, adaptive: bool) -> None:
     from servelm.engine.engine import EngineStats
     from servelm.spec import SpecController
+    from servelm.spec.controller import TreeSpecController
 
     engine.stats = EngineStats()
     if engine.speculator is not None:
-        ctl = SpecController(k, adaptive)
+        proposer = getattr(engine.runner, "proposer", None)
+        depth_for = getattr(proposer, "depth_for", None)  # a tree proposer
+        ctl = (TreeSpecController(k, adaptive, depth_for=depth_for) if depth_for is not None
+               else SpecController(k, adaptive))
         engine.speculator = engine.scheduler.speculator = ctl
 
 
@@ -78,6 +95,8 @@ def run_one(llm, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
            "acceptance_rate": st.spec_acceptance_rate,
            "mean_accepted_length": st.spec_mean_accepted_length,
            "draft_time_share": st.spec_draft_time_share,
+           "acceptance_length_hist": list(st.spec_accepted_lengths),
+           "position_acceptance": st.spec_position_acceptance,
            "tokens_hash": hash(tuple(map(tuple, tokens)))}
     if ctl is not None:
         row["off_steps"] = ctl.num_off_steps
@@ -99,17 +118,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",")]
     runs = []
     for method in methods:
-        kw = dict(base, **specs[method], num_speculative_tokens=args.num_speculative_tokens)
+        k = args.tree_tokens if "spec_tree" in specs[method] else args.num_speculative_tokens
+        kw = dict(base, **specs[method], num_speculative_tokens=k)
         kw["max_num_seqs"] = max(kw.get("max_num_seqs") or 0, max(batches))
         llm = LLM(args.model, **kw)
         llm.generate([[1, 2, 3, 4]], None, use_tqdm=False)  # warm-up, off the clock
         for mode in (modes if specs[method] else ["-"]):
             for task in tasks:
                 for b in batches:
-                    _fresh_controller(llm.engine, args.num_speculative_tokens,
-                                      mode == "adaptive")
+                    _fresh_controller(llm.engine, k, mode == "adaptive")
                     row = run_one(llm, task_prompts(llm, task, b), args.output_len)
-                    row.update(method=method, mode=mode, task=task, batch=b)
+                    row.update(method=method, mode=mode, task=task, batch=b, k=k)
                     runs.append(row)
                     print(f"[bench spec] {method:>12} {mode:>8} {task:>4} B={b:<3} "
                           f"{row['output_tok_s']:7.1f} tok/s  accepted length "
@@ -208,7 +227,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--methods", default="off,ngram,layers:8",
-                   help="comma-separated: off, ngram, layers:N, quant:METHOD, model:PATH")
+                   help="comma-separated: off, ngram, layers:N, quant:METHOD, model:PATH, "
+                        "eagle3:HEAD (chain), eagle3-tree:HEAD (dynamic tree), "
+                        "eagle3-static:HEAD (static tree)")
+    p.add_argument("--tree-tokens", type=int, default=8,
+                   help="tree methods: most nodes per tree (k for the others: "
+                        "--num-speculative-tokens)")
     p.add_argument("--modes", default="fixed,adaptive",
                    help="fixed: always k drafts; adaptive: the controller decides")
     p.add_argument("--batch-sizes", default="1,4,16,64")

@@ -11,7 +11,11 @@ def test_parse_method():
     assert parse_method("layers:8") == {"speculative_method": "draft", "spec_draft_layers": 8}
     assert parse_method("quant:gguf")["spec_draft_quantization"] == "gguf"
     assert parse_method("model:/x")["spec_draft_model"] == "/x"
-    for bad in ("layers:x", "quant:", "ngram:3", "medusa"):
+    assert parse_method("eagle3:/h") == {"speculative_method": "eagle3",
+                                         "spec_draft_model": "/h"}
+    assert parse_method("eagle3-tree:/h")["spec_tree"] == "dynamic"
+    assert parse_method("eagle3-static:/h")["spec_tree"] == "static"
+    for bad in ("layers:x", "quant:", "ngram:3", "medusa", "eagle3", "eagle3-tree:"):
         with pytest.raises(ValueError, match="--methods"):
             parse_method(bad)
 
