@@ -121,6 +121,9 @@ class SamplingParams:
     # OpenAI's prompt_cache_retention: "24h" keeps the prompt's cached blocks ahead of
     # others in the prefix cache's eviction order for that long; "in_memory" is the default.
     prompt_cache_retention: str | None = None
+    # Whose retention it is: each tenant keeps at most the engine's cap of retained blocks
+    # (the server sets it from the OpenAI-Project header, else the API key; None: anonymous).
+    prompt_cache_tenant: str | None = None
 
     MAX_LOGPROBS = 20
     POOLINGS = ("mean", "last")
@@ -249,6 +252,11 @@ class SamplingParams:
         if retention is not None and retention not in self.PROMPT_CACHE_RETENTIONS:
             raise bad("prompt_cache_retention", f"must be one of "
                       f"{', '.join(self.PROMPT_CACHE_RETENTIONS)}, got {str(retention)[:32]!r}")
+        tenant = self.prompt_cache_tenant
+        if tenant is not None and (not isinstance(tenant, str)
+                                   or len(tenant) > self.MAX_CACHE_SALT_LEN):
+            raise bad("prompt_cache_tenant", f"must be a string of at most "
+                      f"{self.MAX_CACHE_SALT_LEN} characters, got {str(tenant)[:32]!r}")
         if self.thinking_budget is not None:
             if not isinstance(self.thinking_budget, ThinkingBudget):
                 raise bad("thinking_budget", f"must be a ThinkingBudget, got "

@@ -27,8 +27,8 @@ class CacheConfig:
     # Hard cap on the number of blocks (tests use it to force preemption).
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    # Prefix-cache blocks one namespace (cache salt) may hold under prompt_cache_retention
-    # "24h", kept ahead of others in the eviction order (0: retention off).
+    # Prefix-cache blocks one tenant (OpenAI-Project) may hold under prompt_cache_retention
+    # "24h", kept ahead of others in the eviction order, and as many in the KV tiers (0: off).
     max_retained_blocks: int = 512
     # "auto": blocks in the model's dtype; "fp8": float8_e4m3fn codes with a static scale per
     # layer and KV head (servelm/attention/kv_cache.py): a block takes 1 byte per element.

@@ -68,8 +68,9 @@ def add_engine_cli_args(parser) -> None:
                    help="disable prefix caching (for comparison)")
     g.add_argument("--prompt-cache-retention-blocks", dest="max_retained_blocks", type=int,
                    default=d("max_retained_blocks"),
-                   help="prefix-cache blocks one namespace (cache salt) may keep ahead of "
-                        "others for requests with prompt_cache_retention 24h (0: off)")
+                   help="prefix-cache blocks one tenant (OpenAI-Project) may keep ahead of "
+                        "others for requests with prompt_cache_retention 24h, and as many "
+                        "in the KV tiers; past it its oldest go back to LRU (0: off)")
     g.add_argument("--max-num-encoder-tokens", type=int, default=d("max_num_encoder_tokens"),
                    help="vision models: image tokens whose encoding may start in one step, so "
                         "a burst of images cannot stall decoding (0: no limit; default "

@@ -46,9 +46,11 @@ blocks a sequence generates are its own and are dropped as the window passes the
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
+from typing import Callable
 
-from servelm.engine.prefix_cache import PrefixCache, PrefixMatch
+from servelm.engine.prefix_cache import DEFAULT_TENANT, PrefixCache, PrefixMatch
 from servelm.engine.sequence import Sequence
 
 _NO_MATCH = PrefixMatch([], 0)
@@ -66,10 +68,12 @@ DROPPED = -1  # a block table entry whose block left the sliding window (module 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int = 0, max_retained_blocks: int = 0):
+                 sliding_window: int = 0, max_retained_blocks: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         """sliding_window: every layer's window (ModelConfig.uniform_sliding_window), 0 for
         none. A window under two blocks frees nothing worth its bookkeeping: treated as 0.
-        max_retained_blocks: the prefix cache's cap on retained blocks per namespace."""
+        max_retained_blocks: the prefix cache's cap on retained blocks per tenant; clock:
+        what their retention is measured in."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.sliding_window = sliding_window if sliding_window >= 2 * block_size else 0
@@ -79,7 +83,7 @@ class BlockManager:
         # taken from the left; freed blocks go back on the left (a stack: module doc)
         self._free: deque[int] = deque(_block_ids(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self.prefix_cache = (PrefixCache(block_size, max_retained_blocks)
+        self.prefix_cache = (PrefixCache(block_size, max_retained_blocks, clock)
                              if enable_prefix_caching else None)
         # seq_id -> blocks of that sequence already in the prefix cache
         self._num_cached: dict[int, int] = {}
@@ -231,7 +235,8 @@ class BlockManager:
         cached = cache.blocks if cache is not None else ()
         if cache is not None and seq.params.cache_retention_s:  # its cached prompt blocks
             cache.retain(seq.block_table[:seq.num_prompt_tokens // self.block_size],
-                         seq.params.cache_retention_s, seq.extra_key)
+                         seq.params.cache_retention_s,
+                         seq.params.prompt_cache_tenant or DEFAULT_TENANT)
         evictable: list[int] = []
         try:
             for block in reversed(seq.block_table):

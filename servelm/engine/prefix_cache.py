@@ -3,7 +3,8 @@
 Owns: which KV blocks hold which token prefixes, per namespace (`extra_key`: cache salt,
 adapter id), and least-recently-used eviction of blocks no sequence references, except that
 retained blocks (a prompt asking `prompt_cache_retention`, `retain`) go last, earliest
-expiry first, until their retention ends; at most `max_retained_blocks` per namespace.
+expiry first, until their retention ends; at most `max_retained_blocks` per tenant (the
+RetentionBook un-pins a tenant's least recently retained blocks past it).
 Never: tensors, or reference counting of blocks (the BlockManager counts holders and tells
 the cache when a cached block becomes free to evict or is taken again), or memory that
 outgrows the KV pool: a namespace lives only while it holds a block (its root goes with its
@@ -21,7 +22,8 @@ A sequence holding a node's block also holds every ancestor's, so an unreference
 only unreferenced descendants: eviction takes unreferenced leaves, oldest access first.
 A retained leaf met there moves to a second heap ordered by expiry, taken only when the first
 is empty or its head has expired: retention is a priority, never a pin, so a pool full of
-retained blocks still serves every request.
+retained blocks still serves every request. A retained block evicted all the same is handed
+to `on_evict` with its retention, so the KV tiers below the pool keep it there instead.
 
 KV events (for a router's view of what this replica caches): once `record_events` is on,
 every block that enters the tree and every block that leaves it is logged as
@@ -39,6 +41,10 @@ import struct
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from servelm.engine.retention_book import RetentionBook
+
+DEFAULT_TENANT = "anonymous"  # whose retention a request without a tenant asks
 
 
 class PrefixMatch(NamedTuple):
@@ -125,12 +131,12 @@ class PrefixCacheStats:
 
 class PrefixCache:
     def __init__(self, block_size: int, max_retained_blocks: int = 0, clock=time.monotonic):
-        """max_retained_blocks: per namespace (0: retention off)."""
+        """max_retained_blocks: per tenant (0: retention off). clock: what retention ends
+        are measured in (the KV tiers read the same one)."""
         self.block_size = block_size
         self.max_retained_blocks = max_retained_blocks
-        self._now = clock
-        # namespace -> its retained nodes by block (expired ones are dropped when it is full)
-        self._retained: dict[object, dict[int, _Node]] = {}
+        self.clock = self._now = clock
+        self._retention = RetentionBook(max_retained_blocks)  # block id -> tenant, end
         self._retained_lru: list[tuple[float, int, _Node]] = []  # (retained_until, ...)
         self._roots: dict[object, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block id -> node
@@ -143,8 +149,9 @@ class PrefixCache:
         self.record_events = False
         self._events: list[tuple[int, int, int]] = []  # (kind, hash, parent hash)
         # KV tiers (servelm/kv_tiers/): chain hashes kept on every node (enable_hashes), and
-        # on_evict(block, hash, parent hash, token ids) called for each block evict() drops,
-        # so its content can be saved below the pool before the block is reused.
+        # on_evict(block, hash, parent hash, token ids, retention) called for each block
+        # evict() drops, so its content can be saved below the pool before the block is
+        # reused (retention: a Retention still running, else None).
         self.keep_hashes = False
         self.on_evict = None
 
@@ -321,59 +328,54 @@ class PrefixCache:
             if (self._nodes.get(node.block) is not node or not node.is_evictable
                     or node.children):
                 continue  # stale entry
-            if not from_retained and node.retained_until > now:
+            if node.retained_until > now and (not from_retained or key != node.retained_until):
+                # retained since queued, or its retention extended: requeue at its end
                 heapq.heappush(retained, (node.retained_until, next(self._tiebreak), node))
+                continue
+            if from_retained and key != node.retained_until:
+                self._push(node)  # un-pinned for its tenant's cap: back in the LRU order
                 continue
             if not from_retained and key != node.last_access:
                 self._push(node)  # touched since queued: requeue at its real age
                 continue
+            retention = self._retention.get(node.block) if node.retained_until > now else None
             self._remove(node)
             freed.append(node.block)
             if self.on_evict is not None:
-                self.on_evict(node.block, node.hash, node.parent.hash, node.key)
+                self.on_evict(node.block, node.hash, node.parent.hash, node.key, retention)
         self.stats.num_evicted_blocks += len(freed)
         return freed
 
-    def retain(self, blocks: list[int], duration_s: float, extra_key=None) -> int:
+    def retain(self, blocks: list[int], duration_s: float, tenant: str = DEFAULT_TENANT) -> int:
         """Keep the cached `blocks` (a prompt's, root first) ahead of others in the eviction
-        order for `duration_s`, within the namespace's cap. Returns how many are retained."""
+        order for `duration_s`, within the tenant's cap: past it, the tenant's least recently
+        retained blocks go back to plain LRU. Returns how many of `blocks` are retained."""
         if self.max_retained_blocks <= 0 or duration_s <= 0:
             return 0
         now = self._now()
-        held = self._retained.setdefault(extra_key, {})
-        num = 0
+        cached = []
         for block in blocks:
-            node = self._nodes.get(block)
-            if node is None:
+            if block not in self._nodes:
                 break
-            if block not in held and len(held) >= self.max_retained_blocks:
-                for b in [b for b, n in held.items() if n.retained_until <= now]:
-                    held.pop(b).retained_until = 0.0
-                if len(held) >= self.max_retained_blocks:
-                    break
-            node.retained_until = max(node.retained_until, now + duration_s)
-            held[block] = node
-            num += 1
-        if not held:
-            del self._retained[extra_key]
-        return num
+            cached.append(block)
+        kept, unpinned = self._retention.retain(tenant, cached, now + duration_s, now)
+        for block in unpinned:
+            self._nodes[block].retained_until = 0.0
+        for block in kept:
+            self._nodes[block].retained_until = self._retention.until(block)
+        return len(kept)
 
     @property
     def num_retained_blocks(self) -> int:
-        return sum(len(held) for held in self._retained.values())
+        return len(self._retention)
+
+    def num_retained_by(self, tenant: str) -> int:
+        return self._retention.num_held(tenant)
 
     def _forget_retention(self, node: _Node) -> None:
-        if not node.retained_until:
-            return
-        node.retained_until = 0.0
-        root = node
-        while root.parent is not None:
-            root = root.parent
-        held = self._retained.get(root.namespace)
-        if held is not None:
-            held.pop(node.block, None)
-            if not held:
-                del self._retained[root.namespace]
+        if node.retained_until:
+            node.retained_until = 0.0
+            self._retention.release(node.block)
 
     def _remove(self, node: _Node) -> None:
         self._forget_retention(node)
@@ -408,9 +410,11 @@ class PrefixCache:
             assert root.children, f"namespace {key!r} kept without a block"
             assert root.namespace == key
         assert self._num_namespace_bytes == sum(_key_bytes(k) for k in self._roots)
-        for key, held in self._retained.items():
-            assert held and len(held) <= self.max_retained_blocks, f"namespace {key!r} over cap"
-            assert all(self._nodes.get(b) is n and n.retained_until for b, n in held.items())
+        self._retention.check_invariants()
+        assert len(self._retention) == sum(bool(n.retained_until) for n in self._nodes.values())
+        for node in self._nodes.values():
+            assert node.retained_until == self._retention.until(node.block), \
+                f"block {node.block}: retention and book disagree"
 
 
 def _key_bytes(extra_key) -> int:

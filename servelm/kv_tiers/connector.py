@@ -13,6 +13,9 @@ A store is a pool of BlockEntry keyed by chain hash. The engine thread calls eve
     put(entry)         keep it; returns the entries it evicted to make room, for the
                        store below (host memory -> disk; the last store drops them)
     discard(h)         forget h (a read found it corrupt)
+    keep(h), unkeep(h) h is retained (prompt_cache_retention): evict it after every entry
+                       that is not, until unkeep puts it back among them (a store may
+                       ignore both: the disk tier is one LRU)
     bandwidth_Bps      measured read bandwidth, for the reload-vs-recompute decision
 
 A later remote store (another replica's host memory over the disaggregation transport, an
@@ -60,6 +63,10 @@ class TierStore(Protocol):
     def put(self, entry: BlockEntry) -> list[BlockEntry]: ...
 
     def discard(self, block_hash: int) -> None: ...
+
+    def keep(self, block_hash: int) -> None: ...
+
+    def unkeep(self, block_hash: int) -> None: ...
 
     def observe_read(self, num_bytes: int, seconds: float) -> None:
         """A read of num_bytes took `seconds` (updates bandwidth_Bps)."""

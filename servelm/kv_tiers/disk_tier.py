@@ -178,6 +178,13 @@ class DiskTier(MeteredTier):
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
 
+    def keep(self, block_hash: int) -> None:
+        """Retention is kept in memory tiers; on disk a retained block is one more file in
+        the LRU (the disk is the tier sized for a day of evictions)."""
+
+    def unkeep(self, block_hash: int) -> None:
+        """See keep."""
+
     def discard(self, block_hash: int) -> None:
         size = self._index.pop(block_hash, None)
         if size is None:

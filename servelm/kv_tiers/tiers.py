@@ -5,9 +5,11 @@ step's kv_saves, the bytes the runner returns into the first tier, what that tie
 out into the next), finding a waiting request's prefix below the pool, the reload-or-
 recompute decision (reload_policy.py), checked reloads (entry.verify) read off the step on
 the IO thread, the blocks a reload writes (the step's kv_loads), the per-request
-CacheExplain and the per-tier counters. Never: tensors, a file path (disk_tier.py), or
-blocking a step: a request whose blocks are still being read waits, skipped, while the
-others run.
+CacheExplain and the per-tier counters, and the retention of blocks the prefix cache evicted
+while retained (`prompt_cache_retention`): kept in the tiers until it ends, ahead of other
+blocks, within the same per-tenant cap as in the pool (a RetentionBook by chain hash).
+Never: tensors, a file path (disk_tier.py), or blocking a step: a request whose blocks are
+still being read waits, skipped, while the others run.
 
     device pool ──evict──▶ host memory ──evict──▶ disk ──evict──▶ (dropped)
          ▲                     │                   │
@@ -36,6 +38,7 @@ from typing import NamedTuple
 from servelm.core.contract import KVBlock, StepDescription
 from servelm.engine.kv_connector import KVConnector, KVConnectorHost
 from servelm.engine.prefix_cache import block_hash, namespace_hash
+from servelm.engine.retention_book import Retention, RetentionBook
 from servelm.engine.sequence import SequenceStatus
 from servelm.kv_tiers.connector import TierStore
 from servelm.kv_tiers.entry import BlockEntry, make_entry, verify
@@ -63,6 +66,7 @@ class _Save(NamedTuple):
     hash: int
     parent: int
     token_ids: tuple[int, ...]
+    retention: Retention | None = None
 
 
 class KVTiers(KVConnector):
@@ -92,6 +96,9 @@ class KVTiers(KVConnector):
         self.num_reload = 0  # admissions that reloaded (decision counters)
         self.num_recompute = 0
         self.num_dropped_saves = 0  # evictions whose content was not saved (see _on_evict)
+        # chain hash -> tenant and end of a retention that moved down (the cap: bind's)
+        self._retention = RetentionBook(0)
+        self._now = time.monotonic
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -102,6 +109,8 @@ class KVTiers(KVConnector):
                              "blocks are found again by their chain hash")
         cache.enable_hashes()
         cache.on_evict = self._on_evict
+        self._retention = RetentionBook(cache.max_retained_blocks)
+        self._now = cache.clock  # the clock the pool's retention ends are in
 
     def close(self) -> None:
         """Finish the queued reads and writes (a later run finds every block it saved)."""
@@ -111,19 +120,21 @@ class KVTiers(KVConnector):
     # -- moving down -------------------------------------------------------------------------
 
     def _on_evict(self, block: int, block_hash_: int, parent_hash: int,
-                  token_ids: tuple[int, ...]) -> None:
+                  token_ids: tuple[int, ...], retention: Retention | None = None) -> None:
         """The prefix cache dropped a cached-only block: save it in this step, unless a
-        tier has it already (then it only counts as used)."""
+        tier has it already (then it only counts as used). Its retention goes with it."""
         for tier in self.tiers:
             if tier.contains(block_hash_):
                 _touch(tier, block_hash_)
+                if retention is not None:
+                    self._keep(block_hash_, retention)
                 return
         if block in self._queued:
             # Evicted, reused and evicted again before any step ran: what the pool holds
             # now is the first content, the second one was never computed.
             self.num_dropped_saves += 1
             return
-        self._queued[block] = _Save(block, block_hash_, parent_hash, token_ids)
+        self._queued[block] = _Save(block, block_hash_, parent_hash, token_ids, retention)
 
     def take_saves(self) -> list[int]:
         """Block ids for this step's kv_saves (read before anything overwrites them)."""
@@ -147,18 +158,43 @@ class KVTiers(KVConnector):
                                f"{[b.block_id for b in saved]}, asked for "
                                f"{[s.block for s in saves]}")
         for kv, s in zip(saved, saves):
-            self.store(make_entry(s.hash, s.parent, s.token_ids, kv.data))
+            self.store(make_entry(s.hash, s.parent, s.token_ids, kv.data), s.retention)
 
-    def store(self, entry: BlockEntry) -> None:
-        """Into the first tier; what a tier pushes out goes into the next one."""
+    def store(self, entry: BlockEntry, retention: Retention | None = None) -> None:
+        """Into the first tier; what a tier pushes out goes into the next one, still kept
+        if it was; what the last one pushes out is gone."""
         pending = [entry]
         for tier in self.tiers:
             pushed = []
             for e in pending:
                 pushed.extend(tier.put(e))
+                if e.hash in self._retention:
+                    tier.keep(e.hash)
             pending = pushed
             if not pending:
-                return
+                break
+        for e in pending:
+            self._retention.release(e.hash)
+        if retention is not None:
+            self._keep(entry.hash, retention)
+
+    def _keep(self, h: int, retention: Retention) -> None:
+        """h's retention, within its tenant's cap (past it, the tenant's least recently
+        retained blocks go back to their tier's plain LRU order)."""
+        now = self._now()
+        self._unkeep(self._retention.expire(now))
+        if retention.until <= now:
+            return
+        kept, unpinned = self._retention.retain(retention.tenant, [h], retention.until, now)
+        self._unkeep(unpinned)
+        if kept:
+            for tier in self.tiers:
+                tier.keep(h)
+
+    def _unkeep(self, hashes: list[int]) -> None:
+        for h in hashes:
+            for tier in self.tiers:
+                tier.unkeep(h)
 
     # -- finding a prefix below the pool ------------------------------------------------------
 
@@ -241,6 +277,8 @@ class KVTiers(KVConnector):
         t = self.by_name[tier]
         t.discard(h)
         t.stats.num_failed += 1
+        if not any(other.contains(h) for other in self.tiers):
+            self._retention.release(h)
 
     # -- reading from disk, off the step ------------------------------------------------------
 
@@ -260,6 +298,8 @@ class KVTiers(KVConnector):
         disk = self.by_name.get("disk")
         if disk is not None:
             disk.poll()
+        if len(self._retention):
+            self._unkeep(self._retention.expire(self._now()))
         for seq_id, future in list(self._fetches.items()):
             if not future.done():
                 continue
@@ -336,7 +376,12 @@ class KVTiers(KVConnector):
                             "dropped_saves": self.num_dropped_saves}
         return out
 
+    @property
+    def num_retained_blocks(self) -> int:
+        return len(self._retention)
+
     def check_invariants(self) -> None:
+        self._retention.check_invariants()
         for tier in self.tiers:
             check = getattr(tier, "check_invariants", None)
             if check is not None:

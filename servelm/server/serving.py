@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from servelm.disagg.http import kv_transfer_from_headers, per_prompt
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from servelm.protocol import EngineRequest, InvalidParameterError, SamplingParams, TokenDelta
+from servelm.server.batch_quota import tenant_of
 from servelm.server.errors import APIError, read_json_object
 from servelm.parsers import get_reasoning_parser, get_tool_parser
 from servelm.parsers.tool_parsers import JsonToolParser
@@ -312,6 +313,8 @@ class OpenAIServing:
             if kind == "chat":
                 params = self._with_thinking_budget(req, params)
             params.check_vocab(self.vocab_size)
+            if params.cache_retention_s:  # the tenant whose cap the retention counts in
+                params = dataclasses.replace(params, prompt_cache_tenant=tenant_of(request))
             if params.structured is not None:
                 await self._check_structured(params)
             if kind in ("completion", "embedding"):

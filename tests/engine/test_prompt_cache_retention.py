@@ -1,6 +1,7 @@
 """prompt_cache_retention: a retained prompt's blocks go last in the prefix cache's eviction
-order (earliest expiry first) until the retention ends, at most a cap per namespace, and a
-pool full of retained blocks still serves every request (retention is never a pin)."""
+order (earliest expiry first) until the retention ends, at most a cap per tenant (its least
+recently retained blocks un-pinned past it), and a pool full of retained blocks still serves
+every request (retention is never a pin)."""
 
 from __future__ import annotations
 
@@ -45,21 +46,38 @@ def test_retention_ends_and_the_prefix_is_lru_again():
     assert cache.evict(2) == [1, 0]
 
 
-def test_the_cap_bounds_retained_blocks_per_namespace():
+def test_the_cap_unpins_the_tenants_least_recently_retained_blocks():
     cache, clock = _cache(cap=3)
-    assert cache.retain([0, 1], 60.0) == 2
-    assert cache.retain([2, 3], 60.0) == 1  # the cap: only the first of them
-    assert cache.num_retained_blocks == 3
+    assert cache.retain([0, 1], 60.0, "a") == 2
+    clock.now += 1
+    assert cache.retain([2, 3], 60.0, "a") == 2  # a's older prompt loses its tail (block 1)
+    assert cache.retain([4, 5], 60.0, "b") == 2  # b's cap is its own: a's stays as it is
+    assert cache.num_retained_by("a") == 3 and cache.num_retained_by("b") == 2
     cache.check_invariants()
-    assert sorted(cache.evict(3)) == [3, 4, 5]
-    clock.now += 61  # expired retentions make room again
-    assert cache.retain([4, 5], 60.0) == 0  # evicted: not cached any more
-    cache.insert([30, 30, 31, 31], [4, 5])
-    assert cache.retain([4, 5], 60.0) == 2
+    assert cache.evict(1) == [1]  # un-pinned: plain LRU again, and the oldest block
+    assert cache.evict(1) == [0]  # then the retained ones, earliest expiry first
+    assert sorted(cache.evict(4)) == [2, 3, 4, 5]
     cache.check_invariants()
     off = PrefixCache(block_size=2)  # no cap: retention off
     off.insert([1, 1], [0])
     assert off.retain([0], 60.0) == 0
+
+
+def test_a_prompt_longer_than_the_cap_keeps_its_head():
+    cache, clock = _cache(cap=1)
+    assert cache.retain([0, 1], 60.0, "a") == 1  # the root, which longer prompts share
+    assert cache.evict(5) == [1, 3, 2, 5, 4]
+    assert cache.evict(1) == [0]
+    cache.check_invariants()
+
+
+def test_expired_retentions_make_room_before_live_ones():
+    cache, clock = _cache(cap=2)
+    cache.retain([0, 1], 60.0, "a")
+    clock.now += 61
+    assert cache.retain([2, 3], 60.0, "a") == 2
+    cache.check_invariants()
+    assert cache.evict(4) == [1, 0, 5, 4]  # a's expired prompt is plain LRU again
 
 
 def test_bad_retention_is_refused_by_name():
@@ -80,8 +98,10 @@ def _engine(num_blocks: int, max_retained_blocks: int):
                   SchedulerConfig(64, 8, True), 512, 10000, (1,))
 
 
-def _cached_tokens(engine, rid: str, prompt: list[int], retention: str | None = None) -> int:
-    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_cache_retention=retention)
+def _cached_tokens(engine, rid: str, prompt: list[int], retention: str | None = None,
+                   tenant: str | None = None) -> int:
+    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_cache_retention=retention,
+                            prompt_cache_tenant=tenant)
     engine.add_request(EngineRequest(rid, prompt, params))
     cached = None
     while engine.has_unfinished:
@@ -104,3 +124,20 @@ def test_a_retained_prompt_survives_pressure_that_evicts_an_unretained_one(cap):
     # its 4 full prompt blocks (the 5th holds the last prompt token, computed again)
     assert _cached_tokens(engine, "kept2", kept) == (16 if cap else 0)
     assert _cached_tokens(engine, "lost2", lost) == 0
+
+
+def test_each_tenant_keeps_its_latest_prompts_within_its_cap():
+    """cap 5 blocks a tenant (one 20-token prompt): a's second prompt un-pins its first; b's
+    stays retained beside a's."""
+    engine = _engine(num_blocks=24, max_retained_blocks=5)
+    first, second, other = ([base + i for i in range(20)] for base in (1000, 2000, 4000))
+    _cached_tokens(engine, "a1", first, "24h", "project:a")
+    _cached_tokens(engine, "a2", second, "24h", "project:a")
+    _cached_tokens(engine, "b1", other, "24h", "project:b")
+    cache = engine.block_manager.prefix_cache
+    assert cache.num_retained_by("project:a") == cache.num_retained_by("project:b") == 5
+    for i in range(6):
+        _cached_tokens(engine, f"p{i}", list(range(5000 + 100 * i, 5000 + 100 * i + 40)))
+    assert _cached_tokens(engine, "a2'", second) == 16
+    assert _cached_tokens(engine, "b1'", other) == 16
+    assert _cached_tokens(engine, "a1'", first) == 0

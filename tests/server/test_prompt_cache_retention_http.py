@@ -1,6 +1,7 @@
 """prompt_cache_retention through the official openai client against a live server whose KV
 pool is small: a prompt sent with "24h" is still cached after pressure that evicts one sent
-without it (usage's cached_tokens on the follow-up), and bad values are refused by name."""
+without it (usage's cached_tokens on the follow-up), it counts against its OpenAI-Project,
+and bad values are refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def small_pool(default_model_path):
     engine = build_engine(EngineArgs(model=MODEL, num_blocks=48, max_num_seqs=4,
                                      dtype="float32", max_retained_blocks=16))
     s = LiveServer(engine)
+    s.engine = engine
     yield s
     s.stop()
 
@@ -45,6 +47,20 @@ def test_a_retained_prefix_survives_pressure_that_evicts_an_unretained_one(small
     num_cached, num_prompt = _cached(client, kept)
     assert num_cached == (num_prompt - 1) // BLOCK * BLOCK > 0
     assert _cached(client, lost)[0] == 0
+
+
+def test_retention_counts_against_the_openai_project(small_pool):
+    """The OpenAI-Project header is the tenant whose cap a retention counts in."""
+    cache = small_pool.engine.block_manager.prefix_cache
+    client = openai.OpenAI(base_url=small_pool.url + "/v1", api_key="unused", max_retries=0,
+                           project="acme")
+    _, num_prompt = _cached(client, "Acme: " + _text("delta", 40), "24h")
+    assert cache.num_retained_by("project:acme") == num_prompt // BLOCK > 0
+    bad = openai.OpenAI(base_url=small_pool.url + "/v1", api_key="unused", max_retries=0,
+                        project="x" * 129)
+    with pytest.raises(openai.BadRequestError) as e:
+        _cached(bad, "Hi.", "24h")
+    assert e.value.body["param"] == "OpenAI-Project"
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "responses"])
