@@ -22,12 +22,12 @@ from servelm.protocol import InvalidParameterError, SamplingParams
 # every parser imports FastAPI, numpy and the planner: a second of every `servelm serve`
 # start); help and an unknown command build them all.
 _SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
-                "plan": "servelm.planner.cli", "serve": "servelm.server.cli",
-                "config": "servelm.server.config_file",
+                "plan": "servelm.planner.cli", "serve": "servelm.serve.cli",
+                "config": "servelm.serve.config_file",
                 "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
                 "sim": "servelm.sim.cli", "router": "servelm.router.cli",
                 "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli",
-                "spec": "servelm.spec.cli"}
+                "spec": "servelm.spec_tools.cli"}
 _SUBCOMMAND_MODULES = list(_SUBCOMMANDS.values())
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_defaults()  # before the sub-command loads torch (libgomp reads them then)
     args = build_parser(argv_).parse_args(argv)
     if args.command in ("serve", "config"):  # --config FILE under the flags given here
-        from servelm.server.config_file import with_config_file
+        from servelm.serve.config_file import with_config_file
 
         args = with_config_file(args, argv_)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,6 +1,6 @@
 """Which path CPU decodes take: the C++ paged kernel (servelm/cpu_kernels/paged_attention.cpp)
 or the torch backend's gather + SDPA. Chosen once, when a backend is built, by the engine
-option `--cpu-kernels attention=MODE` (servelm/cpu_kernels/choice.py):
+option `--cpu-kernels attention=MODE` (servelm/config/cpu_kernel_choice.py):
 
     auto    the kernel for fp32/bf16/fp8 caches on the CPU where it builds, else the torch
             path (default)

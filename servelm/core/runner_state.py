@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelm.core.contract import StepDescription
-from servelm.engine.sequence import SequenceTokens
+from servelm.core.sequence_tokens import SequenceTokens
 from servelm.protocol import SamplingParams
 
 

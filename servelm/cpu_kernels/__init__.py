@@ -32,7 +32,7 @@ level this CPU runs (prebuilt.py: what a wheel carries), else building this CPU'
 (build.py: an OS lock so one process builds and the others wait, saying so, and a builder
 that dies hands over at once; `make serve` and `make test` build it at install).
 
-Also owns the process's CpuKernelChoice (servelm/cpu_kernels/choice.py): the engine build
+Also owns the process's CpuKernelChoice (servelm/config/cpu_kernel_choice.py): the engine build
 sets it from EngineArgs.cpu_kernels with `configure()` before it builds the model, and each
 part asks `mode(part)` or `ops_for_mode(part)` ('auto': the kernels where they build, else
 torch; 'kernel': the kernels, or an error; 'torch'). Parts built once per engine (the attention
@@ -49,7 +49,7 @@ import logging
 import threading
 from pathlib import Path
 
-from servelm.cpu_kernels.choice import MODES, PARTS, CpuKernelChoice, stale_env_vars
+from servelm.config.cpu_kernel_choice import MODES, PARTS, CpuKernelChoice, stale_env_vars
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Owns: `StreamRouter`, the event-loop side every engine client shares (per-request
 `RequestStream`s, dispatch of deltas, failing everything when the engine dies; the engine
-core client in servelm/core/client.py is the other one), and `AsyncEngine`, which runs an
-`EngineLoop` (servelm/engine/engine_loop.py) on a thread of this process and feeds the
+core client in servelm/core_process/client.py is the other one), and `AsyncEngine`, which
+runs an `EngineLoop` (servelm/engine/engine_loop.py) on a thread of this process and feeds the
 streams with loop.call_soon_threadsafe. Never: waits on a client (delivery is fire-and-forget
 into the loop), or runs engine code on the event loop.
 

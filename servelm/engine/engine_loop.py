@@ -3,8 +3,8 @@
 Owns: the command queue into the engine (add, abort, stop), the loop body (apply commands,
 step, report), and the shutdown order (abort everything, step until nothing holds a block).
 Its outputs go to a `LoopSink`: the in-process AsyncEngine posts them onto an asyncio event
-loop; the engine core process (servelm/core/process.py) writes them to its socket. The loop
-never waits on either: a sink only enqueues.
+loop; the engine core process (servelm/core_process/process.py) writes them to its socket.
+The loop never waits on either: a sink only enqueues.
 Never: touches tensors (the engine's runner does), or blocks on a consumer.
 
     any thread                      the loop's thread

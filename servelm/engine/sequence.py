@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from servelm.core.sequence_tokens import SequenceTokens
 from servelm.protocol import FinishReason, RequestTimings, SamplingParams
 
 
@@ -41,27 +42,6 @@ _FINISH_REASON = {
 }
 
 _seq_ids = itertools.count()
-
-
-class SequenceTokens:
-    """Token counts of a sequence from its `token_ids` and `num_prompt_tokens` (the engine's
-    Sequence and the runner's RunnerSequence both hold them)."""
-
-    __slots__ = ()
-    token_ids: list[int]
-    num_prompt_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 class Sequence(SequenceTokens):

@@ -71,8 +71,8 @@ class AmxLinear(nn.Module):
         return y.view(*shape[:-1], width)
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py): its float32 bias."""
-        from servelm.layers.decode_entry import KIND_AMX, KIND_DOT, plain_entry
+        """Its form in the C++ decode stack (quant/decode_entry.py): its float32 bias."""
+        from servelm.quant.decode_entry import KIND_AMX, KIND_DOT, plain_entry
 
         return plain_entry(KIND_AMX if self.op == "amx_linear" else KIND_DOT, self,
                            self.packed_weight, self.bias)

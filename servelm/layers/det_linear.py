@@ -53,8 +53,8 @@ class DetLinear(nn.Module):
                                                 self.out_features)
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py)."""
-        from servelm.layers.decode_entry import KIND_DET, plain_entry
+        """Its form in the C++ decode stack (quant/decode_entry.py)."""
+        from servelm.quant.decode_entry import KIND_DET, plain_entry
 
         return plain_entry(KIND_DET, self, self.packed_weight, self.bias)
 

@@ -5,7 +5,7 @@ decoder layer, each a pass over memory and, on the CPU, a parallel region; fused
 Float32 and bfloat16 CPU tensors (bfloat16: float32 arithmetic inside, each result rounded
 once); other dtypes and devices keep the torch code, which defines what the kernels compute.
 The engine option `--cpu-kernels layer_ops=MODE` chooses, for the
-process (servelm/cpu_kernels/choice.py; these ops run deep in every layer, so they read the
+process (servelm/config/cpu_kernel_choice.py; these ops run deep in every layer, so they read the
 choice the engine build set rather than taking an argument):
 
     auto    fused where the kernels build (default)

@@ -37,8 +37,8 @@ class PackedLinear(nn.Module):
                                                   [], "")
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py): the bias as passed."""
-        from servelm.layers.decode_entry import KIND_PACKED, plain_entry
+        """Its form in the C++ decode stack (quant/decode_entry.py): the bias as passed."""
+        from servelm.quant.decode_entry import KIND_PACKED, plain_entry
 
         return plain_entry(KIND_PACKED, self, self.packed_weight, self.bias)
 

@@ -5,7 +5,7 @@ Owns: `describe(model)`, the one place that reads a decoder frame's layers for t
 per layer its norms (plain RMSNorm, one eps), its attention's shape and variant (GQA, full
 rotary from one table, no window, no soft-cap, no query scaling; q/k norms and biases are
 in the stack) and its four linears in the stack's order. Each linear's packed form comes
-from the linear itself (layers/decode_entry.py) when the runner builds the stack, since the
+from the linear itself (quant/decode_entry.py) when the runner builds the stack, since the
 runner chooses the linears' kernels after the model is built. Never: chooses whether a step
 takes the stack, or reads the KV cache or the attention backend (the runner does both:
 runner/cpu_decode.py).

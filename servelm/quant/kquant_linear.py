@@ -78,9 +78,9 @@ class KQuantLinear(QuantizedLinear):
         return self._add_bias(y).to(x.dtype).reshape(*lead, self.out_features)
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py): the codes, its ggml type
+        """Its form in the C++ decode stack (quant/decode_entry.py): the codes, its ggml type
         and the most rows it rounds to q8_K; the bias as forward adds it."""
-        from servelm.layers.decode_entry import KIND_KQUANT, DecodeEntry
+        from servelm.quant.decode_entry import KIND_KQUANT, DecodeEntry
 
         none = torch.empty(0)
         bias = none if self.bias is None else self.bias.detach()

@@ -34,8 +34,8 @@ class PermutedLinear(QuantizedLinear):
         return self.inner(x.index_select(-1, self.perm))
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py): perm, then its inner's."""
-        from servelm.layers.decode_entry import KIND_PERMUTED, decode_entry, holding_entry
+        """Its form in the C++ decode stack (quant/decode_entry.py): perm, then its inner's."""
+        from servelm.quant.decode_entry import KIND_PERMUTED, decode_entry, holding_entry
 
         return holding_entry(KIND_PERMUTED, self, [decode_entry(self.inner)], self.perm)
 

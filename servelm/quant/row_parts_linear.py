@@ -31,8 +31,8 @@ class RowPartsLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def decode_entry(self):
-        """Its form in the C++ decode stack (layers/decode_entry.py): its parts', in order."""
-        from servelm.layers.decode_entry import KIND_PARTS, decode_entry, holding_entry
+        """Its form in the C++ decode stack (quant/decode_entry.py): its parts', in order."""
+        from servelm.quant.decode_entry import KIND_PARTS, decode_entry, holding_entry
 
         return holding_entry(KIND_PARTS, self, [decode_entry(p) for p in self.parts])
 

@@ -3,7 +3,7 @@
 Owns: describing N `servelm serve` replicas (each a front end and its engine core, on
 loopback ports of their own, the machine's cores split between them) as ProcessSpecs, each
 handed its options by value (the parent's parsed serve options as JSON on its stdin, read by
-servelm/server/cli.py options_from_stdin; no command line is edited), that
+servelm/serve/cli.py options_from_stdin; no command line is edited), that
 the launcher's Supervisor (servelm/launch/) starts, waits for (/health) and stops when the
 router stops (SIGTERM each, then SIGKILL after the drain timeout); running the router in
 front of them on the public port; logging a replica's death with its last stderr lines.

@@ -24,14 +24,14 @@ DecodeStackSpec: servelm/models/fast_path.py; a family whose layers the stack ca
 gives the reason instead, and it is logged at start-up with the layer), on the CPU in float32
 or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
 (TorchAttentionBackend), and every linear of the layers has a stack form
-(layers/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
+(quant/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
 layer on servelm's C++ kernels (Int4Linear / Int8Linear with kernel "cpu", also behind a
 PermutedLinear's gather) or a DetLinear, in bfloat16 a DotLinear (an AmxLinear alone in
 deterministic mode); in either a GGUF K-quant matrix (KQuantLinear) and a fused layer of
 row parts (RowPartsLinear) whose parts all have a form the model's rows take. Steps with a prefill chunk
 and models without the stack run eagerly; `CpuDecodeStack.steps` counts the steps it ran.
 
-The engine option `--cpu-kernels decode=MODE` (servelm/cpu_kernels/choice.py; the runner is
+The engine option `--cpu-kernels decode=MODE` (servelm/config/cpu_kernel_choice.py; the runner is
 given it as `cpu_decode`) chooses:
 
     auto    the stack where it applies and the kernels build (default)
@@ -50,8 +50,8 @@ from servelm import cpu_kernels
 from servelm.attention import AttentionBackend
 from servelm.attention.forward_batch import ForwardBatch
 from servelm.attention.kv_cache import KVCache
-from servelm.layers.decode_entry import (BF16_ROW_KINDS, KIND_AMX, KIND_DOT, decode_entry,
-                                         forms, is_mixed)
+from servelm.quant.decode_entry import (BF16_ROW_KINDS, KIND_AMX, KIND_DOT, decode_entry,
+                                        forms, is_mixed)
 
 logger = logging.getLogger(__name__)
 

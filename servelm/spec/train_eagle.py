@@ -19,7 +19,8 @@ whose target argmax lies outside it masked), weighted 0.8^j.
 Owns: the data pipeline, the objective and the resumable loop. Every phase resumes: samples,
 features and the trainer state are files in the output directory, and the head is written
 (in the layout servelm/spec/eagle.py loads) at every checkpoint.
-Never: serving; it builds its own engine for the target.
+Never: serving, or building the target's engine and LLM API: the command does
+(servelm/spec_tools/cli.py) and hands the LLM in, since both sit above the spec package.
 """
 
 from __future__ import annotations
@@ -206,12 +207,12 @@ def new_drafter(target_config, embed: torch.Tensor, vocab: torch.Tensor,
     return drafter
 
 
-def train(engine, opts: TrainOptions, prompts: list | None = None, log=None) -> Eagle3Drafter:
-    """Every phase, each resumed from `opts.out` where an earlier run stopped."""
+def train(llm, opts: TrainOptions, prompts: list | None = None, log=None) -> Eagle3Drafter:
+    """Every phase, each resumed from `opts.out` where an earlier run stopped. `llm`: an LLM
+    (servelm/llm.py) over the target's engine."""
     from tqdm import tqdm
 
-    from servelm.llm import LLM
-
+    engine = llm.engine
     os.makedirs(os.path.join(opts.out, "features"), exist_ok=True)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     samples_file = os.path.join(opts.out, "samples.json")
@@ -222,7 +223,7 @@ def train(engine, opts: TrainOptions, prompts: list | None = None, log=None) -> 
         prompts = prompts if prompts is not None else read_prompts(opts.prompts,
                                                                     opts.num_prompts)
         log(f"generating answers to {len(prompts)} prompts with the target")
-        samples = generate_samples(LLM(engine=engine), prompts, opts.max_new_tokens)
+        samples = generate_samples(llm, prompts, opts.max_new_tokens)
         with open(samples_file, "w") as f:
             json.dump(samples, f)
     config, model = engine.model_config, engine.runner.model

@@ -15,7 +15,7 @@ from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInf
 from servelm.core.contract import (CONTRACT_VERSION, KVBlock, NewSequence, SampledToken,
                                    ScheduledSequence, SpecOutcome, StepDescription, StepReport,
                                    StepResult)
-from servelm.core.process import recv_frame
+from servelm.core_process.process import recv_frame
 from servelm.protocol import (EngineRequest, FinishReason, Logprob, RequestTimings,
                               SamplingParams, TokenDelta)
 

@@ -8,7 +8,7 @@ import sys
 
 TORCH_FREE = [
     "servelm.core.contract", "servelm.core.codec", "servelm.core.runner_state",
-    "servelm.core.client", "servelm.core.process", "servelm.engine.engine",
+    "servelm.core_process.client", "servelm.core_process.process", "servelm.engine.engine",
     "servelm.engine.scheduler", "servelm.engine.block_manager", "servelm.engine.prefix_cache",
     "servelm.engine.sequence", "servelm.engine.detokenizer", "servelm.engine.engine_loop",
     "servelm.engine.async_engine", "servelm.protocol", "servelm.config", "servelm.cost",

@@ -109,7 +109,7 @@ def _check_scenario(loaded, cases, dtype, det_reference, sc) -> None:
 async def _through_core(args: EngineArgs, tokenizer, cases, others) -> dict[str, Output]:
     """Every case and other request submitted at once to an engine core process (they
     batch there); the cases' outputs."""
-    from servelm.core.client import CoreClient
+    from servelm.core_process.client import CoreClient
 
     client = CoreClient.spawn(args, tokenizer)
     client.start(asyncio.get_running_loop())

@@ -44,7 +44,7 @@ def adapters(tmp_path_factory, default_model_path):
 @pytest.fixture(scope="module")
 def server(adapters):
     from servelm.config import EngineArgs
-    from servelm.core.client import CoreClient
+    from servelm.core_process.client import CoreClient
     from servelm.loader import load_tokenizer, resolve_model
 
     args = EngineArgs(model=MODEL, kv_cache_memory=64 * 2**20, max_loras=1,

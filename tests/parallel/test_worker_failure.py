@@ -56,7 +56,7 @@ def tiny_path(tmp_path_factory):
 
 def _spawn(path: str):
     from servelm.config import EngineArgs
-    from servelm.core.client import CoreClient
+    from servelm.core_process.client import CoreClient
     from servelm.loader import load_tokenizer, resolve_model
 
     args = EngineArgs(model=path, tensor_parallel_size=2, num_blocks=512, block_size=4)

@@ -43,7 +43,7 @@ def received(options: dict, monkeypatch) -> dict:
     `options` as JSON on its stdin."""
     import json
 
-    from servelm.server.cli import options_from_stdin
+    from servelm.serve.cli import options_from_stdin
 
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(options)))
     return vars(options_from_stdin(parse([options["model"], "--options-from-stdin"])))

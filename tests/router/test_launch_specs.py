@@ -82,7 +82,7 @@ def test_disagg_workers_receive_their_roles_and_kv_addresses(transport, monkeypa
 
 
 def test_an_unknown_option_is_refused_by_name(monkeypatch):
-    from servelm.server.cli import options_from_stdin
+    from servelm.serve.cli import options_from_stdin
 
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"no_such_option": 1}'))
     with pytest.raises(ValueError, match="'no_such_option' is not a serve option"):

@@ -238,7 +238,7 @@ def test_stack_runs_k_quant_layers_and_row_parts_bit_for_bit(tiny_hf, tiny_engin
     """GGUF K-quant matrices (one rounding of x to q8_K shared by a fused layer's K-quant
     parts; more rows than a layer's q8_K limit on its dequantized GEMM) give the eager
     path's tokens and logprobs exactly."""
-    from servelm.layers.decode_entry import KIND_KQUANT, KIND_PARTS, decode_entry
+    from servelm.quant.decode_entry import KIND_KQUANT, KIND_PARTS, decode_entry
 
     hf = tiny_hf("llama", hidden_size=256, intermediate_size=512)
     outs = {}

@@ -29,7 +29,7 @@ def _children(pid: int) -> list[int]:
 
 def _core_pid(frontend_pid: int) -> int:
     cores = [c for c in _children(frontend_pid)
-             if b"servelm.core.process" in Path(f"/proc/{c}/cmdline").read_bytes()]
+             if b"servelm.core_process.process" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(cores) == 1, cores
     return cores[0]
 
@@ -110,7 +110,7 @@ def test_a_dead_core_fails_in_flight_requests_and_health_says_why(default_model_
     """Each in-flight stream gets an error event naming the cause, then [DONE]: the front
     end learns of the death from the socket's EOF, so the streams end rather than wait."""
     from servelm.config import EngineArgs
-    from servelm.core.client import CoreClient
+    from servelm.core_process.client import CoreClient
     from servelm.loader import load_tokenizer, resolve_model
 
     args = EngineArgs(model=MODEL, kv_cache_memory=64 * 2**20)
@@ -183,7 +183,7 @@ def test_grammars_prompt_logprobs_and_embeddings_cross_the_core_boundary(engine)
     """What the new per-request fields carry (a grammar, prompt logprobs, pooling) reaches a
     core in another process through the msgspec contract, with the in-process results."""
     from servelm.config import EngineArgs
-    from servelm.core.client import CoreClient
+    from servelm.core_process.client import CoreClient
     from servelm.loader import load_tokenizer, resolve_model
 
     requests = [

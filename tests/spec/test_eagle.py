@@ -141,7 +141,7 @@ def test_trained_head_accepts_more_than_a_random_one(hf, engine, prompts, tmp_pa
     opts = TrainOptions(out=str(tmp_path / "trained"), max_new_tokens=MAX_TOKENS, steps=150,
                         ttt_steps=2, draft_vocab_size=hf.config.vocab_size, lr=3e-3,
                         save_every=150)
-    train(engine, opts, prompts=prompts, log=lambda msg: None)
+    train(LLM(engine=engine), opts, prompts=prompts, log=lambda msg: None)
     save_drafter(_drafter(engine, hf.config.vocab_size // 2), str(tmp_path / "random"))
     reference = [o.outputs[0] for o in _run(engine, prompts, REF)]
     trained = _acceptance(hf, tmp_path / "trained", prompts, reference)  # chains accepted

@@ -1,5 +1,8 @@
 """`servelm spec train`: an EAGLE-3 head for the served model, trained here
-(servelm/spec/train_eagle.py). Owns the command's flags; never the training itself."""
+(servelm/spec/train_eagle.py).
+
+Owns the command's flags and building the target's engine and LLM, which the trainer is
+handed (it sits in spec/, below the assembly). Never: the training itself."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def add_parser(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from servelm.config import engine_args_from_cli
     from servelm.engine_builder import build_engine
+    from servelm.llm import LLM
     from servelm.spec.train_eagle import DEFAULT_PROMPTS, TrainOptions, train
 
     opts = TrainOptions(out=args.out, prompts=args.prompts or DEFAULT_PROMPTS,
@@ -42,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                         draft_vocab_size=args.draft_vocab_size, lr=args.lr,
                         save_every=args.save_every)
     engine = build_engine(engine_args_from_cli(args))
-    train(engine, opts)
+    train(LLM(engine=engine), opts)
     print(f"EAGLE-3 head written to {args.out}: serve with --speculative-method eagle3 "
           f"--speculative-model {args.out}")
     return 0

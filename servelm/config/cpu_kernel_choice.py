@@ -17,6 +17,8 @@ and for each a mode: 'auto' (the kernels where they build, else torch), 'kernel'
 or an error), 'torch' (never). "torch" sets every part; "attention=torch,decode=kernel" sets
 two and leaves the rest 'auto'; "torch,quant=auto" sets all, then one.
 
+It sits in config/ with the option it parses (EngineArgs validates it at construction);
+servelm/cpu_kernels/ holds the process's current choice and acts on it.
 Never: imports torch, or takes a choice from the environment: the SERVELM_CPU_* variables that
 chose these paths before are no longer read (`stale_env_vars` names any still set, so the
 engine build can say which option replaced them).

@@ -248,7 +248,7 @@ def handler(args) -> int:
         args = options_from_stdin(args)
     if args.backend == "ray":
         from servelm.router.ray_backend import serve_ray
-        from servelm.server.config_file import file_flags
+        from servelm.serve.config_file import file_flags
 
         _setup_request_log(args.log_requests)
         return serve_ray(args, _serve_argv() + file_flags(args))  # a file's flags are given
@@ -356,7 +356,7 @@ def _start_core(engine_args):
     while the core builds its engine."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from servelm.core.client import CoreClient, CoreStartError
+    from servelm.core_process.client import CoreClient, CoreStartError
 
     timer = startup.timer()
     spawned = time.time()

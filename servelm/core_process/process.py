@@ -13,7 +13,7 @@ When the front end goes away (EOF, a reset, or a malformed frame), the core abor
 request it holds, steps until no sequence holds a block, logs what it freed and exits.
 Never: decodes anything but the codec's frontend messages, or outlives its front end.
 
-Run as `python -m servelm.core.process --connect PATH` (the front end does this).
+Run as `python -m servelm.core_process.process --connect PATH` (the front end does this).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def serve(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m servelm.core.process",
+    p = argparse.ArgumentParser(prog="python -m servelm.core_process.process",
                                 description="servelm engine core (started by a front end)")
     p.add_argument("--connect", required=True, help="the front end's unix socket path")
     args = p.parse_args(argv)

@@ -1,8 +1,8 @@
 """CoreClient: the front end's side of an engine core process.
 
-Owns: starting the core (`python -m servelm.core.process`, a ProcessSpec the launcher's
-Supervisor starts: servelm/launch/), the handshake (versions, the
-EngineArgs to build, the CoreInfo back), and the same event-loop API as the in-process
+Owns: starting the core (`python -m servelm.core_process.process`, a ProcessSpec the
+launcher's Supervisor starts: servelm/launch/), the handshake (versions, the EngineArgs to
+build, the CoreInfo back), and the same event-loop API as the in-process
 AsyncEngine (submit / abort / release / generate, snapshot, is_alive), so the HTTP server
 cannot tell them apart. Two threads keep the event loop off the socket:
 
@@ -34,7 +34,7 @@ from servelm.core.codec import (Abort, AddRequest, Admitted, CodecError, CoreInf
                                 LoadLora, LoraResult, Outputs, Ready, Rejected, Shutdown, Start,
                                 UnloadLora)
 from servelm.core.contract import CONTRACT_VERSION, StepReport
-from servelm.core.process import recv_frame
+from servelm.core_process.process import recv_frame
 from servelm.engine.async_engine import EngineDeadError, RequestStream, StreamRouter
 from servelm.launch import (INHERIT, Accepted, LaunchError, ProcessHandle, ProcessSpec,
                             Resources, Supervisor)
@@ -51,8 +51,8 @@ def core_spec(path: str, connected: Accepted, env: dict | None = None) -> Proces
     """The engine core process: ready once it connects to `path`. Its stderr is the front
     end's own and it gets no parent-death signal: when the front end dies, the core sees
     the connection end, frees every block and says so in the log before it exits."""
-    return ProcessSpec("the engine core", (sys.executable, "-m", "servelm.core.process",
-                                           "--connect", path),
+    argv = (sys.executable, "-m", "servelm.core_process.process", "--connect", path)
+    return ProcessSpec("the engine core", argv,
                        resources=Resources(env=env or {}), readiness=connected,
                        ready_timeout_s=60.0, stderr=INHERIT, parent_death_signal=None)
 

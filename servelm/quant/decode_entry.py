@@ -5,8 +5,10 @@ linear's tensors and integers in the order the stack reads them. A layer class o
 own describes itself (`decode_entry()` on PackedLinear, DetLinear, AmxLinear, DotLinear,
 and in servelm/quant KQuantLinear, RowPartsLinear and PermutedLinear); torch's nn.Linear and
 the plain Int4Linear / Int8Linear are described here. A layer
-without a form gets None, and the caller says so by name. Never: chooses a layer's kind
-(the engine build does) or reads a model's layout (models/fast_path.py does).
+without a form gets None, and the caller says so by name. It sits in quant/, below layers/,
+because both describe their linears with it (quant's hold others: row parts, permuted).
+Never: chooses a layer's kind (the engine build does) or reads a model's layout
+(models/fast_path.py does).
 
     kind        tensors (a, b, bias)                 ints (kind, n, group, k)
     float       weight, -, bias in weight's dtype    n, 0, k

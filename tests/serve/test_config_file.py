@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from servelm.cli import build_parser, main
-from servelm.server import config_file
-from servelm.server.config_file import TOPOLOGY_KEYS, serve_options, serve_parser
+from servelm.serve import config_file
+from servelm.serve.config_file import TOPOLOGY_KEYS, serve_options, serve_parser
 
 _NOT_OPTIONS = ("func", "command", "verbose", "config", "option_sources", "config_command")
 

@@ -46,7 +46,7 @@ class Resolved(NamedTuple):
 
 
 def serve_parser(prog: str = "servelm serve") -> argparse.ArgumentParser:
-    from servelm.server.cli import add_serve_args
+    from servelm.serve.cli import add_serve_args
 
     parser = argparse.ArgumentParser(prog=prog)
     add_serve_args(parser)
@@ -261,7 +261,7 @@ def add_parser(subparsers) -> None:
                           description="Print the options `servelm serve` would run with "
                                       "(its flags and --config), each with its source, as a "
                                       "config file; starts nothing.")
-    from servelm.server.cli import add_serve_args
+    from servelm.serve.cli import add_serve_args
 
     add_serve_args(show)
     show.add_argument("--show-secrets", action="store_true",
