@@ -384,6 +384,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_multiturn_parser(bench_sub)
     from servelm.bench.coldstart import add_parser as add_coldstart_parser  # `bench coldstart`
     add_coldstart_parser(bench_sub)
+    from servelm.bench.batch_knee import add_parser as add_batch_knee_parser  # `bench batch-knee`
+    add_batch_knee_parser(bench_sub)
     return bench
 
 
