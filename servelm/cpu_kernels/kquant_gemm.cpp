@@ -13,18 +13,25 @@
 //               w = d sc_j q - dmin m_j, sub-block j of 32, q 4 bits
 //   Q5_K 176 B: d | dmin | scales 12 B | qh 32 B | qs 128 B     the same with q 5 bits
 //   Q6_K 210 B: ql 128 B | qh 64 B | scales 16 x int8 | d f16  w = d sc_g (q - 32), g of 16
-// Each is decoded, once per super-block and tile of up to 4 activation rows, to one form:
-//   256 unsigned codes (0..63) in column order, an integer scale per 16 columns (sc16) and a
-//   min coefficient per 16 columns (mc16) with   w = d sc16 q - dmin mc16
+// Each is decoded to one form: 256 unsigned codes (0..63) in column order, an integer scale per
+// 16 columns (sc16) and a min coefficient per 16 columns (mc16) with   w = d sc16 q - dmin mc16
 // (Q6_K: dmin = d, mc16 = 32 sc16). Against a row x rounded to q8_K (xd, xq[256], bsum16 =
-// the sum of each 16 codes):
-//   w . x = xd (d sum_c sc16 (q . xq)_c - dmin sum_g mc16_g bsum16_g)
-// The code products go through vpmaddubsw (u8 x s8 pairs into 16 bits: at most
-// 2 x 63 x 127, never saturating), then vpdpwssd (avx512_vnni) or vpmaddwd + add with the
-// pair's scale (a vpermw of sc16); a whole super-block sums exactly in 32 bits, then once
-// into float. sc16 and mc16 are written with one vector store each: built a value at a time,
-// the kernel's vector loads of them stalled on store forwarding (3-5x slower, ad hoc).
-// AVX-512BW: 64 columns a vector; AVX2: 32; neither: scalar loops (same integer math).
+// the sum of each 16 codes), per super-block two exact integers
+//   isb = sum_c sc16_c (q . xq)_c        imin = sum_g mc16_g bsum16_g
+// and  y += (xd d) isb - (xd dmin) imin  as two float FMAs, super-block after super-block.
+// Both kernels below compute exactly these operations, so a row's output is the same bits
+// whatever the step's other rows (and whichever kernel ran it):
+// - rows (few activation rows): each weight super-block decoded once per tile of up to 4
+//   rows; the code products through vpmaddubsw (u8 x s8 pairs into 16 bits: at most
+//   2 x 63 x 127, never saturating), then vpdpwssd (avx512_vnni) or vpmaddwd + add with the
+//   pair's scale (a vpermw of sc16). sc16 and mc16 are written with one vector store each:
+//   built a value at a time, the kernel's vector loads of them stalled on store forwarding
+//   (3-5x slower, ad hoc). AVX-512BW: 64 columns a vector; AVX2: 32; neither: scalar loops.
+// - panels (avx512_vnni, at least kPanelMinRows rows): 16 weight rows' super-blocks decoded
+//   once per call and transposed so that a vector holds 4 codes of each of the 16 rows; each
+//   activation row then takes 4 codes of x broadcast per vpdpbusd (64 products), a vpmulld
+//   by the 16 rows' sc16 per 16 columns, and a vpdpwssd per mc16 pair: every weight decode
+//   serves all the step's rows, and the output is 16 columns a vector.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -266,13 +274,7 @@ template <int64_t Type, int R>
 inline void row_dot(const uint8_t* row, int64_t S, const RowsQ8K& x, int64_t m, float* out) {
   constexpr int64_t bytes = Type == kTypeQ4K ? 144 : Type == kTypeQ5K ? 176 : 210;
   Decoded w;
-  float mins[R] = {};
-#if defined(__AVX512BW__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-#else
   float acc[R] = {};
-#endif
   for (int64_t s = 0; s < S; ++s) {
     decode<Type>(row + s * bytes, w);
 #if defined(__AVX512BW__)
@@ -284,27 +286,22 @@ inline void row_dot(const uint8_t* row, int64_t S, const RowsQ8K& x, int64_t m, 
       const float xd = x.d[xr * S + s];
       const int8_t* xq = x.q + xr * x.K + s * kQK;
 #if defined(__AVX512BW__)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code_dot(w, sv, xq)),
-                               _mm512_set1_ps(xd * w.d), acc[r]);
+      const int32_t isb = _mm512_reduce_add_epi32(code_dot(w, sv, xq));
 #else
-      acc[r] += xd * w.d * float(code_dot(w, xq));
+      const int32_t isb = code_dot(w, xq);
 #endif
-      mins[r] += xd * w.dmin * float(min_dot(w, x.bsum + xr * (x.K / 16) + s * 16));
+      const int32_t imin = min_dot(w, x.bsum + xr * (x.K / 16) + s * 16);
+      acc[r] = std::fma(xd * w.d, float(isb), acc[r]);  // the panels' operations (see top)
+      acc[r] = std::fma(-(xd * w.dmin), float(imin), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-#if defined(__AVX512BW__)
-    out[r] = _mm512_reduce_add_ps(acc[r]) - mins[r];
-#else
-    out[r] = acc[r] - mins[r];
-#endif
-  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// y[m * ldy + n]: a fused layer's part writes its columns of the whole output (ldy its width).
+// y[m * ldy + n] for every row m, a weight row (and its decodes) per tile of 4 rows.
 template <int64_t Type>
-void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y,
-               int64_t ldy) {
+void gemm_by_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y,
+                  int64_t ldy) {
   const int64_t S = x.K / kQK, row_bytes = S * block_bytes(Type);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
@@ -324,32 +321,220 @@ void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, flo
   });
 }
 
-// x [M, K] float32 / bfloat16 -> q [M, K] int8, d [M, K/256] float32 (amax / 127),
-// bsum [M, K/16] int16. q = round-half-even(x / d); d = 0: q = 0.
-template <typename X>
-void quantize_rows(const X* x, int64_t M, int64_t K, int8_t* q, float* d, int16_t* bsum) {
-  const int64_t S = K / kQK;
-  at::parallel_for(0, M * S, 4, [&](int64_t begin, int64_t end) {
-    float buf[kQK];
-    for (int64_t i = begin; i < end; ++i) {
-      const X* src = x + i * kQK;  // super-block i of the flat [M, K] rows (K % 256 == 0)
-      float amax = 0.0f;
-      for (int64_t k = 0; k < kQK; ++k) {
-        buf[k] = float(src[k]);
-        amax = std::max(amax, std::fabs(buf[k]));
-      }
-      const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
-      d[i] = dd;
-      for (int64_t g = 0; g < 16; ++g) {
-        int32_t sum = 0;
-        for (int64_t k = 16 * g; k < 16 * g + 16; ++k) {
-          const int32_t v = int32_t(std::nearbyint(buf[k] * inv));
-          q[i * kQK + k] = int8_t(v);
-          sum += v;
-        }
-        bsum[i * 16 + g] = int16_t(sum);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SERVELM_KQUANT_PANELS 1
+// Steps of at least this many rows take the panels (ad hoc, one core, Zen 4: see
+// docs/quantization.md); below, the decode of 16 rows' super-blocks costs more than it saves.
+constexpr int64_t kPanelMinRows = 8;
+constexpr int kPanelRows = 16;  // weight rows a panel: one output vector
+constexpr int kTileRows = 8;    // activation rows whose sums stay in registers
+
+// One super-block of 16 weight rows, transposed: dword c (columns 4c .. 4c + 3) of the 16 rows
+// as one vector; sc16 and the mc16 pairs likewise; d and dmin a lane each. A row past N is 0.
+struct alignas(64) PanelBlock {
+  int32_t q[64][kPanelRows];
+  int32_t sc[16][kPanelRows];
+  int32_t mc[8][kPanelRows];  // (mc16[2p], mc16[2p + 1]) as int16 pairs
+  float d[kPanelRows], dmin[kPanelRows];
+};
+
+// r[i] lane j -> r[j] lane i (16 x 16 dwords).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// Super-block s of rows [n0, n0 + rows) into p (rows < 16: the rest zero).
+template <int64_t Type>
+void unpack_panel(const uint8_t* codes, int64_t row_bytes, int64_t n0, int rows, int64_t s,
+                  PanelBlock& p) {
+  constexpr int64_t bytes = Type == kTypeQ4K ? 144 : Type == kTypeQ5K ? 176 : 210;
+  Decoded dec[kPanelRows];
+  for (int n = 0; n < kPanelRows; ++n) {
+    if (n < rows) {
+      decode<Type>(codes + (n0 + n) * row_bytes + s * bytes, dec[n]);
+    } else {
+      std::memset(&dec[n], 0, sizeof(Decoded));
+    }
+    p.d[n] = dec[n].d, p.dmin[n] = dec[n].dmin;
+  }
+  __m512i r[16];
+  for (int b = 0; b < 4; ++b) {
+    for (int n = 0; n < kPanelRows; ++n) r[n] = _mm512_load_si512(dec[n].q + 64 * b);
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) _mm512_store_si512(p.q[16 * b + c], r[c]);
+  }
+  for (int n = 0; n < kPanelRows; ++n) r[n] = _mm512_cvtepi16_epi32(ld256(dec[n].sc16));
+  transpose16(r);
+  for (int g = 0; g < 16; ++g) _mm512_store_si512(p.sc[g], r[g]);
+  for (int n = 0; n < kPanelRows; ++n) r[n] = _mm512_zextsi256_si512(ld256(dec[n].mc16));
+  transpose16(r);
+  for (int c = 0; c < 8; ++c) _mm512_store_si512(p.mc[c], r[c]);
+}
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y[(m0 + r) * ldy + n0 + i] for r < R, i in `lanes`: the panel's S super-blocks against R
+// activation rows.
+template <int R>
+void panel_tile(const PanelBlock* P, int64_t S, const RowsQ8K& x, int64_t m0, float* y,
+                int64_t ldy, __mmask16 lanes) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const PanelBlock& p = P[s];
+    __m512i isb[R];
+    for (int r = 0; r < R; ++r) isb[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      const __m512i w0 = _mm512_load_si512(p.q[4 * g]), w1 = _mm512_load_si512(p.q[4 * g + 1]);
+      const __m512i w2 = _mm512_load_si512(p.q[4 * g + 2]);
+      const __m512i w3 = _mm512_load_si512(p.q[4 * g + 3]);
+      const __m512i sc = _mm512_load_si512(p.sc[g]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + (m0 + r) * x.K + s * kQK + 16 * g;
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, bcast32(xq));
+        t = _mm512_dpbusd_epi32(t, w1, bcast32(xq + 4));
+        t = _mm512_dpbusd_epi32(t, w2, bcast32(xq + 8));
+        t = _mm512_dpbusd_epi32(t, w3, bcast32(xq + 12));
+        isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(t, sc));
       }
     }
+    const __m512 d = _mm512_load_ps(p.d), dmin = _mm512_load_ps(p.dmin);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* bsum = x.bsum + (m0 + r) * (x.K / 16) + s * 16;
+      __m512i imin = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c)
+        imin = _mm512_dpwssd_epi32(imin, _mm512_load_si512(p.mc[c]), bcast32(bsum + 2 * c));
+      const __m512 xd = _mm512_set1_ps(x.d[(m0 + r) * S + s]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(isb[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(xd, dmin), _mm512_cvtepi32_ps(imin), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * ldy, lanes, acc[r]);
+}
+
+template <int R>
+void panel_tail(const PanelBlock* P, int64_t S, const RowsQ8K& x, int64_t m0, int64_t rows,
+                float* y, int64_t ldy, __mmask16 lanes) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_tail<R - 1>(P, S, x, m0, rows, y, ldy, lanes);
+  }
+  panel_tile<R>(P, S, x, m0, y, ldy, lanes);
+}
+
+// y[m * ldy + n] for every row m: a panel of 16 weight rows at a time per thread, each
+// super-block decoded once for all M rows.
+template <int64_t Type>
+void gemm_by_panels(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y,
+                    int64_t ldy) {
+  const int64_t S = x.K / kQK, row_bytes = S * block_bytes(Type);
+  const int64_t panels = (N + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<PanelBlock> P(S);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * kPanelRows;
+      const int rows = int(std::min<int64_t>(kPanelRows, N - n0));
+      for (int64_t s = 0; s < S; ++s) unpack_panel<Type>(codes, row_bytes, n0, rows, s, P[s]);
+      const __mmask16 lanes = __mmask16((1u << rows) - 1);
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        panel_tile<kTileRows>(P.data(), S, x, m, y + n0, ldy, lanes);
+      if (m < M) panel_tail<kTileRows - 1>(P.data(), S, x, m, M - m, y + n0, ldy, lanes);
+    }
+  });
+}
+#endif
+
+// y[m * ldy + n]: a fused layer's part writes its columns of the whole output (ldy its width).
+template <int64_t Type>
+void gemm_rows(const RowsQ8K& x, int64_t M, const uint8_t* codes, int64_t N, float* y,
+               int64_t ldy) {
+#if defined(SERVELM_KQUANT_PANELS)
+  if (M >= kPanelMinRows) return gemm_by_panels<Type>(x, M, codes, N, y, ldy);
+#endif
+  gemm_by_rows<Type>(x, M, codes, N, y, ldy);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // a bfloat16 is a float32's top half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One super-block of 256 values: the scalar loop's operations (|x| max, x * (1 / d) rounded
+// to nearest even: vcvtps2dq under the default rounding mode, as nearbyint), 16 at a time.
+template <typename X>
+inline float quantize_block(const X* src, int8_t* q, int16_t* bsum) {
+  __m512 v[16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int g = 0; g < 16; ++g) {
+    v[g] = load16(src + 16 * g);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[g]));
+  }
+  const float dd = _mm512_reduce_max_ps(amax) / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int g = 0; g < 16; ++g) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[g], vinv));
+    bsum[g] = int16_t(_mm512_reduce_add_epi32(c));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), _mm512_cvtepi32_epi8(c));
+  }
+  return dd;
+}
+#else
+template <typename X>
+inline float quantize_block(const X* src, int8_t* q, int16_t* bsum) {
+  float buf[kQK];
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kQK; ++k) {
+    buf[k] = float(src[k]);
+    amax = std::max(amax, std::fabs(buf[k]));
+  }
+  const float dd = amax / 127.0f, inv = dd != 0.0f ? 1.0f / dd : 0.0f;
+  for (int64_t g = 0; g < 16; ++g) {
+    int32_t sum = 0;
+    for (int64_t k = 16 * g; k < 16 * g + 16; ++k) {
+      const int32_t v = int32_t(std::nearbyint(buf[k] * inv));
+      q[k] = int8_t(v);
+      sum += v;
+    }
+    bsum[g] = int16_t(sum);
+  }
+  return dd;
+}
+#endif
+
+// x [M, K] float32 / bfloat16 -> q [M, K] int8, d [M, K/256] float32 (amax / 127),
+// bsum [M, K/16] int16. q = round-half-even(x / d); d = 0: q = 0. A step of a few rows runs
+// on the calling thread: waking the pool costs more than its microseconds of work.
+template <typename X>
+void quantize_rows(const X* x, int64_t M, int64_t K, int8_t* q, float* d, int16_t* bsum) {
+  at::parallel_for(0, M * (K / kQK), 32, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)  // super-block i of the flat [M, K] rows
+      d[i] = quantize_block(x + i * kQK, q + i * kQK, bsum + i * 16);
   });
 }
 

@@ -2,11 +2,12 @@
 
 The codes are the file's bytes, unchanged: [out, in / 256 * block bytes] uint8, each row its
 256-column super-blocks (layouts in servelm/cpu_kernels/kquant_gemm.cpp). A step of at most
-`max_int8_rows` rows runs `kquant_gemm`: the rows rounded to int8 per 256 columns (llama.cpp's
-q8_K), integer dot products with the codes, the super-blocks' scales applied once per 16 or
-32 columns. A larger step (a prefill) dequantizes the matrix for that call into x's dtype and
-multiplies with torch's GEMM: the decode is cheap beside many rows' products, and the
-activations keep their precision there.
+`max_int8_rows` rows (by default every step, prefill chunks too, as llama.cpp runs these types)
+runs `kquant_gemm`: the rows rounded to int8 per 256 columns (llama.cpp's q8_K), integer dot
+products with the codes, the super-blocks' scales applied once per 16 columns. A layer built
+with a smaller `max_int8_rows` dequantizes the matrix for larger steps into x's dtype and
+multiplies with torch's GEMM (the activations keep their precision, at several times the
+time).
 
 The C++ decode stack runs it from `decode_entry()`: `codes`, `kind` (ggml's type number: 12
 Q4_K, 13 Q5_K, 14 Q6_K), `out_features` and `max_int8_rows`; the scales live inside the
@@ -25,10 +26,11 @@ from servelm.quant.quantized_linear import QuantizedLinear
 # ggml's type number and super-block bytes (256 columns) of each K-quant kept as codes
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 SUPER_BLOCK = 256
-# Steps of up to this many rows take the int8-activation kernel; above, a dequantized GEMM
-# (one core, a 1536 x 1536 Q4_K matrix: the int8 kernel is still the faster at 64 rows, ad hoc;
-# the dequantization runs on one thread).
-MAX_INT8_ROWS = 128
+# Steps of up to this many rows take the int8-activation kernel; above, a dequantized GEMM.
+# Every step, by default: with the panels kernel (avx512_vnni) a 576 x 1536 Q4_K matrix at 256
+# rows took 2.1 ms against bfloat16's GEMM alone 4.4 ms and float32's 13 ms, before any
+# dequantization (ad hoc, one core, Zen 4; docs/quantization.md).
+MAX_INT8_ROWS = 1 << 30
 
 
 def kquant_ops():

@@ -70,8 +70,10 @@ def test_kernel_dequantizes_like_gguf_py(ops, kind):
 
 
 @pytest.mark.parametrize("kind", KQUANTS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 43])
 def test_kernel_is_gguf_py_weights_times_the_rounded_rows(ops, kind, rows):
+    # 37 weight rows: two whole panels of 16 and a partial one; 9+ rows: the panels kernel
+    # where it is built (avx512_vnni), below it the rows kernel
     blocks, ref_w = kquant_blocks(kind, 37, 512, seed=rows)
     x = torch.randn(rows, 512) * torch.linspace(0.1, 4, 512)  # unequal column ranges
     y = ops.kquant_gemm(x, blocks.data, KQUANT_TYPES[kind][0], 37)
@@ -81,6 +83,34 @@ def test_kernel_is_gguf_py_weights_times_the_rounded_rows(ops, kind, rows):
     # and near the unrounded product (q8_K's rounding: half a step of max|x| / 127)
     full = x.double() @ ref_w.double().t()
     assert ((y.double() - full).abs() <= 0.03 * full.abs().amax()).all()
+
+
+@pytest.mark.parametrize("kind", KQUANTS)
+def test_a_rows_output_is_the_same_whatever_the_steps_other_rows(ops, kind):
+    """One row alone (the rows kernel), among 8 or among 40 (the panels where built): the
+    same operations, so the same bits."""
+    blocks, _ = kquant_blocks(kind, 50, 768, seed=5)
+    x = torch.randn(40, 768)
+    kind_id = KQUANT_TYPES[kind][0]
+    whole = ops.kquant_gemm(x, blocks.data, kind_id, 50)
+    for i in (0, 13, 39):
+        assert torch.equal(ops.kquant_gemm(x[i:i + 1], blocks.data, kind_id, 50)[0], whole[i])
+    assert torch.equal(ops.kquant_gemm(x[3:11], blocks.data, kind_id, 50), whole[3:11])
+    assert torch.equal(ops.kquant_gemm(x[5:8], blocks.data, kind_id, 50), whole[5:8])
+
+
+def test_rows_round_to_q8_k_half_to_even(ops):
+    x = torch.randn(3, 512) * 3
+    x[1, :256] = 0  # an all-zero super-block: d = 0, codes 0
+    q, d, _ = ops.kquant_quantize_act(x)
+    blocks = x.view(3, 2, 256)
+    assert torch.equal(d, blocks.abs().amax(-1) / 127)
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    assert torch.equal(q.view(3, 2, 256).float(), torch.round(blocks * inv[..., None]))
+    assert (q[1, :256] == 0).all() and d[1, 0] == 0
+    q16, d16, _ = ops.kquant_quantize_act(x.bfloat16())  # bfloat16 rows widen exactly
+    q32, d32, _ = ops.kquant_quantize_act(x.bfloat16().float())
+    assert torch.equal(q16, q32) and torch.equal(d16, d32)
 
 
 def test_kernel_takes_bfloat16_rows_and_answers_in_them(ops):
@@ -170,8 +200,10 @@ def test_fused_parts_of_different_types_keep_their_own():
     assert [p.type_name for p in layer.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     ref_w = torch.cat([w for _, w in parts])
     assert torch.equal(layer.dequantize(), ref_w)
-    x = torch.randn(160, 256)  # many rows: the float products, comparable to the reference
-    torch.testing.assert_close(layer(x), x @ ref_w.t() + staged.bias, atol=1e-4, rtol=1e-4)
+    x = torch.randn(160, 256)
+    y, ref = layer(x), x @ ref_w.t() + staged.bias
+    assert torch.equal(y, torch.cat([p(x) for p in layer.parts], dim=-1))  # biases in parts
+    assert ((y - ref).abs() <= 0.03 * ref.abs().amax()).all()  # q8_K's rounding of x
 
 
 def test_same_type_parts_still_fuse_into_one_layer():
