@@ -1,7 +1,7 @@
 """A request's prompt as the replica will see it: token ids, for the router's cache estimate.
 
 Owns: turning a completion or chat body into the token ids the replica's front end would
-compute (the same schemas, chat template and tokenizer: servelm/server/serving.py), or None
+compute (the same schemas, chat template and tokenizer: servelm/server/prompts.py), or None
 when that cannot be known here (no tokenizer for a text prompt, a body the replica will
 refuse anyway). Never: refuses a request: the replica is the one that validates.
 """

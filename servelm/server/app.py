@@ -38,8 +38,10 @@ from servelm.server.async_store import AsyncStore
 from servelm.server.batch_runner import BatchLimits, BatchRunner
 from servelm.server.batches_serving import BatchesServing
 from servelm.server.files_serving import FilesServing
+from servelm.server.lora_serving import LoraServing
 from servelm.server.responses_serving import ResponsesServing
 from servelm.server.serving import OpenAIServing
+from servelm.server.tokenize_serving import TokenizeServing
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ PUBLIC_PATHS = frozenset({"/health", *DASHBOARD_PUBLIC_PATHS})
 @dataclass
 class ServerState:
     config: ServerConfig
-    async_engine: StreamRouter  # AsyncEngine or servelm.core.client.CoreClient
+    async_engine: StreamRouter  # AsyncEngine or servelm.core_process.client.CoreClient
     metrics: ServerMetrics
     idempotency: IdempotencyStore
     draining: bool = False
@@ -153,6 +155,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     _observe_loras(state)
     _observe_experts(state)
     serving = OpenAIServing(state)
+    tokens = TokenizeServing(serving.admission)
+    loras = LoraServing(state)
     store = AsyncStore(config.state_store)
     responses = ResponsesServing(serving, store)
     files = FilesServing(store.call, config.max_file_bytes, config.tenant_quota)
@@ -270,11 +274,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await serving.tokenize(request)
+        return await tokens.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await serving.detokenize(request)
+        return await tokens.detokenize(request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -293,11 +297,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        return await serving.load_lora_adapter(request)
+        return await loras.load_lora_adapter(request)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        return await serving.unload_lora_adapter(request)
+        return await loras.unload_lora_adapter(request)
 
     @app.get("/health")
     async def health() -> Response:

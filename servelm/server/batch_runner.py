@@ -38,7 +38,7 @@ from starlette.responses import Response
 from servelm.server.batch_input import BatchInputError, BatchLine, parse_batch_input
 from servelm.server.batch_pacer import BatchPacer
 from servelm.server.files_serving import file_object
-from servelm.server.serving import SLO_CLASS_SCOPE_KEY
+from servelm.server.admission import SLO_CLASS_SCOPE_KEY
 from servelm.server.state_store import BatchResult
 
 logger = logging.getLogger(__name__)

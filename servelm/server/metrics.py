@@ -447,7 +447,7 @@ class ServerMetrics:
     def record_request(self, gen, endpoint: str, status: str, stream: bool,
                        trace_id: str | None = None) -> None:
         """One finished HTTP request's engine requests into the Recorder (the dashboard's
-        waterfall, `servelm doctor`, traces). `gen`: serving.Generation."""
+        waterfall, `servelm doctor`, traces). `gen`: generation.Generation."""
         from servelm.server.sse import current_stream_stats
         done = time.monotonic()
         stats = current_stream_stats() if stream else None

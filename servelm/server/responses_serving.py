@@ -31,8 +31,10 @@ from servelm.server.errors import APIError, read_json_object
 from servelm.server.responses_output import ResponseBuilder
 from servelm.server.responses_schema import (ResponsesRequest, chat_messages, check_fields,
                                              client_param, input_items, new_id)
-from servelm.server.serving import (ClientGone, Generation, OpenAIServing, Prepared,
-                                    _wait_disconnect)
+from servelm.server.admission import Prepared
+from servelm.server.generation import ClientGone, Generation
+from servelm.server.serving import OpenAIServing
+from servelm.server.streaming import stream_chunks, wait_disconnect
 from servelm.server.sse import SSEResponse
 from servelm.server.async_store import AsyncStore
 from servelm.server.state_store import ACTIVE_STATUSES
@@ -100,7 +102,7 @@ class ResponsesServing:
         state.num_inflight += 1
         handed_off = False
         try:
-            self.serving._check_admission()
+            self.serving.admission.check()
             body = await read_json_object(request, self.state.config.max_body_bytes)
             created = await self._parse(body, request, arrival)
             if created.req.background:
@@ -112,7 +114,7 @@ class ResponsesServing:
             return await self._complete(created, request)
         except APIError as exc:
             exc.param = client_param(exc.param)
-            self.serving._count_rejection(exc)
+            self.serving.admission.count_rejection(exc)
             return exc.response()
         finally:
             if not handed_off:
@@ -121,7 +123,7 @@ class ResponsesServing:
     async def _parse(self, body: dict[str, Any], request: Request, arrival: float) -> _Created:
         try:
             check_fields(body)
-            req = self.serving._validate(ResponsesRequest, body)
+            req = self.serving.admission.validate(ResponsesRequest, body)
             req.check()
             items = input_items(req.input)
             history = await self._history(req.previous_response_id)
@@ -143,7 +145,7 @@ class ResponsesServing:
                 "reasoning_effort": req.reasoning_effort(),
                 "thinking_token_budget": req.thinking_token_budget}
         chat = {k: v for k, v in chat.items() if v is not None}
-        prepared = await self.serving._prepare("chat", chat, request, arrival)
+        prepared = await self.serving.admission.prepare("chat", chat, request, arrival)
         prepared.endpoint = "responses"
         return _Created(req, items, prepared, ResponseBuilder(self._body(req)))
 
@@ -189,21 +191,21 @@ class ResponsesServing:
     # -- running -----------------------------------------------------------------------------
 
     async def _started(self, c: _Created) -> Generation:
-        gen, fmt = self.serving._generation(c.prepared)
+        gen, fmt = self.serving.generation(c.prepared)
         c.fmt = fmt
-        await self.serving._start(gen)  # 4xx before anything is sent or stored
+        await self.serving.start(gen)  # 4xx before anything is sent or stored
         return gen
 
     async def _events(self, c: _Created, gen: Generation) -> AsyncIterator[dict[str, Any]]:
         """The events of a started generation up to the final one; the response is stored
         (store: true) before its final event goes out. ClientGone when it was cancelled."""
         try:
-            async with aclosing(self.serving._chunks(gen, c.fmt, c.prepared)) as chunks:
+            async with aclosing(stream_chunks(gen, c.fmt, c.prepared)) as chunks:
                 async for chunk in chunks:
                     for event in c.builder.feed(chunk):
                         yield event
         finally:
-            self.serving._log(gen, c.prepared)
+            self.serving.log(gen, c.prepared)
         final = c.builder.finish()
         if c.req.is_stored:
             await self._db("put_response", c.builder.body, c.items)
@@ -218,7 +220,7 @@ class ResponsesServing:
                 pass
 
         task = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
@@ -305,11 +307,11 @@ class ResponsesServing:
         """A background run's events: its body is written by _background (a conditional
         update), not stored anew."""
         try:
-            async with aclosing(self.serving._chunks(gen, c.fmt, c.prepared)) as chunks:
+            async with aclosing(stream_chunks(gen, c.fmt, c.prepared)) as chunks:
                 async for chunk in chunks:
                     yield c.builder.feed(chunk)
         finally:
-            self.serving._log(gen, c.prepared)
+            self.serving.log(gen, c.prepared)
 
     async def _heartbeat(self, response_id: str, run: _Run) -> None:
         try:

@@ -3,7 +3,7 @@ an operator's allow-list), size and pixel limits, one error naming the content p
 
 Owns: ImageLimits and load_image(url, limits, param) -> an RGB PIL image.
 Never: runs on the asyncio event loop's thread (base64, decompression and fetches are
-blocking: servelm/server/serving.py calls it in a worker thread); fetches a host that is not
+blocking: servelm/server/prompts.py calls it in a worker thread); fetches a host that is not
 in the allow-list, follows a redirect, or decodes an image before its header's size is
 checked against the pixel limit (a small file can expand to gigabytes).
 """

@@ -4,7 +4,7 @@ resize, rescale, normalise, patch. Pillow and numpy; the front end runs it in a 
 Owns: ImageProcessor (one per family, by name), Processed (the encoder's input: float32
 pixel values, their grid, how many prompt tokens the image becomes) and the content hash
 that keys the encoder cache and the prefix cache.
-Never: imports torch, or runs on the asyncio event loop's thread (servelm/server/serving.py
+Never: imports torch, or runs on the asyncio event loop's thread (servelm/server/prompts.py
 hands it to a worker).
 """
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from servelm.server.async_store import AsyncStore
 from servelm.server.batch_runner import BatchLimits, BatchRunner
 from servelm.server.files_serving import file_object
-from servelm.server.serving import SLO_CLASS_SCOPE_KEY
+from servelm.server.admission import SLO_CLASS_SCOPE_KEY
 from servelm.server.state_store import BatchResult, SQLiteStateStore
 
 URL = "/v1/chat/completions"
