@@ -244,3 +244,12 @@ def test_server_metrics_report_speculation(hf, prompts):
     assert value("servelm_spec_accepted_tokens_total") == st.spec_num_accepted
     assert value("servelm_spec_mean_accepted_length") >= 1.0
     assert 0 < value("servelm_spec_draft_time_share") < 1
+    # the acceptance-length histogram: one observation per verification, summing to the
+    # accepted drafts; position 1's acceptance rate is the share of verifications accepting it
+    assert value("servelm_spec_acceptance_length_count") == st.spec_num_verifications
+    assert value("servelm_spec_acceptance_length_sum") == st.spec_num_accepted
+    assert sum(st.spec_accepted_lengths) == st.spec_num_verifications
+    first = next(x for x in text.splitlines()
+                 if x.startswith('servelm_spec_position_acceptance_rate{position="1"}'))
+    assert float(first.split()[1]) == pytest.approx(st.spec_position_acceptance[0])
+    assert 0 < st.spec_position_acceptance[0] <= 1
