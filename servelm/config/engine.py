@@ -246,7 +246,7 @@ class EngineArgs:
     quant_activations: str = "float"
     kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
-    # "attention=torch,decode=kernel" (servelm/cpu_kernels/choice.py).
+    # "attention=torch,decode=kernel" (servelm/config/cpu_kernel_choice.py).
     cpu_kernels: str = "auto"
     # Keep a float model's finished parameters under $SERVELM_HOME/prepared and read them
     # back on the next start instead of dequantizing the checkpoint (servelm/loader/prepared.py).
@@ -330,7 +330,7 @@ class EngineArgs:
         return out
 
     def cpu_kernel_choice(self):
-        from servelm.cpu_kernels.choice import CpuKernelChoice  # torch-free
+        from servelm.config.cpu_kernel_choice import CpuKernelChoice  # torch-free
 
         return CpuKernelChoice.parse(self.cpu_kernels)
 

@@ -39,7 +39,7 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 def _cpu_kernels_arg(text: str) -> str:
     import argparse
 
-    from servelm.cpu_kernels.choice import CpuKernelChoice
+    from servelm.config.cpu_kernel_choice import CpuKernelChoice
 
     try:
         CpuKernelChoice.parse(text)
@@ -53,16 +53,27 @@ def add_engine_cli_args(parser) -> None:
     EngineArgs."""
     d = _default
     g = parser.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=d("max_model_len"))
-    g.add_argument("--block-size", type=int, default=d("block_size"))
+    g.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                   help="longest prompt + output a request may reach, in tokens (default: "
+                        "the model's context length)")
+    g.add_argument("--block-size", type=int, default=d("block_size"),
+                   help="tokens per KV cache block, a power of two (default %(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d("kv_cache_memory"),
                    help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
     g.add_argument("--memory-fraction", type=float, default=d("memory_fraction"),
                    help="share of free memory for the KV cache when --kv-cache-memory is unset")
-    g.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"))
-    g.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"))
+    g.add_argument("--num-blocks", type=int, default=d("num_blocks"),
+                   help="KV cache blocks, overriding the memory budget (small pools for "
+                        "tests and experiments; default: from --kv-cache-memory)")
+    g.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
+                   help="sequences in one step's batch, at most (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
+                   help="tokens in one step (decodes and prefill chunks share it; default "
+                        "%(default)s)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   default=d("enable_chunked_prefill"))
+                   default=d("enable_chunked_prefill"),
+                   help="compute a prompt in one step instead of chunks within the token "
+                        "budget")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    default=d("enable_prefix_caching"),
                    help="disable prefix caching (for comparison)")
@@ -89,19 +100,23 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--step-trace", default=d("step_trace"), metavar="FILE",
                    help="write each step's shape and wall time (start to next start) to FILE, "
                         "as JSON lines, for `servelm bench calibrate --served-steps` (docs/sim.md)")
-    g.add_argument("--device", default=d("device"))
+    g.add_argument("--device", default=d("device"),
+                   help="cpu, cuda or cuda:N (default %(default)s)")
     g.add_argument("--dtype", default=d("dtype"),
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto: bfloat16 where the CPU runs bfloat16 dot products "
                         "(checked at start-up) and the checkpoint is stored in 16 bits or "
                         "fewer, else float32; on a GPU bfloat16 (default %(default)s)")
     g.add_argument("--attention-backend", default=d("attention_backend"),
-                   choices=["torch", "triton"])
+                   choices=["torch", "triton"],
+                   help="torch: the CPU reference and C++ kernels; triton: GPU kernels "
+                        "(default %(default)s)")
     g.add_argument("--cuda-graphs", action="store_true", default=d("cuda_graphs"),
                    help="capture decode steps as CUDA graphs (GPU, triton backend)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=d("seed"),
                    help="seed of the stream unseeded requests sample from")
-    g.add_argument("--threads", dest="num_threads", type=int, default=d("num_threads"))
+    g.add_argument("--threads", dest="num_threads", type=int, default=d("num_threads"),
+                   help="torch's intra-op threads on the CPU (default: torch's choice)")
     g.add_argument("--deterministic", action="store_true", default=d("deterministic"),
                    help="batch-invariant kernels: the same request gives the same tokens and "
                         "logprobs whatever the batch, chunking, prefix-cache hits, preemption "
@@ -210,8 +225,10 @@ def add_engine_cli_args(parser) -> None:
                         "DeepSeek-V3) and verify them in one target step (default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
                    help="most draft tokens per sequence and step (k)")
-    s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"))
-    s.add_argument("--spec-ngram-min", type=int, default=d("spec_ngram_min"))
+    s.add_argument("--spec-ngram-max", type=int, default=d("spec_ngram_max"),
+                   help="ngram: longest suffix looked up in the context (default %(default)s)")
+    s.add_argument("--spec-ngram-min", type=int, default=d("spec_ngram_min"),
+                   help="ngram: shortest suffix looked up (default %(default)s)")
     s.add_argument("--spec-draft-model", "--speculative-model", default=d("spec_draft_model"),
                    help="draft model (cached name, GGUF file, HF dir or ORG/NAME; same "
                         "tokenizer), or for eagle3 the EAGLE-3 head's directory")
