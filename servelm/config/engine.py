@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.config.option import option
+from servelm.quant import quant_method_names  # torch-free: the registry's names
+from servelm.quant.int8_act import ACTIVATIONS as QUANT_ACTIVATIONS  # torch-free
 from servelm.quant.int8_act import check_activations as check_quant_activations
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -207,99 +210,268 @@ class ParallelConfig:
 # rank per node where it can; STRICT_SPREAD: always).
 PARALLEL_LAUNCHERS = ("process", "ray")
 RAY_PLACEMENTS = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
+DISAGG_ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything needed to build an engine, as the CLI and the Python API take it."""
+    """Everything needed to build an engine, as the CLI and the Python API take it. Each
+    option's flag and help are in its field's metadata (`option`): config/flags.py builds
+    the command line from them."""
 
     model: str
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes
-    memory_fraction: float = 0.25
-    num_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_retained_blocks: int = CacheConfig.max_retained_blocks
+    max_model_len: int | None = option(None,
+                                       "longest prompt + output a request may reach, in tokens "
+                                       "(default: the model's context length)")
+    block_size: int = option(16, "tokens per KV cache block, a power of two (default %(default)s)")
+    # bytes
+    kv_cache_memory: int | None = option(None,
+                                         "bytes for the KV cache, e.g. 2GiB (default: a fraction "
+                                         "of free memory)",
+                                         parse="bytes")
+    memory_fraction: float = option(0.25,
+                                    "share of free memory for the KV cache when --kv-cache-memory "
+                                    "is unset")
+    num_blocks: int | None = option(None,
+                                    "KV cache blocks, overriding the memory budget (small pools "
+                                    "for tests and experiments; default: from --kv-cache-memory)")
+    max_num_seqs: int = option(128, "sequences in one step's batch, at most (default %(default)s)")
+    max_num_batched_tokens: int = option(2048,
+                                         "tokens in one step (decodes and prefill chunks share it; "
+                                         "default %(default)s)")
+    enable_chunked_prefill: bool = option(True,
+                                          "compute a prompt in one step instead of chunks within "
+                                          "the token budget",
+                                          names=("--no-chunked-prefill",))
+    enable_prefix_caching: bool = option(True, "disable prefix caching (for comparison)",
+                                         names=("--no-prefix-cache",))
+    max_retained_blocks: int = option(CacheConfig.max_retained_blocks,
+                                      "prefix-cache blocks one tenant (OpenAI-Project) may keep "
+                                      "ahead of others for requests with prompt_cache_retention "
+                                      "24h, and as many in the KV tiers; past it its oldest go "
+                                      "back to LRU (0: off)",
+                                      names=("--prompt-cache-retention-blocks",))
     # Vision-language models (docs/vision.md): image tokens whose encoding may start in one
     # step (0: no encoder budget), and the runner's encoder cache size in image tokens.
-    max_num_encoder_tokens: int = 2048
-    encoder_cache_tokens: int = 16384
-    device: str = "cpu"
+    max_num_encoder_tokens: int = option(2048,
+                                         "vision models: image tokens whose encoding may start in "
+                                         "one step, so a burst of images cannot stall decoding (0: "
+                                         "no limit; default %(default)s)")
+    encoder_cache_tokens: int = option(16384,
+                                       "vision models: image embeddings kept by content hash, in "
+                                       "tokens (default %(default)s)")
+    device: str = option("cpu", "cpu, cuda or cuda:N (default %(default)s)")
     # "auto": bfloat16 on a CPU that runs bfloat16 dot products (probed) for a checkpoint
     # stored in 16 bits or fewer, else float32; bfloat16 on a GPU (servelm/dtype_choice.py).
-    dtype: str = "auto"
-    attention_backend: str = "torch"
-    cuda_graphs: bool = False  # capture decode steps (needs --device cuda, triton backend)
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    dtype: str = option("auto",
+                        "compute dtype; auto: bfloat16 where the CPU runs bfloat16 dot products "
+                        "(checked at start-up) and the checkpoint is stored in 16 bits or fewer, "
+                        "else float32; on a GPU bfloat16 (default %(default)s)",
+                        choices=DTYPES)
+    attention_backend: str = option("torch",
+                                    "torch: the CPU reference and C++ kernels; triton: GPU kernels "
+                                    "(default %(default)s)",
+                                    choices=ATTENTION_BACKENDS)
+    # capture decode steps (needs --device cuda, triton backend)
+    cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (GPU, triton backend)")
+    seed: int = option(0, "seed of the stream unseeded requests sample from",
+                       names=("--engine-seed",))
+    # torch intra-op threads on CPU; None: torch's default
+    num_threads: int | None = option(None, "torch's intra-op threads on the CPU (default: torch's "
+                                     "choice)",
+                                     names=("--threads",))
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on the load
     # (servelm/runner/deterministic.py, docs/determinism.md). CPU float32 or bfloat16 (the
     # model's dtype) or the GPU's Triton path; dense models.
-    deterministic: bool = False
-    quantization: str | None = None  # weight-only method (servelm.quant): int8, int4-g32, gguf
+    deterministic: bool = option(False,
+                                 "batch-invariant kernels: the same request gives the same tokens "
+                                 "and logprobs whatever the batch, chunking, prefix-cache hits, "
+                                 "preemption or speculation (CPU: float32 or bfloat16; GPU: "
+                                 "attention backend 'triton'; dense models; docs/determinism.md)")
+    # weight-only method (servelm.quant): int8, int4-g32, gguf
+    quantization: str | None = option(None,
+                                      "quantization of the linear layers: weight-only int8/int4; "
+                                      "'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they "
+                                      "are; 'gguf-mixed' uses them for steps of a few rows and "
+                                      "their bf16 values for larger ones (docs/quantization.md); "
+                                      "'fp8' is W8A8 on CUDA sm89+ GPUs (default: float)",
+                                      choices=quant_method_names)
     # What the quantized CPU linears round activations to: "float" (float32) or "int8" (per
     # 32 values, integer dot products where the CPU runs avx512_vnni; servelm/quant/int8_act.py).
-    quant_activations: str = "float"
-    kv_cache_dtype: str = "auto"  # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
+    quant_activations: str = option("float",
+                                    "quantized layers on the CPU: 'int8' rounds activations to "
+                                    "int8 per 32 values and multiplies with integer dot products "
+                                    "(where the CPU runs avx512_vnni, else float; "
+                                    "docs/quantization.md has its accuracy cost), 'float' keeps "
+                                    "float32 (default %(default)s)",
+                                    choices=QUANT_ACTIVATIONS)
+    # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
+    kv_cache_dtype: str = option("auto",
+                                 "KV cache storage: 'auto' = the model's --dtype; 'fp8' = e4m3 "
+                                 "codes with a scale per layer and KV head (half the bytes of "
+                                 "bf16)",
+                                 choices=KV_CACHE_DTYPES)
     # servelm's C++ CPU kernels: "auto" | "kernel" | "torch", or per part, e.g.
     # "attention=torch,decode=kernel" (servelm/config/cpu_kernel_choice.py).
-    cpu_kernels: str = "auto"
+    cpu_kernels: str = option("auto",
+                              "servelm's C++ CPU kernels: 'auto' (where they build, else torch), "
+                              "'kernel' (or an error), 'torch' (never); per part, e.g. "
+                              "'attention=torch,decode=kernel' (parts: attention, decode, "
+                              "layer_ops, quant, gemm (float32 decode steps on servelm's panel "
+                              "GEMM); default %(default)s). The start-up log (-v) says which path "
+                              "each part took",
+                              metavar="MODE|PART=MODE,...", parse="cpu_kernels")
     # Keep a float model's finished parameters under $SERVELM_HOME/prepared and read them
     # back on the next start instead of dequantizing the checkpoint (servelm/loader/prepared.py).
-    prepared_weights_cache: bool = True
+    prepared_weights_cache: bool = option(True,
+                                          "load the checkpoint every start instead of the float "
+                                          "parameters prepared at the last one "
+                                          "($SERVELM_HOME/prepared; docs/server.md)",
+                                          names=("--no-prepared-weights-cache",))
     # Speculative decoding (servelm/spec/): None = off; "ngram" or "draft".
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 4
-    spec_ngram_max: int = 4
-    spec_ngram_min: int = 2
-    spec_draft_model: str | None = None
-    spec_draft_layers: int | None = None
-    spec_draft_quantization: str | None = None
-    spec_adaptive: bool = True
-    spec_tree: str = "off"  # off | static | dynamic (eagle3: tree drafting and verification)
-    spec_tree_topk: int = 4
+    speculative_method: str | None = option(None,
+                                            "propose tokens with an n-gram lookup, a draft model, "
+                                            "an EAGLE-3 head or the model's own "
+                                            "multi-token-prediction layers (mtp: DeepSeek-V3) and "
+                                            "verify them in one target step (default: off)",
+                                            group="spec", choices=SPEC_METHODS)
+    num_speculative_tokens: int = option(4, "most draft tokens per sequence and step (k)",
+                                         group="spec")
+    spec_ngram_max: int = option(4, "ngram: longest suffix looked up in the context (default "
+                                 "%(default)s)",
+                                 group="spec")
+    spec_ngram_min: int = option(2, "ngram: shortest suffix looked up (default %(default)s)",
+                                 group="spec")
+    spec_draft_model: str | None = option(None, "draft model (cached name, GGUF file, HF dir or "
+                                          "ORG/NAME; same tokenizer), or for eagle3 the EAGLE-3 "
+                                          "head's directory",
+                                          names=("--spec-draft-model", "--speculative-model"),
+                                          group="spec")
+    spec_draft_layers: int | None = option(None,
+                                           "draft with the target's own first N layers and its "
+                                           "head",
+                                           group="spec")
+    spec_draft_quantization: str | None = option(None, "draft with a copy of the target (or "
+                                                 "--spec-draft-model) quantized so",
+                                                 group="spec", choices=quant_method_names)
+    spec_adaptive: bool = option(True, "always speculate k tokens, even past the break-even batch",
+                                 names=("--no-spec-adaptive",), group="spec")
+    # off | static | dynamic (eagle3: tree drafting and verification)
+    spec_tree: str = option("off",
+                            "eagle3: draft a tree of up to k nodes and verify it in one step "
+                            "(static: top-k per depth; dynamic: EAGLE-2's confidence-pruned tree) "
+                            "(default %(default)s: a chain)",
+                            group="spec", choices=SPEC_TREES)
+    spec_tree_topk: int = option(4,
+                                 "tree drafting: children per expanded node (default %(default)s)",
+                                 group="spec")
     # LoRA adapters (servelm/lora/, docs/lora.md): "name=path" each, loaded at start-up;
     # enable_lora: serve adapters loaded at run time even when none is given here.
-    lora_modules: tuple[str, ...] = ()
-    enable_lora: bool = False
-    max_loras: int = 4  # adapter slots: adapters in one step's batch, at most
-    max_lora_rank: int = 16  # the largest r an adapter may have (slot buffers are this wide)
+    lora_modules: tuple[str, ...] = option((), "serve the PEFT adapter at PATH as model NAME "
+                                           "(repeatable)",
+                                           names=("--lora",), group="lora", metavar="NAME=PATH")
+    enable_lora: bool = option(False, "accept adapters loaded at run time (implied by --lora)",
+                               group="lora")
+    # adapter slots: adapters in one step's batch, at most
+    max_loras: int = option(4, "adapter slots: distinct adapters in one step (default %(default)s)",
+                            group="lora")
+    # the largest r an adapter may have (slot buffers are this wide)
+    max_lora_rank: int = option(16, "largest adapter rank r accepted (default %(default)s)",
+                                group="lora")
     # KV tiers below the device pool (KVTiersConfig, docs/kv_tiers.md); 0 / None: off.
-    kv_host_memory_gb: float = 0.0
-    kv_disk_dir: str | None = None
-    kv_disk_gb: float = 0.0
-    kv_reload_policy: str = "cost"
-    kv_tiers_cost_model: str | None = None
+    kv_host_memory_gb: float = option(0.0,
+                                      "host memory for KV blocks evicted from the device pool (GB; "
+                                      "default %(default)s: off)",
+                                      group="kv_tiers")
+    kv_disk_dir: str | None = option(None, "directory for KV blocks evicted from host memory, kept "
+                                     "across restarts of the same model and servelm version",
+                                     group="kv_tiers")
+    kv_disk_gb: float = option(0.0, "most bytes the disk tier's files take (GB)",
+                               group="kv_tiers")
+    kv_reload_policy: str = option("cost",
+                                   "a prefix found below the pool: reload it when that is cheaper "
+                                   "than recomputing it ('cost'), or always / never",
+                                   group="kv_tiers", choices=KV_RELOAD_POLICIES)
+    kv_tiers_cost_model: str | None = option(None,
+                                             "step-cost model (servelm bench calibrate) for the "
+                                             "recompute estimate (default: fitted on this engine's "
+                                             "own steps)",
+                                             group="kv_tiers", metavar="PATH")
     # Prefill/decode disaggregation (servelm/disagg/, docs/disaggregation.md): this engine's
     # role, the KV transport by name, where a prefill worker listens for pulls (""): from the
     # HTTP port, servelm/disagg/transport.py default_address) and the decode side's lease.
-    disagg_role: str = "colocated"
-    kv_transport: str = "tcp"
-    kv_address: str = ""
-    kv_lease_s: float = 30.0
+    disagg_role: str = option("colocated",
+                              "prefill: compute prompts and serve their KV blocks to decode "
+                              "workers; decode: pull a request's prompt KV from the prefill worker "
+                              "the router names, then decode (default %(default)s: both here)",
+                              names=("--role",), group="disagg", choices=DISAGG_ROLES)
+    kv_transport: str = option("tcp",
+                               "how KV blocks move: tcp (any two hosts), shm (same host, shared "
+                               "memory) or inproc (one process) (default %(default)s)",
+                               group="disagg")
+    kv_address: str = option("",
+                             "prefill role: where decode workers pull KV from, tcp://HOST:PORT or "
+                             "shm:///path.sock (default: the HTTP port + 1000 on tcp)",
+                             group="disagg", metavar="ADDR")
+    kv_lease_s: float = option(30.0,
+                               "decode role: seconds blocks reserved for a transfer wait for it "
+                               "before the prompt is computed here instead (default %(default)s)",
+                               group="disagg")
     # The scheduler's policy (SchedulerConfig.scheduling_policy) and, for "slo", the step-cost
     # model (a `servelm bench calibrate` file) it sizes chunks and predicts TTFTs with.
-    scheduling_policy: str = "fcfs"
-    slo_cost_model: str | None = None
+    scheduling_policy: str = option("fcfs",
+                                    "fcfs: arrival order; slo: by SLO class and deadline slack, "
+                                    "chunks sized from the TPOT targets, early 429 for a TTFT that "
+                                    "cannot be met (docs/slo.md; default %(default)s)",
+                                    choices=SCHEDULING_POLICIES)
+    slo_cost_model: str | None = option(None, "step-cost model (`servelm bench calibrate`) the slo "
+                                        "policy sizes chunks and predicts TTFTs with; without one "
+                                        "it only orders the queue",
+                                        metavar="FILE")
     # A JSON-lines file of every step's shape and wall time, start to next start
     # (servelm/engine/step_trace.py): what `servelm bench calibrate --served-steps` fits.
-    step_trace: str | None = None
+    step_trace: str | None = option(None,
+                                    "write each step's shape and wall time (start to next start) "
+                                    "to FILE, as JSON lines, for `servelm bench calibrate "
+                                    "--served-steps` (docs/sim.md)",
+                                    metavar="FILE")
     # Model parallelism (ParallelConfig, servelm/parallel/): worker processes per replica.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = option(1, "shard every layer over N worker processes "
+                                       "(torch.distributed: gloo on the CPU, cores split between "
+                                       "them; NCCL on GPUs)",
+                                       group="parallel", metavar="N")
+    pipeline_parallel_size: int = option(1,
+                                         "split the layers into M stages of --tensor-parallel-size "
+                                         "workers each",
+                                         group="parallel", metavar="M")
+    enable_expert_parallel: bool = option(False,
+                                          "MoE: place whole experts across the tensor-parallel "
+                                          "ranks (tokens dispatched and combined by all-to-all) "
+                                          "instead of slicing each",
+                                          group="parallel")
     # "host:port": the workers are started elsewhere (torchrun-style environment variables,
     # Ray; docs/parallel.md) and join rank 0 there; None: rank 0 starts them on this machine.
-    parallel_master: str | None = None
+    parallel_master: str | None = option(None, "the workers are started elsewhere (other machines: "
+                                         "torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, "
+                                         "or Ray) and join this rank 0 at HOST:PORT (default: rank "
+                                         "0 starts them here)",
+                                         group="parallel", metavar="HOST:PORT")
     # How rank 0 starts the other ranks (PARALLEL_LAUNCHERS): "process", child processes on
     # this machine; "ray", Ray actors in one placement group of a bundle per rank
     # (servelm/parallel/ray_launcher.py), placed by Ray's strategy parallel_placement.
-    parallel_launcher: str = "process"
-    parallel_placement: str = "PACK"
+    parallel_launcher: str = option("process",
+                                    "how rank 0 starts the other ranks: process (child processes "
+                                    "on this machine) or ray (Ray actors in one placement group "
+                                    "over the cluster: $RAY_ADDRESS or one started here; "
+                                    "docs/parallel.md)",
+                                    group="parallel", choices=PARALLEL_LAUNCHERS)
+    parallel_placement: str = option("PACK",
+                                     "with --parallel-launcher ray: the placement group's strategy "
+                                     "(PACK: as few nodes as fit; STRICT_PACK: one node; SPREAD: "
+                                     "one rank per node where it can; STRICT_SPREAD: always)",
+                                     group="parallel", choices=RAY_PLACEMENTS)
 
     def __post_init__(self) -> None:
         self.cpu_kernel_choice()  # a bad value is an error here, not deep in a layer
@@ -375,3 +547,4 @@ class EngineArgs:
                                max_num_encoder_tokens=self.max_num_encoder_tokens,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy)
+

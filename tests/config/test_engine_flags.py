@@ -1,5 +1,6 @@
 """The engine's flags against EngineArgs: one flag per field and one field per flag, each
-flag with its help, and `servelm serve --help` listing them all."""
+flag with its help, and `servelm serve --help` listing them all; the flags are built from
+the fields (config/flags.py), so these also check that builder."""
 
 from __future__ import annotations
 
@@ -67,3 +68,47 @@ def test_serve_help_lists_every_engine_flag_with_its_help(capsys):
                if any(s not in shown for s in a.option_strings)
                or _help_start(a.help) not in shown]
     assert missing == []
+
+
+def test_a_field_without_a_flag_is_refused_by_name():
+    from servelm.config.option import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        model: str
+        block_size: int = option(16, "tokens per block")
+        hidden: int = 3  # declared without option(): no flag, no help
+
+    with pytest.raises(TypeError, match="Args.hidden has no flag"):
+        add_engine_cli_args(argparse.ArgumentParser(), Args)
+
+
+def test_flags_come_from_the_fields_names_types_and_defaults():
+    from servelm.config.option import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        model: str
+        max_rows: int = option(8, "rows")
+        share: float = option(0.5, "share", group="parallel")
+        fast: bool = option(True, "off switch", names=("--no-fast",))
+        tags: tuple[str, ...] = option((), "repeatable", names=("--tag",), group="lora")
+
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser, Args)
+    assert vars(parser.parse_args([])) == {"max_rows": 8, "share": 0.5, "fast": True,
+                                           "tags": None}
+    got = parser.parse_args(["--max-rows", "3", "--share", "0.25", "--no-fast", "--tag", "a",
+                             "--tag", "b"])
+    assert vars(got) == {"max_rows": 3, "share": 0.25, "fast": False, "tags": ["a", "b"]}
+
+
+def test_an_option_that_is_on_must_name_its_off_flag():
+    from servelm.config.option import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        fast: bool = option(True, "on by default")
+
+    with pytest.raises(TypeError, match="--no-"):
+        add_engine_cli_args(argparse.ArgumentParser(), Args)
