@@ -3,7 +3,9 @@
     model.py    ModelConfig, the one description of a model's shape (HF config.json or GGUF)
     engine.py   EngineArgs and the parts it hands out: CacheConfig, KVTiersConfig,
                 SchedulerConfig, SpeculativeConfig, ParallelConfig
-    flags.py    the engine's CLI flags, their defaults read from EngineArgs
+    flags.py    the engine's CLI flags, built from EngineArgs' fields (option.py: the Flag
+                each field carries)
+    cpu_kernel_choice.py  the --cpu-kernels value parsed
 
 `from servelm.config import X` keeps working for each of them.
 Never: mutated after start-up (values found at run time, such as the number of KV blocks, are

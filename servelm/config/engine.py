@@ -2,7 +2,8 @@
 parts it hands each component: CacheConfig, KVTiersConfig, SchedulerConfig,
 SpeculativeConfig, ParallelConfig.
 
-Owns: the options, their defaults and their validation (a bad value names its option).
+Owns: the options, their defaults, their flags' help (each EngineArgs field's `option`
+metadata) and their validation (a bad value names its option).
 Never: mutated after start-up (values found at run time, such as the number of KV blocks, are
 passed explicitly, not written back here); imports torch; parses a command line (flags.py).
 """
