@@ -642,8 +642,9 @@ def _build_mtp(model, mtp_tensors):
 
 
 def _build_eagle3(args, spec, config, model):
-    """An EAGLE-3 head for the target (servelm/spec/eagle.py); the target's steps run eagerly
-    (the C++ decode stack and CUDA graphs return only final hidden states)."""
+    """An EAGLE-3 head for the target (servelm/spec/eagle.py); its features are the target's
+    hidden states after some layers, which the eager forward and the C++ decode stack return
+    (CUDA graphs return only final hidden states)."""
     from servelm.spec.eagle import UnsupportedDrafterError, build_eagle3_proposer
 
     if args.cuda_graphs or config.vision is not None:
@@ -657,6 +658,6 @@ def _build_eagle3(args, spec, config, model):
         proposer = build_eagle3_proposer(path, model, config)
     except UnsupportedDrafterError as e:
         raise InvalidParameterError(str(e), param="spec_draft_model") from e
-    logger.info("eagle3: the target's steps run eagerly (not the C++ decode stack): the "
-                "drafter reads hidden states after layers %s", list(proposer.aux_layers))
+    logger.info("eagle3: the drafter reads the target's hidden states after layers %s (the "
+                "C++ decode stack returns them with the final ones)", list(proposer.aux_layers))
     return proposer

@@ -23,8 +23,8 @@ in this step or came from the prefix cache. Variants (window, softcap) and MLA a
 
 Two attention variants are taken per call (`supports_variants`): a sliding window (`window`
 keys, a query's own included: key positions (q - window, q]) and tanh soft-capping of the
-scores (Gemma 2). A step that uses either runs its decodes on the gathered path, not the C++
-kernel, which knows neither.
+scores (Gemma 2). The C++ decode kernel takes both (its decodes are then the C++ decode
+stack's, bit for bit); prefills with either run the gathered path.
 """
 
 from __future__ import annotations
@@ -345,10 +345,16 @@ class TorchAttentionBackend:
         meta: TorchAttentionMetadata = batch.attn_metadata
         if meta.prefill_slots is None:  # the prefill kernel's step: this layer needs them
             meta.prefill_slots, meta.prefill_masks = self._prefill_contexts(batch)
-        decode_masks, prefill_masks = self._variant_masks(batch, meta, window)
         nd = batch.num_decodes
+        kernel = nd and meta.decode_seq_lens is not None  # the C++ kernel takes the decodes
+        decode_masks, prefill_masks = self._variant_masks(batch, meta, window, not kernel)
         outs = []
-        if nd:
+        if kernel:  # as the C++ decode stack runs them (runner/cpu_decode.py)
+            outs.append(self.decode_kernel(
+                q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_seq_lens,
+                self.kv_cache.block_size, self.scale, k_scale, v_scale, window=window,
+                softcap=softcap).to(q.dtype))
+        elif nd:
             slots, mask = decode_masks
             bd, h, d = q[:nd].shape
             kh = k_cache.shape[1]
@@ -386,14 +392,16 @@ class TorchAttentionBackend:
             out = out * v_scale.repeat_interleave(group).view(-1, 1, 1).to(out.dtype)
         return out.transpose(0, 1)
 
-    def _variant_masks(self, batch: ForwardBatch, meta: TorchAttentionMetadata, window: int):
+    def _variant_masks(self, batch: ForwardBatch, meta: TorchAttentionMetadata, window: int,
+                       decodes: bool = True):
         """((decode slots [Bd, C], decode mask [Bd, 1, 1, C]) or None, per-prefill [Q, C]
-        masks): causal, and within `window` of the query when it is nonzero."""
+        masks): causal, and within `window` of the query when it is nonzero. decodes=False:
+        no decode masks (the C++ kernel takes the decodes)."""
         if window in meta.window_masks:
             return meta.window_masks[window]
         bs, device, nd = batch.block_size, batch.slot_mapping.device, batch.num_decodes
         decode = None
-        if nd:
+        if nd and decodes:
             max_len = max(batch.seq_lens[:nd])
             pos = torch.arange(max_len, device=device)
             tables = batch.block_tables[:nd, : -(-max_len // bs)]

@@ -1,18 +1,30 @@
-// DecodeStack: a Llama-family decoder's layers for one all-decode step in one call.
+// DecodeStack: a decoder's layers for one all-decode step in one call.
 //
 // Why: at one token a step the CPU work per layer is ~100 us of kernels, and the Python
 // around them (module calls, views, the attention backend, one dispatcher round trip per op)
 // cost as much again: 30 layers x ~15 ops. This object holds the layers' tensors (shared with
 // the modules, never copied) and runs the same kernels in the same order as the eager path
-// (servelm/models/llama.py with the C++ layer ops, quantized linears and paged decode):
+// (servelm/models/decoder.py with the C++ layer ops, quantized linears and paged decode):
 //
 //   h = rms_norm(x) | add_rms_norm(x, residual)           input_layernorm
-//   q, k, v = split(qkv_proj(h)); [q_norm, k_norm]; rotary_(q, k)
-//   store_kv(k_cache, v_cache, slots, k, v); a = paged_decode(q, caches, tables, seq_lens)
-//   h, residual = add_rms_norm(o_proj(a), residual)       post_attention_layernorm
-//   x = down_proj(silu_and_mul(gate_up_proj(h)))           (a DotLinear's gated form: one op)
-//   (tensor parallel: o_proj's and down_proj's outputs all-reduced, see set_all_reduce)
+//   q, k, v = split(qkv_proj(h)); [q_norm, k_norm]; rotary_(q, k, the layer's table)
+//   [q *= q_mult]                                          query_pre_attn_scalar
+//   store_kv(k_cache, v_cache, slots, k, v)
+//   a = paged_decode(q, caches, tables, seq_lens, [window], [softcap])
+//   plain:    h, residual = add_rms_norm(o_proj(a), residual)     post_attention_layernorm
+//             x = mlp(h)
+//   sandwich: h, residual = add_rms_norm(rms_norm(o_proj(a)), residual)  post-attn, pre-ffw
+//             x = rms_norm(mlp(h))                                        post-ffw
+//   mlp: down_proj(act_and_mul(gate_up_proj(h))), act SiLU (a DotLinear's gated form: one
+//        op) or tanh-GELU; or a mixture of experts (router, top-k, each chosen expert over
+//        its rows, the shared expert behind its gate: servelm/layers/moe.py's ops in order)
+//   (tensor parallel: o_proj's and the MLP's outputs all-reduced, see set_all_reduce)
 //   ... final: add_rms_norm(x, residual, norm)
+//
+// Each layer's variant is data: its flags (window, sandwich norms, activation, MLP kind) and
+// tensors come from the model's description of itself (servelm/models/fast_path.py), never
+// from its type. (1 + w) norms come as their scale tensor; the embedding's scale and the
+// logits' soft-cap are outside the stack (servelm/runner/cpu_decode.py, the model's head).
 //
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
 // panels), int8 (int8_gemm on panels), batch-invariant float (det_linear, deterministic
@@ -62,8 +74,9 @@ struct Ops {
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, T, T, T)> store_kv =
       find_op<void(at::Tensor, at::Tensor, T, T, T)>("servelm_cpu::store_kv");
   using OptT = const c10::optional<at::Tensor>&;
-  c10::TypedOperatorHandle<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)> paged_decode =
-      find_op<at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT)>("servelm_cpu::paged_decode");
+  using PagedDecode = at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT, int64_t, double);
+  c10::TypedOperatorHandle<PagedDecode> paged_decode =
+      find_op<PagedDecode>("servelm_cpu::paged_decode");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
@@ -104,44 +117,70 @@ struct Linear {
   std::vector<Linear> parts;  // kParts: the row parts; kPermuted: the inner linear
 };
 
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+enum MlpKind : int64_t { kDense = 0, kMoE = 1 };
+
+// A gated MLP: down(act(gate_up(x))).
+struct Mlp {
+  int64_t act = kSilu;
+  Linear gate_up, down;
+};
+
+// servelm/layers/moe.py's MoE: the router, E experts, the optional shared expert and its gate.
+struct MoE {
+  int64_t top_k = 1, num_groups = 1, topk_groups = 1;
+  bool renormalize = true, sigmoid = false, top2_groups = false;
+  double scaling = 1.0;
+  Linear router;
+  at::Tensor score_bias;    // DeepSeek-V3's correction bias; else undefined
+  at::Tensor routed;        // Experts.num_routed_tokens [E], counted as the eager path does
+  std::vector<Mlp> experts;
+  bool has_shared = false;
+  Mlp shared;
+  c10::optional<Linear> shared_gate;
+};
+
 struct Layer {
-  at::Tensor in_norm, post_norm, q_norm, k_norm, k_cache, v_cache;
+  int64_t window = 0;  // keys a query attends (0: all)
+  double softcap = 0.0, q_mult = 1.0;
+  bool sandwich = false;  // rms norms after attention and after the MLP as well
+  at::Tensor cos, sin;  // the layer's rotary table [positions, D/2]
+  at::Tensor in_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, k_cache, v_cache;
   at::Tensor k_scale, v_scale;  // an fp8 cache's scales per KV head [K]; else undefined
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o;
+  int64_t mlp_kind = kDense;
+  Mlp mlp;
+  MoE moe;
 };
 
 at::Tensor optional(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // tensors: cos, sin, final norm, then per layer: in norm, post norm, q norm, k norm, K
-  // cache, V cache, the 4 linears' tensors (qkv, o, gate_up, down), K scale, V scale.
-  // ints: num_layers, heads, kv_heads, head_dim, block_size, then per layer the 4 linears'.
+  // Three flat lists, read in this order (servelm/runner/cpu_decode.py writes them):
+  //   ints: num_layers, heads, kv_heads, head_dim, block_size; floats: rms eps, attention
+  //   scale; tensors: the final norm's scale. Then per layer:
+  //     ints window, sandwich, MLP kind; floats softcap, q_mult;
+  //     tensors cos, sin, in norm, post-attention norm, pre-ffw norm, post-ffw norm, q norm,
+  //     k norm, K cache, V cache, K scale, V scale (absent ones empty);
+  //     linears qkv, o; then the MLP: dense (read_mlp) or MoE (read_moe).
   // A linear is 3 tensors (a, b, bias) and 4 ints (kind, n, group, k_padded), then those of
-  // the linears it holds (kParts, kPermuted; see cpu_decode.py and layers/decode_entry.py).
-  // floats: rms eps, attention scale.
+  // the linears it holds (kParts, kPermuted; see layers/decode_entry.py).
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
               std::vector<double> floats) {
-    TORCH_CHECK(ints.size() >= 5 && floats.size() == 2 && tensors.size() >= 3,
+    TORCH_CHECK(ints.size() >= 5 && floats.size() >= 2 && tensors.size() >= 1,
                 "DecodeStack: bad header");
-    const int64_t L = ints[0];
-    heads_ = ints[1], kv_heads_ = ints[2], head_dim_ = ints[3], block_size_ = ints[4];
-    eps_ = floats[0], scale_ = floats[1];
-    cos_ = tensors[0], sin_ = tensors[1], final_norm_ = tensors[2];
-    Reader in{tensors, ints, 3, 5};
-    for (int64_t i = 0; i < L; ++i) {
-      Layer layer;
-      layer.in_norm = in.tensor(), layer.post_norm = in.tensor();
-      layer.q_norm = optional(in.tensor()), layer.k_norm = optional(in.tensor());
-      layer.k_cache = in.tensor(), layer.v_cache = in.tensor();
-      for (Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        *l = read_linear(in);
-      layer.k_scale = optional(in.tensor()), layer.v_scale = optional(in.tensor());
-      layers_.push_back(std::move(layer));
-    }
-    TORCH_CHECK(in.t == tensors.size() && in.m == ints.size(), "DecodeStack: expected ", L,
-                " layers of tensors and ints, got ", tensors.size() - in.t, " tensors and ",
-                ints.size() - in.m, " ints more");
+    Reader in{tensors, ints, floats, 0, 0, 0};
+    const int64_t L = in.integer();
+    heads_ = in.integer(), kv_heads_ = in.integer(), head_dim_ = in.integer();
+    block_size_ = in.integer();
+    eps_ = in.real(), scale_ = in.real();
+    final_norm_ = in.tensor();
+    for (int64_t i = 0; i < L; ++i) layers_.push_back(read_layer(in));
+    TORCH_CHECK(in.t == tensors.size() && in.m == ints.size() && in.f == floats.size(),
+                "DecodeStack: expected ", L, " layers of tensors, ints and floats, got ",
+                tensors.size() - in.t, " tensors, ", ints.size() - in.m, " ints and ",
+                floats.size() - in.f, " floats more");
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
@@ -206,9 +245,30 @@ class DecodeStack : public torch::CustomClassHolder {
   // final_norm, the model's final norm.
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor tables,
                  at::Tensor seq_lens, int64_t layers, bool final_norm) {
-    const int64_t B = x.size(0);
+    return forward(x, positions, slots, tables, seq_lens, layers, final_norm, {}, nullptr);
+  }
+
+  // run() through every layer with the final norm, and the hidden state (x + residual) after
+  // each of `aux_layers` as well (an EAGLE-3 drafter's features, as DecoderLM.forward's
+  // aux_layers): [final hidden states, then one [B, hidden] per aux layer, in order].
+  std::vector<at::Tensor> run_aux(at::Tensor x, at::Tensor positions, at::Tensor slots,
+                                  at::Tensor tables, at::Tensor seq_lens,
+                                  std::vector<int64_t> aux_layers) {
+    for (int64_t a : aux_layers)
+      TORCH_CHECK(a >= 0 && a < num_layers(), "DecodeStack.run_aux: aux layer ", a,
+                  " is not among the ", num_layers(), " layers");
+    std::vector<at::Tensor> aux(aux_layers.size());
+    at::Tensor out = forward(x, positions, slots, tables, seq_lens, -1, true, aux_layers, &aux);
+    aux.insert(aux.begin(), out);
+    return aux;
+  }
+
+ private:
+  at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots,
+                     const at::Tensor& tables, const at::Tensor& seq_lens, int64_t layers,
+                     bool final_norm, const std::vector<int64_t>& aux_layers,
+                     std::vector<at::Tensor>* aux) {
     const int64_t L = layers < 0 ? num_layers() : std::min(layers, num_layers());
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
@@ -219,41 +279,125 @@ class DecodeStack : public torch::CustomClassHolder {
       } else {
         std::tie(h, residual) = ops_.add_rms_norm.call(x, residual, l.in_norm, eps_);
       }
-      const at::Tensor qkv = linear(l.qkv, h);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({B, heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, kv_heads_, head_dim_});
-      if (l.q_norm.defined()) {
-        q = head_norm(q, l.q_norm);
-        k = head_norm(k, l.k_norm);
-      }
-      ops_.rotary.call(q, k, positions, cos_, sin_);
-      c10::optional<at::Tensor> ks, vs;
-      if (l.k_scale.defined()) {  // fp8: as KVCache.store and quantize_fp8, byte for byte
-        ks = l.k_scale, vs = l.v_scale;
-        store_fp8(l.k_cache, slots, k, l.k_scale);
-        store_fp8(l.v_cache, slots, v, l.v_scale);
+      const at::Tensor o = attention(l, h, positions, slots, tables, seq_lens);
+      if (l.sandwich) {  // as DecoderLayer.forward with sandwich norms
+        std::tie(h, residual) = ops_.add_rms_norm.call(ops_.rms_norm.call(o, l.post_norm, eps_),
+                                                       residual, l.pre_ff_norm, eps_);
+        x = ops_.rms_norm.call(all_reduce(mlp_of(l, h)), l.post_ff_norm, eps_);
       } else {
-        ops_.store_kv.call(l.k_cache, l.v_cache, slots, k, v);  // as KVCache.store
+        std::tie(h, residual) = ops_.add_rms_norm.call(o, residual, l.post_norm, eps_);
+        x = all_reduce(mlp_of(l, h));
       }
-      at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
-                                               block_size_, scale_, ks, vs);
-      if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());  // fp32 out
-      const at::Tensor o = all_reduce(linear(l.o, attn.view({B, q_size})));
-      std::tie(h, residual) = ops_.add_rms_norm.call(o, residual, l.post_norm, eps_);
-      x = all_reduce(linear(l.down, gate_up_silu(l.gate_up, h)));
+      for (size_t a = 0; a < aux_layers.size(); ++a)
+        if (aux_layers[a] == i) (*aux)[a] = x + residual;
     }
     if (!final_norm) return L == 0 ? x : x + residual;
     if (L == 0) return ops_.rms_norm.call(x, final_norm_, eps_);
     return std::get<0>(ops_.add_rms_norm.call(x, residual, final_norm_, eps_));
   }
 
- private:
+  // o_proj(attention(qkv_proj(h))), all-reduced: as Attention.forward and the torch backend's
+  // decode (the C++ paged kernel, with the layer's window and soft-cap).
+  at::Tensor attention(const Layer& l, const at::Tensor& h, const at::Tensor& positions,
+                       const at::Tensor& slots, const at::Tensor& tables,
+                       const at::Tensor& seq_lens) {
+    const int64_t B = h.size(0);
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const at::Tensor qkv = linear(l.qkv, h);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({B, heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, kv_heads_, head_dim_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, kv_heads_, head_dim_});
+    if (l.q_norm.defined()) {
+      q = head_norm(q, l.q_norm);
+      k = head_norm(k, l.k_norm);
+    }
+    ops_.rotary.call(q, k, positions, l.cos, l.sin);
+    if (l.q_mult != 1.0) q = q * l.q_mult;  // as Attention.forward: after rotary, in q's dtype
+    c10::optional<at::Tensor> ks, vs;
+    if (l.k_scale.defined()) {  // fp8: as KVCache.store and quantize_fp8, byte for byte
+      ks = l.k_scale, vs = l.v_scale;
+      store_fp8(l.k_cache, slots, k, l.k_scale);
+      store_fp8(l.v_cache, slots, v, l.v_scale);
+    } else {
+      ops_.store_kv.call(l.k_cache, l.v_cache, slots, k, v);  // as KVCache.store
+    }
+    at::Tensor attn = ops_.paged_decode.call(q, l.k_cache, l.v_cache, tables, seq_lens,
+                                             block_size_, scale_, ks, vs, l.window, l.softcap);
+    if (attn.scalar_type() != h.scalar_type()) attn = attn.to(h.scalar_type());  // fp32 out
+    return all_reduce(linear(l.o, attn.view({B, q_size})));
+  }
+
+  at::Tensor mlp_of(const Layer& l, const at::Tensor& h) {
+    return l.mlp_kind == kMoE ? moe(l.moe, h) : mlp(l.mlp, h);
+  }
+
+  // As GatedMLP.forward.
+  at::Tensor mlp(const Mlp& m, const at::Tensor& x) {
+    return linear(m.down, act_and_mul(m, x));
+  }
+
+  // act(gate) * up of gate_up(x): SiLU through gate_up_silu, tanh-GELU as
+  // servelm/layers/activation.py's gelu_tanh_and_mul.
+  at::Tensor act_and_mul(const Mlp& m, const at::Tensor& x) {
+    if (m.act == kSilu) return gate_up_silu(m.gate_up, x);
+    const std::vector<at::Tensor> parts = linear(m.gate_up, x).chunk(2, -1);
+    return at::gelu(parts[0], "tanh") * parts[1];
+  }
+
+  // As MoE.forward: route (servelm/layers/moe.py's route), then Experts.forward's grouping
+  // of the T * k assignments by expert, each chosen expert over its rows, weighted and
+  // summed back per token; then the shared expert. The same ATen ops in the same order.
+  at::Tensor moe(const MoE& m, const at::Tensor& x) {
+    const at::Tensor logits = linear(m.router, x).to(at::kFloat);
+    const at::Tensor scores = m.sigmoid ? logits.sigmoid() : logits.softmax(-1);
+    at::Tensor choice = m.score_bias.defined() ? scores + m.score_bias.to(at::kFloat) : scores;
+    if (m.num_groups > 1) choice = mask_groups(m, choice);
+    const at::Tensor ids = std::get<1>(choice.topk(m.top_k, -1, true, true));
+    at::Tensor weights = scores.gather(1, ids);
+    if (m.renormalize && m.top_k > 1)
+      weights = weights / (weights.sum(at::IntArrayRef{-1}, true) + (m.sigmoid ? 1e-20 : 0.0));
+    weights = weights * m.scaling;
+    const int64_t k = ids.size(1), E = int64_t(m.experts.size());
+    const at::Tensor flat = ids.reshape(-1);
+    const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
+    const at::Tensor token_of = at::div(order, k, "floor");
+    const at::Tensor counts = at::bincount(flat, {}, E);
+    m.routed.add_(counts);
+    const at::Tensor rows = x.index_select(0, token_of);
+    at::Tensor out = at::empty_like(rows);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < E; ++e) {
+      if (!count[e]) continue;
+      out.narrow(0, start, count[e]).copy_(mlp(m.experts[e], rows.narrow(0, start, count[e])));
+      start += count[e];
+    }
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.scalar_type());
+    at::Tensor y = at::zeros_like(x).index_add_(0, token_of, out);
+    if (!m.has_shared) return y;
+    at::Tensor s = mlp(m.shared, x);
+    if (m.shared_gate) s = at::sigmoid(linear(*m.shared_gate, x)) * s;
+    return y + s;
+  }
+
+  // moe.py's _mask_groups: the experts of each token's topk_groups best groups keep their
+  // scores, the rest get 0.
+  static at::Tensor mask_groups(const MoE& m, const at::Tensor& choice) {
+    const int64_t t = choice.size(0), e = choice.size(1);
+    const at::Tensor grouped = choice.view({t, m.num_groups, e / m.num_groups});
+    const at::Tensor group_scores = m.top2_groups
+        ? std::get<0>(grouped.topk(2, -1)).sum(at::IntArrayRef{-1})
+        : grouped.amax(at::IntArrayRef{-1});
+    const at::Tensor keep = std::get<1>(group_scores.topk(m.topk_groups, -1, true, false));
+    const at::Tensor mask = at::zeros_like(group_scores).scatter_(1, keep, 1.0);
+    return (grouped * mask.unsqueeze(-1)).view({t, e});
+  }
+
   // The constructor's cursor over its flat lists.
   struct Reader {
     const std::vector<at::Tensor>& tensors;
     const std::vector<int64_t>& ints;
-    size_t t, m;
+    const std::vector<double>& floats;
+    size_t t, m, f;
     const at::Tensor& tensor() {
       TORCH_CHECK(t < tensors.size(), "DecodeStack: too few tensors");
       return tensors[t++];
@@ -262,7 +406,67 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(m < ints.size(), "DecodeStack: too few ints");
       return ints[m++];
     }
+    double real() {
+      TORCH_CHECK(f < floats.size(), "DecodeStack: too few floats");
+      return floats[f++];
+    }
   };
+
+  Layer read_layer(Reader& in) {
+    Layer l;
+    l.window = in.integer(), l.sandwich = in.integer() != 0, l.mlp_kind = in.integer();
+    TORCH_CHECK(l.window >= 0 && (l.mlp_kind == kDense || l.mlp_kind == kMoE),
+                "DecodeStack: bad layer flags");
+    l.softcap = in.real(), l.q_mult = in.real();
+    l.cos = in.tensor(), l.sin = in.tensor();
+    l.in_norm = in.tensor(), l.post_norm = in.tensor();
+    l.pre_ff_norm = optional(in.tensor()), l.post_ff_norm = optional(in.tensor());
+    TORCH_CHECK(!l.sandwich || (l.pre_ff_norm.defined() && l.post_ff_norm.defined()),
+                "DecodeStack: sandwich norms without their weights");
+    l.q_norm = optional(in.tensor()), l.k_norm = optional(in.tensor());
+    l.k_cache = in.tensor(), l.v_cache = in.tensor();
+    l.k_scale = optional(in.tensor()), l.v_scale = optional(in.tensor());
+    l.qkv = read_linear(in), l.o = read_linear(in);
+    if (l.mlp_kind == kMoE)
+      l.moe = read_moe(in);
+    else
+      l.mlp = read_mlp(in);
+    return l;
+  }
+
+  // ints: activation; linears gate_up, down.
+  Mlp read_mlp(Reader& in) {
+    Mlp m;
+    m.act = in.integer();
+    TORCH_CHECK(m.act == kSilu || m.act == kGeluTanh, "DecodeStack: unknown activation ", m.act);
+    m.gate_up = read_linear(in), m.down = read_linear(in);
+    return m;
+  }
+
+  // ints: E, top_k, renormalize, sigmoid scores, num_groups, topk_groups, top-2 group score,
+  // has shared expert, has shared gate; floats: scaling; tensors: score bias (or empty), the
+  // routed-token counts [E] int64; linears: the router; then E experts and the shared expert
+  // (read_mlp each), then the shared gate.
+  MoE read_moe(Reader& in) {
+    MoE m;
+    const int64_t E = in.integer();
+    m.top_k = in.integer(), m.renormalize = in.integer() != 0, m.sigmoid = in.integer() != 0;
+    m.num_groups = in.integer(), m.topk_groups = in.integer();
+    m.top2_groups = in.integer() != 0;
+    m.has_shared = in.integer() != 0;
+    const bool has_gate = in.integer() != 0;
+    m.scaling = in.real();
+    m.score_bias = optional(in.tensor()), m.routed = in.tensor();
+    TORCH_CHECK(E >= 1 && m.top_k >= 1 && m.top_k <= E && m.num_groups >= 1 &&
+                    E % m.num_groups == 0 && m.routed.numel() == E &&
+                    m.routed.scalar_type() == at::kLong && m.routed.is_contiguous(),
+                "DecodeStack: bad mixture-of-experts layer");
+    m.router = read_linear(in);
+    for (int64_t e = 0; e < E; ++e) m.experts.push_back(read_mlp(in));
+    if (m.has_shared) m.shared = read_mlp(in);
+    if (has_gate) m.shared_gate = read_linear(in);
+    return m;
+  }
 
   Linear read_linear(Reader& in) {
     Linear l;
@@ -411,7 +615,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::string reduce_group_;  // a torch.distributed group's name; "" without parallelism
   double reduce_s_ = 0.0;  // seconds in all-reduces (waiting for the peers included)
   std::vector<Layer> layers_;
-  at::Tensor cos_, sin_, final_norm_;
+  at::Tensor final_norm_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0;
   double eps_ = 0.0, scale_ = 0.0;
 };
@@ -425,5 +629,6 @@ TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
       .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("take_reduce_seconds", &DecodeStack::take_reduce_seconds)
       .def("run", &DecodeStack::run)
+      .def("run_aux", &DecodeStack::run_aux)
       .def("run_parts", &DecodeStack::run_parts);
 }

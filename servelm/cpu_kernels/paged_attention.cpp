@@ -21,6 +21,9 @@
 // D must be a multiple of 16. Caches hold float32, bfloat16 or float8 e4m3 codes with a scale
 // per KV head (k_scale folded into q, v_scale into the output); q float32 or bfloat16; the
 // output is fp32. store_kv writes a step's new K/V rows into the cache.
+// Two variants (Gemma, Mistral, Phi-3): a sliding window (a query at position p attends the
+// keys at (p - window, p]: the walk starts at the window's first tile) and tanh soft-capping
+// of the scores (softcap * tanh(score / softcap), before the softmax).
 // Vectors are GCC vector extensions: AVX-512 under -march=native, split where narrower.
 //
 // Keep this file small: it is compiled on first use (servelm/cpu_kernels/__init__.py).
@@ -64,7 +67,20 @@ struct Problem {
   const int64_t* seq_lens;
   int64_t num_heads, group, head_dim, block_size;
   float* out;  // [B, H, D]
+  int64_t window = 0;  // keys a query attends, its own included (0: all)
+  float softcap = 0.0f;  // scores -> softcap * tanh(score / softcap) (0: off)
+  // The first position sequence b's query attends.
+  int64_t first(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+  }
 };
+
+// tanh(x) = (1 - e) / (1 + e), e = exp(-2x): exp16 clamps, so e stays finite and the result
+// within [-1, 1] for any x (about 1e-7 absolute error).
+inline f32x16 tanh16(f32x16 x) {
+  const f32x16 e = exp16(x * -2.0f);
+  return (1.0f - e) / (1.0f + e);
+}
 
 // Per-thread scratch, in 16-lane vectors: q (scaled), accumulators; per query head of the
 // work item: running max and sum (the 16-lane walk's sums are vectors). The 16-lane walk
@@ -83,6 +99,7 @@ struct Scratch {
   std::vector<f32x16> sums;         // per head: the softmax's running sum, lane by lane
   std::vector<u32x16> qbf;          // bfloat16 dot products: q as stored, 32 elements a vector
   float dot_scale = 1.0f;           // ... and the scale their scores still need
+  float softcap = 0.0f;             // Problem::softcap
   Scratch(int64_t heads, int64_t chunks)
       : q(heads * chunks), acc(heads * chunks), max(heads), dots(heads * kTile),
         vtile(kTile * chunks), sums(heads), qbf(heads * (chunks + 1) / 2) {}
@@ -147,7 +164,7 @@ template <typename KV>
 struct Walk {
   const KV *kbase, *vbase;  // KV head kh0's part of slot 0
   const int64_t* table;
-  int64_t len, bs, slot_stride, row_bytes;
+  int64_t first, len, bs, slot_stride, row_bytes;
   int64_t rows[kTile], next[kTile];  // element offsets of this tile's and the next's slots
   const KV *pk, *pv;  // the bases next[] counts from: this item's, or its successor's
   const Problem& p;
@@ -156,10 +173,11 @@ struct Walk {
   Walk(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Items* items)
       : kbase(static_cast<const KV*>(p.k) + kh0 * p.head_dim),
         vbase(static_cast<const KV*>(p.v) + kh0 * p.head_dim),
-        table(p.tables + b * p.table_stride), len(p.seq_lens[b]), bs(p.block_size),
+        table(p.tables + b * p.table_stride), first(p.first(b)), len(p.seq_lens[b]),
+        bs(p.block_size),
         slot_stride(p.slot_stride), row_bytes((kh1 - kh0) * p.head_dim * int64_t(sizeof(KV))),
         pk(kbase), pv(vbase), p(p), items(items) {
-    locate(table, bs, slot_stride, 0, len, next);
+    locate(table, bs, slot_stride, first, len, next);
   }
   // The rows of the tile at `start` into rows[]; returns how many (<= kTile).
   int n_next = 0, fetched = 0;  // the next tile's rows, and how many are prefetched
@@ -174,7 +192,8 @@ struct Walk {
         pk = static_cast<const KV*>(p.k) + items->kh0(successor) * p.head_dim;
         pv = static_cast<const KV*>(p.v) + items->kh0(successor) * p.head_dim;
         const int64_t b = items->seq(successor);
-        n_next = locate(p.tables + b * p.table_stride, bs, slot_stride, 0, p.seq_lens[b], next);
+        n_next = locate(p.tables + b * p.table_stride, bs, slot_stride, p.first(b),
+                        p.seq_lens[b], next);
       }
     }
     fetched = 0;
@@ -340,6 +359,7 @@ inline f32x16 tile_weights(int n, int64_t head, f32x16* acc, int64_t nc, Scratch
   f32x16& sum = s.sums[head];
   f32x16 scores = sum_lanes_16(&s.dots[head * kTile]);
   if (kDot) scores *= s.dot_scale;
+  if (s.softcap != 0.0f) scores = tanh16(scores * (1.0f / s.softcap)) * s.softcap;
   scores = keep_first(scores, n, -std::numeric_limits<float>::infinity());
   const float mx = std::max(max, reduce_max16(scores));
   if (mx > max) {  // rescale what came before to the new max
@@ -443,7 +463,7 @@ template <int kChunks, typename KV, bool kDot = false>
   std::fill(s.acc.begin(), s.acc.begin() + heads * nc, splat(0.0f));
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
   std::fill(s.sums.begin(), s.sums.begin() + heads, splat(0.0f));
-  for (int64_t start = 0; start < w.len; start += kTile) {
+  for (int64_t start = w.first; start < w.len; start += kTile) {
     const int n = w.tile(start);
 #if defined(__AVX512BF16__)
     if constexpr (kDot)
@@ -536,7 +556,7 @@ int64_t attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& 
   std::fill(s.max.begin(), s.max.begin() + heads, -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.begin() + heads, 0.0f);
   const int64_t* rows = walk.rows;
-  for (int64_t start = 0; start < walk.len; start += kTile) {
+  for (int64_t start = walk.first; start < walk.len; start += kTile) {
     const int n = walk.tile(start);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
       // The tile's K and V rows as float32: the cache's own rows, or widened into scratch.
@@ -577,7 +597,14 @@ int64_t attend8(const Problem& p, int64_t b, int64_t kh0, int64_t kh1, Scratch& 
         __m256 sc[2], valid[2];
         for (int i = 0; i < 2; ++i) {
           valid[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * i), idx));
-          sc[i] = _mm256_blendv_ps(ninf, sum_lanes_8(part + 8 * i), valid[i]);
+          __m256 x = sum_lanes_8(part + 8 * i);
+          if (p.softcap != 0.0f) {  // softcap * tanh(x / softcap), tanh16's formula
+            const __m256 one = _mm256_set1_ps(1.0f);
+            const __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(-2.0f / p.softcap)));
+            x = _mm256_mul_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                              _mm256_set1_ps(p.softcap));
+          }
+          sc[i] = _mm256_blendv_ps(ninf, x, valid[i]);
         }
         float &max = s.max[h], &sum = s.sum[h];
         const float mx = std::max(max, hmax8(_mm256_max_ps(sc[0], sc[1])));
@@ -663,12 +690,14 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                      block_size);
 }
 
-// k_scale, v_scale: float32 [K], required for (and only for) float8 caches.
+// k_scale, v_scale: float32 [K], required for (and only for) float8 caches. window: keys a
+// query attends, its own included (0: all); softcap: the scores' tanh cap (0: none).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, double scale, const c10::optional<at::Tensor>& k_scale,
-                        const c10::optional<at::Tensor>& v_scale) {
+                        const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
   check_inputs(q, k_cache, v_cache, block_tables, seq_lens, block_size);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_decode: window and softcap must be >= 0");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k_cache.size(1);
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
@@ -683,7 +712,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
   const Problem p{k_cache.data_ptr(), v_cache.data_ptr(), K * D,
                   block_tables.data_ptr<int64_t>(), block_tables.stride(0),
-                  seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>()};
+                  seq_lens.data_ptr<int64_t>(), H, H / K, D, block_size, out.data_ptr<float>(),
+                  window, float(softcap)};
   const AttendFn attend_kv = fp8 ? pick<fp8_e4m3>(D)
                              : k_cache.scalar_type() == at::kBFloat16 ? pick<bf16>(D)
                                                                        : pick<float>(D);
@@ -740,6 +770,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 #pragma omp parallel num_threads(threads)
   {
     Scratch s(kv_per_item * p.group, D / 16);
+#if !defined(SERVELM_VEC16_HALVES)
+    s.softcap = p.softcap;
+#endif
     // Each item's walk may claim the next one (Items): then that is this thread's next.
     for (int64_t i = work.claim(); i < items;) {
       const int64_t claimed = run_item(i, s);
@@ -801,6 +834,6 @@ TORCH_LIBRARY_FRAGMENT(servelm_cpu, m) {
         &store_kv);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int block_size, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor",
+        "Tensor? v_scale=None, int window=0, float softcap=0.0) -> Tensor",
         &paged_decode);
 }

@@ -2,21 +2,23 @@
 run its decode steps, described by the model, or the reason it cannot.
 
 Owns: `describe(model)`, the one place that reads a decoder frame's layers for the stack:
-per layer its norms (plain RMSNorm, one eps), its attention's shape and variant (GQA, full
-rotary from one table, no window, no soft-cap, no query scaling; q/k norms and biases are
-in the stack) and its four linears in the stack's order. Each linear's packed form comes
-from the linear itself (quant/decode_entry.py) when the runner builds the stack, since the
-runner chooses the linears' kernels after the model is built. Never: chooses whether a step
-takes the stack, or reads the KV cache or the attention backend (the runner does both:
-runner/cpu_decode.py).
+per layer its norms (each as the tensor it scales by: a (1 + w) norm's is w + 1; sandwich
+norms after attention and the MLP where the family has them), its attention's shape and
+variant (GQA, the layer's rotary table, sliding window, soft-cap, query scaling, q/k norms,
+biases) and its MLP (a gated MLP with SiLU or tanh-GELU, or a mixture of experts: router,
+routing, each expert, the shared expert and its gate), every linear in the stack's order.
+Each linear's packed form comes from the linear itself (quant/decode_entry.py) when the
+runner builds the stack, since the runner chooses the linears' kernels after the model is
+built. Never: chooses whether a step takes the stack, or reads the KV cache or the
+attention backend (the runner does both: runner/cpu_decode.py).
 
     model (DecoderLM) --describe--> DecodeStackSpec | Refusal("layer 3: ...")
     runner/cpu_decode.py: spec + KV cache + backend -> DecodeStack(tensors, ints, floats)
 
-What the stack cannot take yet, and the reason the spec gives: the embedding scaled by
-sqrt(hidden) and (1 + w) norms and the norms after attention and the MLP (Gemma), attention
-soft-caps, sliding windows and query_pre_attn_scalar, GeGLU, partial rotary and M-RoPE,
-mixtures of experts, multi-head latent attention (MLA).
+The embedding's scale (Gemma) and the logits' soft-cap are the model's own steps before and
+after the stack (DecoderLM.embed, compute_logits). What the stack cannot take yet, and the
+reason the spec gives: partial rotary and M-RoPE positions, multi-head latent attention
+(MLA), experts placed across ranks, norms of two eps.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# the stack's activations (decode_stack.cpp's Activation)
+ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
 @dataclass(frozen=True)
@@ -39,25 +44,99 @@ class Refusal:
         return self.reason if self.layer is None else f"layer {self.layer}: {self.reason}"
 
 
-@dataclass(frozen=True, eq=False)
-class StackLayer:
-    """One decoder layer as the stack runs it: x + o(attn(qkv(norm(x)))), then
-    + down(silu_and_mul(gate_up(norm(.))))."""
+class ExpertMatrix:
+    """One routed expert's matrix, a view of the layer's stacked weight ([E, out, in]), as
+    a linear: Experts computes `x @ w[e].t()`, which is at::linear's float entry."""
 
-    kv_layer: int  # its layer in the KV cache
-    input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    q_norm: torch.Tensor | None  # per head, before rotary (Qwen3)
-    k_norm: torch.Tensor | None
-    qkv_proj: nn.Module
-    o_proj: nn.Module
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def decode_entry(self):
+        from servelm.quant.decode_entry import KIND_FLOAT, plain_entry
+
+        w = self.weight
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
+            return None
+        return plain_entry(KIND_FLOAT, self, w, None)
+
+
+@dataclass(frozen=True, eq=False)
+class StackMLP:
+    """down(act(gate) * up) over gate_up's [gate | up] rows."""
+
+    activation: int  # ACT_SILU | ACT_GELU_TANH
     gate_up_proj: nn.Module
     down_proj: nn.Module
 
+    def named_linears(self, prefix: str) -> list[tuple[str, nn.Module]]:
+        return [(f"{prefix}gate_up_proj", self.gate_up_proj), (f"{prefix}down_proj",
+                                                               self.down_proj)]
+
+
+@dataclass(frozen=True, eq=False)
+class StackMoE:
+    """servelm/layers/moe.py's MoE: the router and its RoutingConfig, E experts, the shared
+    expert (optionally behind a sigmoid gate)."""
+
+    router: nn.Module
+    routing: object  # layers/moe.py RoutingConfig
+    score_bias: torch.Tensor | None
+    routed_tokens: torch.Tensor  # Experts.num_routed_tokens, counted by the stack too
+    experts: tuple[StackMLP, ...]
+    shared: StackMLP | None
+    shared_gate: nn.Module | None
+
+    def named_linears(self, prefix: str) -> list[tuple[str, nn.Module]]:
+        named = [(f"{prefix}gate", self.router)]
+        for e, expert in enumerate(self.experts):
+            named += expert.named_linears(f"{prefix}experts.{e}.")
+        if self.shared is not None:
+            named += self.shared.named_linears(f"{prefix}shared.")
+        if self.shared_gate is not None:
+            named.append((f"{prefix}shared_gate", self.shared_gate))
+        return named
+
+
+@dataclass(frozen=True, eq=False)
+class StackLayer:
+    """One decoder layer as the stack runs it: x + o(attn(qkv(norm(x)))), then
+    + mlp(norm(.)); with sandwich norms (pre/post-feedforward norms set) a norm of the
+    attention's and of the MLP's output as well (DecoderLayer)."""
+
+    kv_layer: int  # its layer in the KV cache
+    input_norm: torch.Tensor  # each norm: the tensor the normalised row is multiplied by
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor | None  # sandwich norms (Gemma); else None
+    post_feedforward_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # per head, before rotary (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None
+    cos: torch.Tensor  # the layer's rotary table [positions, D/2]
+    sin: torch.Tensor
+    window: int  # keys a query attends (0: all)
+    softcap: float  # attention scores' tanh cap (0: none)
+    q_mult: float  # q's factor after rotary (query_pre_attn_scalar; 1.0: none)
+    qkv_proj: nn.Module
+    o_proj: nn.Module
+    mlp: StackMLP | StackMoE
+
     @property
-    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-        """The four linears in the stack's order."""
-        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+    def sandwich(self) -> bool:
+        return self.pre_feedforward_norm is not None
+
+    @property
+    def has_experts(self) -> bool:
+        return isinstance(self.mlp, StackMoE)
+
+    def named_linears(self) -> list[tuple[str, nn.Module]]:
+        """Every linear in the stack's order, named as in the layer."""
+        prefix = "mlp." if isinstance(self.mlp, StackMoE) else ""
+        return [("qkv_proj", self.qkv_proj), ("o_proj", self.o_proj),
+                *self.mlp.named_linears(prefix)]
+
+    @property
+    def linears(self) -> list[nn.Module]:
+        return [m for _, m in self.named_linears()]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +147,6 @@ class DecodeStackSpec:
     num_kv_heads: int
     head_dim: int
     norm_eps: float  # every norm's, the final one's included
-    cos: torch.Tensor  # the rotary table [positions, D/2]
-    sin: torch.Tensor
     final_norm: torch.Tensor
     layers: tuple[StackLayer, ...]
 
@@ -77,71 +154,111 @@ class DecodeStackSpec:
     def linears(self) -> list[nn.Module]:
         return [m for layer in self.layers for m in layer.linears]
 
+    @property
+    def has_experts(self) -> bool:
+        return any(layer.has_experts for layer in self.layers)
+
 
 def describe(model: nn.Module) -> DecodeStackSpec | Refusal:
     """The decode-stack form of a decoder frame (models/decoder.py DecoderLM)."""
     from servelm.layers.norm import RMSNorm
-    from servelm.layers.rotary import RotaryEmbedding
     from servelm.models.decoder import DecoderLM
 
     if not isinstance(model, DecoderLM):
         return Refusal(f"{type(model).__name__} is not a decoder frame (models/decoder.py)")
-    if model.embed_scale != 1.0:
-        return Refusal("the embedding scaled by sqrt(hidden) is not in the stack")
-    if type(model.norm) is not RMSNorm:
-        return Refusal(f"{type(model.norm).__name__} (1 + w) norms are not in the stack")
+    if not isinstance(model.norm, RMSNorm):
+        return Refusal(f"{type(model.norm).__name__} norms are not in the stack")
     eps = model.norm.eps
     layers = []
-    first = None
     for i, layer in enumerate(model.layers):
-        why = _refusal(layer, eps, RMSNorm, RotaryEmbedding)
-        if why is not None:
-            return Refusal(why, i)
-        attn, mlp = layer.self_attn, layer.mlp
-        first = first or attn
-        if attn.rotary is not first.rotary:
-            return Refusal("a rotary table of its own is not in the stack (one table)", i)
-        layers.append(StackLayer(
-            attn.layer, layer.input_layernorm.weight.detach(),
-            layer.post_attention_layernorm.weight.detach(),
-            None if attn.q_norm is None else attn.q_norm.weight.detach(),
-            None if attn.k_norm is None else attn.k_norm.weight.detach(),
-            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    if first is None:
+        described = _layer(layer, eps)
+        if isinstance(described, str):
+            return Refusal(described, i)
+        layers.append(described)
+    if not layers:
         return Refusal("a model without layers")
-    return DecodeStackSpec(first.num_heads, first.num_kv_heads, first.head_dim, float(eps),
-                           first.rotary.cos.contiguous(), first.rotary.sin.contiguous(),
-                           model.norm.weight.detach(), tuple(layers))
+    attn = model.layers[0].self_attn
+    return DecodeStackSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, float(eps),
+                           _scale(model.norm), tuple(layers))
 
 
-def _refusal(layer: nn.Module, eps: float, rms_norm: type, rotary: type) -> str | None:
-    """Why the stack cannot run this decoder layer, or None."""
-    from servelm.layers.activation import silu_and_mul
-    from servelm.models.decoder import Attention, GatedMLP
+def _scale(norm: nn.Module) -> torch.Tensor:
+    return norm.scale().detach()
 
-    if layer.sandwich:
-        return "norms after attention and after the MLP are not in the stack"
-    attn, mlp = layer.self_attn, layer.mlp
+
+def _layer(layer: nn.Module, eps: float) -> StackLayer | str:
+    """The stack's form of one decoder layer, or why it has none."""
+    from servelm.layers.norm import RMSNorm
+    from servelm.layers.rotary import RotaryEmbedding
+    from servelm.models.decoder import Attention
+
+    attn = layer.self_attn
     if type(attn) is not Attention:
         return f"{type(attn).__name__} (not GQA attention) is not in the stack"
-    if type(mlp) is not GatedMLP:
-        return f"{type(mlp).__name__} (not a dense gated MLP) is not in the stack"
-    if mlp.act_and_mul is not silu_and_mul:
-        return f"the MLP activation {mlp.act_and_mul.__name__} is not in the stack (SiLU only)"
-    if attn.window:
-        return f"a sliding window of {attn.window} keys is not in the stack"
-    if attn.softcap:
-        return "attention soft-capping is not in the stack"
-    if attn.q_mult != 1.0:
-        return "query_pre_attn_scalar (query scaling) is not in the stack"
-    if type(attn.rotary).forward is not rotary.forward:
+    if type(attn.rotary).forward is not RotaryEmbedding.forward:
         return f"{type(attn.rotary).__name__} positions are not in the stack"
     if attn.rotary.rotary_dim != attn.head_dim:
         return "partial rotary embedding is not in the stack"
+    sandwich = layer.sandwich
     norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    if sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     for norm in filter(None, norms):
-        if type(norm) is not rms_norm:
-            return f"{type(norm).__name__} (1 + w) norms are not in the stack"
+        if not isinstance(norm, RMSNorm):
+            return f"{type(norm).__name__} norms are not in the stack"
         if norm.eps != eps:
             return f"norms of two eps ({norm.eps} and {eps}) are not in the stack"
-    return None
+    mlp = _mlp(layer.mlp)
+    if isinstance(mlp, str):
+        return mlp
+    optional = (lambda norm: None if norm is None else _scale(norm))
+    return StackLayer(
+        attn.layer, _scale(layer.input_layernorm), _scale(layer.post_attention_layernorm),
+        _scale(layer.pre_feedforward_layernorm) if sandwich else None,
+        _scale(layer.post_feedforward_layernorm) if sandwich else None,
+        optional(attn.q_norm), optional(attn.k_norm),
+        attn.rotary.cos.contiguous(), attn.rotary.sin.contiguous(),
+        int(attn.window), float(attn.softcap or 0.0), float(attn.q_mult),
+        attn.qkv_proj, attn.o_proj, mlp)
+
+
+def _activation(fn) -> int | str:
+    from servelm.layers.activation import gelu_tanh_and_mul, silu_and_mul
+
+    if fn is silu_and_mul:
+        return ACT_SILU
+    if fn is gelu_tanh_and_mul:
+        return ACT_GELU_TANH
+    return f"the MLP activation {getattr(fn, '__name__', fn)} is not in the stack"
+
+
+def _mlp(mlp: nn.Module) -> StackMLP | StackMoE | str:
+    """The stack's form of a dense gated MLP or a mixture of experts, or why it has none."""
+    from servelm.layers.moe import MoE, Experts
+    from servelm.models.decoder import GatedMLP
+
+    if type(mlp) is GatedMLP:
+        act = _activation(mlp.act_and_mul)
+        return act if isinstance(act, str) else StackMLP(act, mlp.gate_up_proj, mlp.down_proj)
+    if type(mlp) is not MoE:
+        return f"{type(mlp).__name__} (not a gated MLP or MoE) is not in the stack"
+    experts = mlp.experts
+    if type(experts) is not Experts:
+        return f"{type(experts).__name__} (experts placed across ranks) are not in the stack"
+    act = _activation(experts.act_and_mul)
+    if isinstance(act, str):
+        return act
+    if experts.w13 is not None:
+        routed = tuple(StackMLP(act, ExpertMatrix(experts.w13[e]), ExpertMatrix(experts.w2[e]))
+                       for e in range(experts.num_experts))
+    else:  # quantized: each expert's two layers (servelm/quant)
+        routed = tuple(StackMLP(act, experts.q13[e], experts.q2[e])
+                       for e in range(experts.num_experts))
+    shared = None
+    if mlp.shared is not None:
+        shared = _mlp(mlp.shared)
+        if not isinstance(shared, StackMLP):
+            return f"the shared expert: {shared}" if isinstance(shared, str) else \
+                "a shared expert that is not a gated MLP is not in the stack"
+    return StackMoE(mlp.gate, mlp.routing, mlp.score_bias, experts.num_routed_tokens, routed,
+                    shared, mlp.shared_gate)

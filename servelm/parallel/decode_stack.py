@@ -39,8 +39,13 @@ class TensorParallelDecodeStack(CpuDecodeStack):
                  ) -> TensorParallelDecodeStack | None:
         """The stack for this rank's TensorParallelModel, or None where it does not apply:
         pipeline stages wait on the previous stage's hidden states between layers, so they
-        run eagerly; so does every model the plain stack refuses."""
+        run eagerly; so do mixtures of experts and every model the plain stack refuses."""
         if group.num_stages > 1:
+            return None
+        spec = model.model.fast_path()
+        if getattr(spec, "has_experts", False):
+            # the experts' sums are the expert-parallel all-to-all's (layers/parallel_moe.py),
+            # which the stack does not make
             return None
         plain = CpuDecodeStack.for_model(model.model, kv_cache, backend, mode)
         if plain is None:

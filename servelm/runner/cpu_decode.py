@@ -9,7 +9,8 @@ which runs the same kernels in the same order as the eager path and returns the 
 states. It holds the modules' tensors (shared, not copied) and the KV cache's layers.
 Speculative verifications (a few query tokens after a context) ride along as one decode row
 per token (see `maybe_run`); a draft model's steps (servelm/spec/draft.py) take a stack of
-their own, early-exit drafts the target's first N layers.
+their own, early-exit drafts the target's first N layers. An EAGLE-3 drafter's features (the
+hidden states after some layers) come back from the same call (`maybe_run(aux_layers=...)`).
 
 In deterministic mode (the backend's `deterministic`, set by the runner for --deterministic)
 the stack takes every step, prefill chunks included, as one row per token (the verification
@@ -128,10 +129,12 @@ class CpuDecodeStack:
         """The stack for this model, or None where it does not apply (`build`)."""
         return cls.build(model, kv_cache, backend, mode)[0]
 
-    def maybe_run(self, fb: ForwardBatch, num_layers: int | None = None) -> torch.Tensor | None:
+    def maybe_run(self, fb: ForwardBatch, num_layers: int | None = None,
+                  aux_layers: tuple[int, ...] = ()):
         """Final hidden states [T, hidden] for a batch of decodes and speculative
         verifications, else None. num_layers: the first N layers, then the final norm (an
-        early-exit draft); None: all.
+        early-exit draft); None: all. aux_layers: also the hidden state after each of these
+        layers (an EAGLE-3 drafter's features, as DecoderLM.forward's): (out, [aux...]).
 
         A verification (a sequence with context whose few query tokens are the last token
         and its drafts) runs as one decode row per token: every row's K/V is stored before
@@ -165,6 +168,10 @@ class CpuDecodeStack:
             stack = self._stacks[form] = self._new_stack(form)
         x = self.model.embed(fb.input_ids)
         self.steps += 1
+        if aux_layers:
+            out, *aux = stack.run_aux(x, fb.positions, fb.slot_mapping, tables, seq_lens,
+                                      list(aux_layers))
+            return out, aux
         layers = -1 if num_layers is None else num_layers
         # one row a sequence (deterministic mode too: its rows are then the plain form's, and
         # no sequence's rows can land in two slices)
@@ -227,14 +234,11 @@ def refusal(model, kv_cache, backend) -> str | None:
     if backend.kv_cache is not kv_cache or backend.decode_kernel is None:
         return "the attention backend has no C++ decode kernel over this cache"
     for i, layer in enumerate(spec.layers):
-        for name, m in zip(_LINEAR_NAMES, layer.linears):
+        for name, m in layer.named_linears():
             why = _linear_refusal(m, embed.dtype, backend.deterministic)
             if why is not None:
                 return f"layer {i}: {name}: {why}"
     return None
-
-
-_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _linear_refusal(m: nn.Module, dtype: torch.dtype, deterministic: bool) -> str | None:
@@ -259,23 +263,66 @@ def _linear_refusal(m: nn.Module, dtype: torch.dtype, deterministic: bool) -> st
 
 def _build(model, kv_cache, backend, form: str = "full"):
     """The C++ stack over the model's current tensors (its spec now: the runner may have
-    replaced linears since), each MixedLinear in `form`."""
+    replaced linears since), each MixedLinear in `form`. The flat lists' order is the one
+    DecodeStack's constructor reads (cpu_kernels/decode_stack.cpp): a header, then per layer
+    its flags, tensors, attention linears and MLP."""
     cpu_kernels.load()
     spec = model.fast_path()
-    tensors = [spec.cos, spec.sin, spec.final_norm]
     ints = [len(spec.layers), spec.num_heads, spec.num_kv_heads, spec.head_dim,
             kv_cache.block_size]
-    none = torch.empty(0)
+    floats = [spec.norm_eps, float(backend.scale)]
+    tensors = [spec.final_norm]
+    out = (tensors, ints, floats)
     for layer in spec.layers:
         k_cache, v_cache = kv_cache.layer(layer.kv_layer)
         k_scale, v_scale = kv_cache.layer_scales(layer.kv_layer)  # fp8; else (None, None)
-        tensors += [layer.input_norm, layer.post_attention_norm,
-                    none if layer.q_norm is None else layer.q_norm,
-                    none if layer.k_norm is None else layer.k_norm, k_cache, v_cache]
-        for m in layer.linears:
-            entry = decode_entry(forms(m)[form])
-            tensors += entry.tensors
-            ints += entry.ints
-        tensors += [none if k_scale is None else k_scale, none if v_scale is None else v_scale]
-    return torch.classes.servelm_cpu.DecodeStack(tensors, ints,
-                                                 [spec.norm_eps, float(backend.scale)])
+        moe = layer.has_experts
+        ints += [layer.window, int(layer.sandwich), int(moe)]
+        floats += [layer.softcap, layer.q_mult]
+        tensors += [_or_none(t) for t in (
+            layer.cos, layer.sin, layer.input_norm, layer.post_attention_norm,
+            layer.pre_feedforward_norm, layer.post_feedforward_norm, layer.q_norm,
+            layer.k_norm, k_cache, v_cache, k_scale, v_scale)]
+        _add_linear(out, layer.qkv_proj, form)
+        _add_linear(out, layer.o_proj, form)
+        if moe:
+            _add_moe(out, layer.mlp, form)
+        else:
+            _add_mlp(out, layer.mlp, form)
+    return torch.classes.servelm_cpu.DecodeStack(tensors, ints, floats)
+
+
+_NONE = torch.empty(0)
+
+
+def _or_none(t: torch.Tensor | None) -> torch.Tensor:
+    return _NONE if t is None else t
+
+
+def _add_linear(out, m, form: str) -> None:
+    entry = decode_entry(forms(m)[form])
+    out[0].extend(entry.tensors)
+    out[1].extend(entry.ints)
+
+
+def _add_mlp(out, mlp, form: str) -> None:
+    out[1].append(mlp.activation)
+    _add_linear(out, mlp.gate_up_proj, form)
+    _add_linear(out, mlp.down_proj, form)
+
+
+def _add_moe(out, moe, form: str) -> None:
+    tensors, ints, floats = out
+    r = moe.routing
+    ints += [len(moe.experts), r.top_k, int(r.renormalize), int(r.scoring == "sigmoid"),
+             r.num_groups, r.topk_groups, int(r.group_score == "top2"),
+             int(moe.shared is not None), int(moe.shared_gate is not None)]
+    floats.append(float(r.scaling))
+    tensors += [_or_none(moe.score_bias), moe.routed_tokens]
+    _add_linear(out, moe.router, form)
+    for expert in moe.experts:
+        _add_mlp(out, expert, form)
+    if moe.shared is not None:
+        _add_mlp(out, moe.shared, form)
+    if moe.shared_gate is not None:
+        _add_linear(out, moe.shared_gate, form)

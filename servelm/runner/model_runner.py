@@ -110,13 +110,12 @@ class ModelRunner:
         # CPU: all-decode steps in one C++ call (runner/cpu_decode.py), or None and why not
         # (logged where the model's layers are the reason). cpu_decode: its mode, the engine
         # option's `decode` part (auto | kernel | torch).
-        # An EAGLE-3 proposer reads hidden states after some target layers, which neither
-        # the C++ stack nor a graph returns: the target's steps then run eagerly.
+        # An EAGLE-3 proposer reads hidden states after some target layers: the C++ stack
+        # returns them too (DecodeStack.run_aux); a graph does not, so with CUDA graphs the
+        # target's steps then run eagerly.
         self.aux_layers = proposer.aux_layers if proposer is not None else ()
         self.cpu_stack, self.cpu_stack_refusal = (
             (None, "CUDA graphs") if graphs is not None else
-            (None, f"{proposer.name} reads the target's hidden states after layers "
-                   f"{list(self.aux_layers)}") if self.aux_layers else
             CpuDecodeStack.build(model, kv_cache, backend, mode=cpu_decode))
         torch.manual_seed(seed)  # unseeded requests draw from the global stream
 
@@ -343,8 +342,16 @@ class ModelRunner:
         # image rows and M-RoPE positions are not in a captured graph: those steps run eagerly
         hidden = (self.graphs.maybe_run(fb) if self.graphs is not None and fb.mm is None
                   else None)
-        if hidden is None and self.cpu_stack is not None and not fb.tree_masks:
-            hidden = self.cpu_stack.maybe_run(fb)  # (its rows attend contiguous positions)
+        # a tree's rows attend their ancestors, not contiguous positions: eagerly
+        stack = self.cpu_stack if hidden is None and not fb.tree_masks else None
+        if stack is not None and self.aux_layers:
+            ran = stack.maybe_run(fb, aux_layers=self.aux_layers)
+            if ran is not None:
+                hidden, aux = ran
+                if works is not None:
+                    self.proposer.observe(works, fb.query_start_loc, aux)
+        elif stack is not None:
+            hidden = stack.maybe_run(fb)
         if hidden is None:
             fb.attn_metadata = self.backend.build_metadata(fb)
             if self.aux_layers:

@@ -1,10 +1,11 @@
 """The C++ CPU decode kernel computes what the torch path computes.
 
 Kernel level: random paged caches with scrambled block tables, odd batch sizes, context
-lengths crossing block boundaries, GQA ratios 1/3/4, head dims 64/128, fp32 and bf16, against
-a float64 reference written here. Backend level: a mixed step (decodes + prefill chunks)
-through the torch backend with the kernel and with the gather + SDPA path. Engine level: a
-tiny random model gives the same greedy tokens on either path. Plus which path is chosen.
+lengths crossing block boundaries, GQA ratios 1/3/4, head dims 64/128, fp32 and bf16, sliding
+windows and soft-capped scores, against a float64 reference written here. Backend level: a
+mixed step (decodes + prefill chunks) through the torch backend with the kernel and with the
+gather + SDPA path. Engine level: a tiny random model gives the same greedy tokens on either
+path. Plus which path is chosen.
 """
 
 import pytest
@@ -44,19 +45,23 @@ def _random_problem(gen, batch, num_heads, num_kv_heads, head_dim, block_size, l
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
 
 
-def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    """float64, one sequence and one head at a time, slots computed from the picture."""
+def _reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0, softcap=0.0):
+    """float64, one sequence and one head at a time, slots computed from the picture; the
+    last `window` positions only (0: all), scores soft-capped by tanh (0: not)."""
     batch, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(batch):
-        pos = torch.arange(int(lens[b]))
+        n = int(lens[b])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
         slots = tables[b, pos // block_size] * block_size + pos % block_size
         for h in range(num_heads):
             keys = k_cache[slots, h // group].double()  # [C, D]
             values = v_cache[slots, h // group].double()
-            weights = torch.softmax(keys @ q[b, h].double() * scale, dim=0)
-            out[b, h] = weights @ values
+            scores = keys @ q[b, h].double() * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[b, h] = torch.softmax(scores, dim=0) @ values
     return out
 
 
@@ -118,6 +123,28 @@ def test_kernel_matches_reference(kernel, dtype, head_dim, num_heads, num_kv_hea
     ref = _reference(q, k_cache, v_cache, tables, seq_lens, block_size, scale)
     # bf16 inputs are exact in fp32: only the fp32 accumulation differs from the reference.
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (16, 0.0), (40, 0.0), (0, 2.0),
+                                            (24, 2.0), (500, 0.5)])
+def test_sliding_window_and_soft_cap_match_reference(kernel, dtype, window, softcap):
+    """A window (the last `window` keys, the walk starting mid-block and mid-tile) and tanh
+    soft-capped scores (caps low enough to change every score), on both of a bfloat16
+    cache's q . k paths; contexts shorter and longer than the window."""
+    gen = torch.Generator().manual_seed(window * 10 + int(softcap * 4))
+    lens = [1, 15, 16, 17, 33, 300, 47]
+    q, k_cache, v_cache, tables, seq_lens = _random_problem(gen, len(lens), 8, 2, 64, 16,
+                                                            lens, dtype)
+    scale = 64 ** -0.5
+    out = kernel(q, k_cache, v_cache, tables, seq_lens, 16, scale, window=window,
+                 softcap=softcap)
+    ref = _reference(q, k_cache, v_cache, tables, seq_lens, 16, scale, window, softcap)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    plain = _reference(q, k_cache, v_cache, tables, seq_lens, 16, scale)
+    assert not torch.allclose(ref, plain, atol=1e-3)  # the variant changed the result
+    with pytest.raises(RuntimeError, match="window and softcap"):
+        kernel(q, k_cache, v_cache, tables, seq_lens, 16, scale, window=-1)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 48])

@@ -2,9 +2,10 @@
 random-weight checkpoints transformers builds: prefill logits, 32 greedy decode steps with
 their top logprobs, and the same tokens when requests are batched, chunked, hit the prefix
 cache and are preempted. The planner's parameter counts equal the loaded model's. The C++
-decode stack takes a family's decode steps with the eager model's bits, or the start-up log
-names the layer and the part it cannot take; an early exit at N layers is the first N
-layers of the full model.
+decode stack takes a family's decode steps with the eager model's bits (sliding windows,
+soft-caps, sandwich norms, GeGLU and mixtures of experts included; float32, and bfloat16 for
+the variant and expert families), or the start-up log names the layer and the part it cannot
+take; an early exit at N layers is the first N layers of the full model.
 """
 
 import logging
@@ -22,9 +23,8 @@ from servelm.protocol import SamplingParams
 ALL = sorted(FAMILIES)
 # Whether the C++ decode stack (runner/cpu_decode.py) takes a family's decode steps (None),
 # else words of the reason its fast path (models/fast_path.py) gives
-STACK = {"phi3_full": None, "qwen2_yarn": None, "mistral_window": "sliding window",
-         "phi3": "sliding window", "gemma2": "embedding scaled", "gemma3": "embedding scaled",
-         "mixtral": "MoE", "qwen2_moe": "MoE", "qwen3_moe": "MoE",
+STACK = {"phi3_full": None, "qwen2_yarn": None, "mistral_window": None, "phi3": None,
+         "gemma2": None, "gemma3": None, "mixtral": None, "qwen2_moe": None, "qwen3_moe": None,
          "deepseek_v2": "MLAttention", "deepseek_v3": "MLAttention"}
 
 
@@ -153,11 +153,41 @@ def test_decode_stack_runs_the_family_bit_for_bit_or_says_why_not(family, hf, ca
                    and "run eagerly" in r.message for r in caplog.records)
         return
     assert runner.cpu_stack_refusal is None
+    _assert_stack_equals_eager(hf, engine)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen2_moe"])
+def test_decode_stack_runs_variants_and_experts_bit_for_bit_in_bfloat16(name):
+    hf = make_tiny_family_model(name)
+    engine = make_tiny_engine(hf, cpu_kernels="decode=kernel", dtype="bfloat16")
+    assert engine.runner.cpu_stack_refusal is None
+    _assert_stack_equals_eager(hf, engine, dtype="bfloat16")
+
+
+def test_decode_stack_counts_the_tokens_routed_to_each_expert():
+    """The stack's MoE layers count each expert's tokens (Experts.num_routed_tokens) as the
+    eager layers do."""
+    hf = make_tiny_family_model("mixtral")
+    engines = [make_tiny_engine(hf, cpu_kernels=f"decode={mode}") for mode in ("kernel",
+                                                                               "torch")]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    counts = []
+    for engine in engines:
+        LLM(engine=engine).generate([[5, 17, 99], [7, 8]], params, use_tqdm=False)
+        counts.append([m.num_routed_tokens.clone() for m in engine.runner.model.modules()
+                       if hasattr(m, "num_routed_tokens")])
+    assert engines[0].runner.cpu_stack.steps >= 6
+    assert counts[0] and all(torch.equal(a, b) for a, b in zip(*counts))
+    assert sum(int(c.sum()) for c in counts[0]) > 0
+
+
+def _assert_stack_equals_eager(hf, engine, **kwargs):
+    runner = engine.runner
     prompts = [[5, 17, 99, 3, 250, 11, 42], list(range(100, 160)), [7]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     ours = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
     assert runner.cpu_stack.steps >= 14  # the decode-only steps after the prompts
-    eager = make_tiny_engine(hf, cpu_kernels="decode=torch")
+    eager = make_tiny_engine(hf, cpu_kernels="decode=torch", **kwargs)
     assert eager.runner.cpu_stack is None
     theirs = LLM(engine=eager).generate(prompts, params, use_tqdm=False)
     for a, b in zip(ours, theirs):

@@ -1,5 +1,5 @@
 """What servelm does not implement is refused at load with an error naming the field, never
-run wrong; and the families the CPU decode stack does not cover run eagerly."""
+run wrong; and the families the CPU decode stack does not cover (MLA) run eagerly."""
 
 from types import SimpleNamespace
 
@@ -92,10 +92,11 @@ def test_backend_without_variants_is_refused_for_a_window_or_softcap():
         attn._variants(Batch())
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma2", "phi3", "mistral_window"])
-def test_cpu_decode_stack_leaves_other_families_eager(family):
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_cpu_decode_stack_leaves_latent_attention_families_eager(family):
     engine = make_tiny_engine(make_tiny_family_model(family))
     assert engine.runner.cpu_stack is None
+    assert "MLAttention" in engine.runner.cpu_stack_refusal
 
 
 def test_cpu_decode_stack_still_takes_llama_with_yarn():

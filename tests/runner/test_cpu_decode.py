@@ -281,3 +281,30 @@ def test_stack_runs_permuted_layers_with_one_gather_bit_for_bit(tiny_hf, tiny_en
     _assert_same_outputs(outs["kernel"], outs["torch"])
     assert [o.logprobs[0].logprob for o in outs["kernel"]] != \
         [o.logprobs[0].logprob for o in outs["kernel-other"]]
+
+
+def test_stack_returns_the_hidden_states_after_aux_layers(tiny_hf, tiny_engine):
+    """An EAGLE-3 drafter's features (the hidden state after some layers) come from the stack
+    as the eager forward's `aux_layers` gives them, bit for bit, with the final states."""
+    from servelm.attention.forward_batch import ForwardBatch
+
+    engine = tiny_engine(tiny_hf("llama"), cpu_kernels="decode=kernel")
+    runner, bs = engine.runner, engine.block_manager.block_size
+    model, backend, stack = runner.model, runner.backend, runner.cpu_stack
+    tables = torch.tensor([[0, 1]])  # blocks 0 and 1: slot = position
+    ids, pos = torch.tensor([5, 17, 99, 3, 250, 11]), torch.arange(6)
+    prompt = ForwardBatch(ids, pos, pos.clone(), tables, [0, 6], [0], [6], 0, bs,
+                          torch.tensor([5]))
+    prompt.attn_metadata = backend.build_metadata(prompt)
+    decode = ForwardBatch(torch.tensor([42]), torch.tensor([6]), torch.tensor([6]), tables,
+                          [0, 1], [6], [7], 1, bs, torch.tensor([0]))
+    with torch.no_grad():
+        model(ids, pos, prompt)  # the prompt's K/V into the cache
+        got = stack.maybe_run(decode, aux_layers=(1, 0))
+        decode.attn_metadata = backend.build_metadata(decode)
+        want = model(decode.input_ids, decode.positions, decode, aux_layers=(1, 0))
+    out, aux = got
+    assert stack.steps == 1
+    assert torch.equal(out, want.out) and len(aux) == 2
+    assert all(torch.equal(a, b) for a, b in zip(aux, want.aux, strict=True))
+    assert not torch.equal(aux[0], aux[1])
