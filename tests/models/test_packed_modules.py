@@ -13,7 +13,7 @@ from servelm.config import ModelConfig
 from servelm.loader.dummy import hf_weight_shape
 from servelm.loader.gguf_loader import hf_name, packed_whole
 from servelm.lora.adapter import TARGETS, target_shapes
-from servelm.models import _MODELS, get_model_class
+from servelm.models import families, get_model_class
 from servelm.models.packed import PACKED_MODULES, part_offsets, parts_of
 from servelm.parallel.sharding import TensorParallelShard
 
@@ -21,7 +21,7 @@ CONFIG = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16, 512)
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} | {"q_size", "kv_size"}
 
 
-@pytest.mark.parametrize("architecture", sorted(_MODELS))
+@pytest.mark.parametrize("architecture", sorted(families()))
 def test_every_family_declares_a_table_of_config_rows(architecture):
     model = get_model_class(architecture)
     assert {"qkv_proj", "gate_up_proj"} <= set(model.packed_modules)
