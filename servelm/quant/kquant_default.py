@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 KQUANT_FILE_TYPES = ("MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M", "MOSTLY_Q5_K_S", "MOSTLY_Q5_K_M",
                      "MOSTLY_Q6_K")
 # the types `gguf` keeps exactly (servelm/quant/methods.py GGUFMethod)
+# kquant_gemm.cpp's kPanelMinRows: steps of this many rows or more take the panels kernel
+PANEL_MIN_ROWS = 8
 EXACT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "F32", "F16",
                          "BF16"})
 
@@ -36,11 +38,23 @@ def default_method(source, args) -> str | None:
     why = _refusal(source, args)
     if why is None:
         logger.info("%s is a K-quant file: its codes are kept (--quantization gguf) and run "
-                    "on the decode stack, faster than its float values", source.path)
+                    "on the decode stack, faster than its float values; each step's K-quant "
+                    "kernel goes by its rows (a weight decode per 4 rows below %d, %s)",
+                    source.path, *_kquant_kernels())
         return "gguf"
     if why:
         logger.info("%s: the file's values in float (%s)", source.path, why)
     return None
+
+
+def _kquant_kernels() -> tuple[int, str]:
+    """(the rows from which the panels kernel runs, what runs at and above them): the panels,
+    every weight decode serving all the step's rows, are built where avx512_vnni is."""
+    from servelm.cpu_kernels import isa
+
+    if isa.usable("avx512_vnni"):
+        return PANEL_MIN_ROWS, "one per step from there, avx512_vnni's panels"
+    return PANEL_MIN_ROWS, "and above too: no avx512_vnni for the panels"
 
 
 def _refusal(source, args) -> str | None:
