@@ -101,8 +101,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
 # with why it is there. The list only shrinks: an entry whose import is gone fails
 # test_known_exceptions_still_exist, so it is deleted when its import is.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("config", "quant"): "EngineArgs validates --quantization and the int8 activation "
-                         "choice against the quant registry",
     ("quant", "loader"): "quant/checkpoint.py and community.py read checkpoints (tools "
                          "above the loader)",
     ("quant", "models"): "quant/checkpoint.py and community.py read the packed-modules "

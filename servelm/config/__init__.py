@@ -6,6 +6,7 @@
     flags.py    the engine's CLI flags, built from EngineArgs' fields (option.py: the Flag
                 each field carries)
     cpu_kernel_choice.py  the --cpu-kernels value parsed
+    quant_choices.py  the --quantization methods' and --quant-activations' names
 
 `from servelm.config import X` keeps working for each of them.
 Never: mutated after start-up (values found at run time, such as the number of KV blocks, are

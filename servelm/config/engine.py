@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelm.config.option import option
-from servelm.quant import quant_method_names  # torch-free: the registry's names
-from servelm.quant.int8_act import ACTIVATIONS as QUANT_ACTIVATIONS  # torch-free
-from servelm.quant.int8_act import check_activations as check_quant_activations
+from servelm.config.quant_choices import (QUANT_ACTIVATIONS, QUANT_METHOD_NAMES,
+                                          check_quant_activations)
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -298,7 +297,7 @@ class EngineArgs:
                                       "are; 'gguf-mixed' uses them for steps of a few rows and "
                                       "their bf16 values for larger ones (docs/quantization.md); "
                                       "'fp8' is W8A8 on CUDA sm89+ GPUs (default: float)",
-                                      choices=quant_method_names)
+                                      choices=QUANT_METHOD_NAMES)
     # What the quantized CPU linears round activations to: "float" (float32) or "int8" (per
     # 32 values, integer dot products where the CPU runs avx512_vnni; servelm/quant/int8_act.py).
     quant_activations: str = option("float",
@@ -356,7 +355,7 @@ class EngineArgs:
                                            group="spec")
     spec_draft_quantization: str | None = option(None, "draft with a copy of the target (or "
                                                  "--spec-draft-model) quantized so",
-                                                 group="spec", choices=quant_method_names)
+                                                 group="spec", choices=QUANT_METHOD_NAMES)
     spec_adaptive: bool = option(True, "always speculate k tokens, even past the break-even batch",
                                  names=("--no-spec-adaptive",), group="spec")
     # off | static | dynamic (eagle3: tree drafting and verification)

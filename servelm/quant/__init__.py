@@ -5,7 +5,7 @@ float `nn.Linear`, or a `StagedLinear` that holds the weights while they are loa
 `finalize_linears` (swap each StagedLinear for the QuantizedLinear its method builds, once
 fused weights are whole).
 
-Never: imports torch at import time (config and the CLI list the names), or knows a model's
+Never: imports torch at import time (the CLI lists the names), or knows a model's
 layout: the model decides which layers are linear and which one is the lm_head.
 
     int8         per-output-channel int8, symmetric RTN            ~1.0 byte / weight
@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from servelm.quant.methods import QuantMethod
 
-# name -> (factory "module:callable", keyword arguments)
+# name -> (factory "module:callable", keyword arguments); the names are also
+# servelm/config/quant_choices.py's QUANT_METHOD_NAMES, in the same order (EngineArgs checks
+# --quantization there, below this package)
 _METHODS: dict[str, tuple[str, dict]] = {
     "int8": ("servelm.quant.methods:Int8Method", {}),
     # Groups of 32 by default: coarser groups cost the default model (itself Q4_1) a lot of

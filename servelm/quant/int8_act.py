@@ -8,32 +8,25 @@ integer dot products (avx512_vnni's vpdpbusd, or AVX2's vpmaddubsw on a CPU with
 (quant_gemm.cpp). The numerics differ (the activations' rounding, ~0.4% of a group's largest
 value), so it is the user's choice; docs/quantization.md has the measured cost.
 
-Owns: the names of the choices, the run-time check that the CPU runs the kernels' dot
-products (compiled in, advertised by cpuid, and executed once in a forked child: a VM may
-advertise a flag it cannot honour), cached per process, and the one warning when int8 was asked for and cannot run.
+Owns: the run-time check that the CPU runs the kernels' dot products (compiled in, advertised
+by cpuid, and executed once in a forked child: a VM may advertise a flag it cannot honour),
+cached per process, and the one warning when int8 was asked for and cannot run.
 
 Never: picks a kernel for a layer by itself (Int4Linear / Int8Linear ask `use_int8()` when
-they are built), or reads the environment.
+they are built), reads the environment, or names the choices (servelm/config/quant_choices.py
+does, for EngineArgs).
 """
 
 from __future__ import annotations
 
 import logging
 
+from servelm.config.quant_choices import check_quant_activations
+
 logger = logging.getLogger(__name__)
 
-ACTIVATIONS = ("float", "int8")
 _probe: bool | None = None  # the probe's answer, once asked
 _warned = False
-
-
-def check_activations(value: str, param: str = "quant_activations") -> str:
-    if value not in ACTIVATIONS:
-        from servelm.protocol import InvalidParameterError  # torch-free
-
-        raise InvalidParameterError(f"{param} {value!r}: choose one of {ACTIVATIONS}",
-                                    param=param)
-    return value
 
 
 def int8_dot_usable() -> bool:
@@ -65,7 +58,7 @@ def use_int8(activations: str, what: str) -> bool:
     """Whether a layer asked for `activations` computes with int8 ones: 'int8' where the CPU
     runs them; else False, with one warning per process that float activations run instead."""
     global _warned
-    if check_activations(activations) == "float":
+    if check_quant_activations(activations) == "float":
         return False
     if int8_dot_usable():
         return True

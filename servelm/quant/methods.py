@@ -48,11 +48,11 @@ class QuantMethod:
 
     def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
                  activations: str = "float"):
-        from servelm.quant.int8_act import check_activations
+        from servelm.config.quant_choices import check_quant_activations
 
         self.name = name
         self.compute_dtype = compute_dtype
-        self.activations = check_activations(activations)
+        self.activations = check_quant_activations(activations)
 
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return self.build(self.quantize(weight), bias)

@@ -108,6 +108,15 @@ def test_int8_head_greedy_is_exact_despite_bf16(kernel):
         torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
+def test_registry_and_the_config_name_the_same_methods():
+    """EngineArgs checks --quantization against config's table (below this package): a
+    method registered here but missing there could never be chosen, and the reverse fails
+    only once the engine is built."""
+    from servelm.config.quant_choices import QUANT_METHOD_NAMES
+
+    assert quant_method_names() == list(QUANT_METHOD_NAMES)
+
+
 def test_registry_names_and_errors():
     names = quant_method_names()
     assert {"int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf"} <= set(names)
