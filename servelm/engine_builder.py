@@ -219,9 +219,12 @@ def build_engine(args: EngineArgs, parallel=None) -> Engine:
     start = time.monotonic()
     timer = startup.begin_engine()
     if parallel is None and args.parallel_config().world_size > 1:
-        from servelm.parallel.launcher import start_workers
+        from servelm.parallel.launcher import RankMain, start_workers
 
-        args, parallel = start_workers(args)
+        # the other ranks' process (it imports this module, so it is named, not imported)
+        # and what builds their shards: this same function
+        args, parallel = start_workers(args, RankMain("servelm.core_process.worker",
+                                                      build_engine))
         try:
             return _build_engine(args, parallel, start, timer)
         except BaseException:

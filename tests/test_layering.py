@@ -105,7 +105,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
                          "above the loader)",
     ("quant", "models"): "quant/checkpoint.py and community.py read the packed-modules "
                          "table and the model registry",
-    ("parallel", "engine_builder"): "a worker rank builds its engine shard",
 }
 
 

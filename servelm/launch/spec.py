@@ -110,7 +110,7 @@ class Resources:
 
 def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int,
                  local_rank: int | None = None) -> dict[str, str]:
-    """The variables torchrun gives a rank (what `python -m servelm.parallel.worker
+    """The variables torchrun gives a rank (what `python -m servelm.core_process.worker
     --from-env` reads): a rank placed by something else runs under these."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")

@@ -1,11 +1,12 @@
 """Starting a replica's worker processes and keeping track of them.
 
-Owns: rank 0's `start_workers` (one `python -m servelm.parallel.worker` per other rank, a
+Owns: rank 0's `start_workers` (one `python -m <RankMain.module>` per other rank, a
 ProcessSpec started by the launcher's Supervisor (servelm/launch/), each told its place by a
 codec WorkerStart frame on its stdin; on the CPU the cores are split
 between the ranks, each pinned to its own), joining the group as rank 0, and `WorkerSet`
 (who is alive, how a dead one ended, stopping the rest: no orphan survives rank 0, which
-stops them at exit, and each worker also dies with its parent). Never: builds a model.
+stops them at exit, and each worker also dies with its parent). Never: builds a model, or
+names the rank's entry itself (the engine builder, above this package, gives its RankMain).
 
 Across machines: `--parallel-launcher ray` places the ranks with a Ray placement group
 (servelm/parallel/ray_launcher.py), or they are started by torchrun-style environment
@@ -21,6 +22,7 @@ import os
 import socket
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -97,11 +99,24 @@ class WorkerSet:
             self.supervisor.stop_all(grace_s, list(self.procs.values()))
 
 
-def worker_spec(start: WorkerStart) -> ProcessSpec:
+@dataclasses.dataclass(frozen=True)
+class RankMain:
+    """What ranks 1..N-1 run, given by the assembly that builds engines (this package sits
+    below it: a rank building its shard must not import it).
+
+    module: run as `python -m module` with the WorkerStart frame on its stdin (the process
+            launcher's children; servelm/core_process/worker.py)
+    build:  build_engine(args, parallel=group) -> the rank's engine, which a Ray actor rank
+            calls in its own process (servelm/parallel/worker.py run)"""
+
+    module: str
+    build: Callable
+
+
+def worker_spec(start: WorkerStart, main: RankMain) -> ProcessSpec:
     """One rank as a child process: its WorkerStart frame on stdin, ready once started (rank
     0's join of the group is the wait, with its own deadline)."""
-    return ProcessSpec(f"worker rank {start.rank}",
-                       (sys.executable, "-m", "servelm.parallel.worker"),
+    return ProcessSpec(f"worker rank {start.rank}", (sys.executable, "-m", main.module),
                        config=codec.frame(start))
 
 
@@ -122,10 +137,10 @@ def split_cpus(args: EngineArgs, world: int) -> tuple[int, list[list[int]]]:
     return per, [cpus[r * per:(r + 1) * per] for r in range(world)]
 
 
-def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
-    """Start ranks 1..N-1 the way args.parallel_launcher names (LAUNCHERS), or wait for
-    them at parallel_master; join the group as rank 0. Returns rank 0's EngineArgs (its
-    share of the threads) and its group, with `.workers` set."""
+def start_workers(args: EngineArgs, main: RankMain) -> tuple[EngineArgs, ParallelGroup]:
+    """Start ranks 1..N-1 (running `main`) the way args.parallel_launcher names (LAUNCHERS),
+    or wait for them at parallel_master; join the group as rank 0. Returns rank 0's
+    EngineArgs (its share of the threads) and its group, with `.workers` set."""
     check_supported(args)
     if args.parallel_master is not None:
         if args.parallel_launcher != "process":
@@ -134,10 +149,10 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
                 f"{args.parallel_launcher!r} starts them; give one of the two",
                 param="parallel_master")
         return _join_external(args)
-    return LAUNCHERS[args.parallel_launcher]()(args)
+    return LAUNCHERS[args.parallel_launcher]()(args, main)
 
 
-def _start_processes(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+def _start_processes(args: EngineArgs, main: RankMain) -> tuple[EngineArgs, ParallelGroup]:
     """Ranks 1..N-1 as child processes of this one, on this machine."""
     parallel = args.parallel_config()
     device = torch.device(args.device)
@@ -151,7 +166,7 @@ def _start_processes(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
         start = WorkerStart(dataclasses.replace(rank_args, device=dev), rank, "127.0.0.1",
                             port, os.getpid(), cpus[rank] if device.type == "cpu" else [],
                             JOIN_TIMEOUT_S)
-        specs.append(worker_spec(start))
+        specs.append(worker_spec(start, main))
     supervisor = Supervisor(stop_at_exit=False)
     handles = supervisor.start_all(specs, wait=False)
     workers = WorkerSet(dict(zip(range(1, world), handles)), supervisor)

@@ -7,13 +7,15 @@ compute is bundle 0's), or taking the group the router's Ray backend reserved fo
 replica (its id in $SERVELM_RAY_PLACEMENT_GROUP, bundle 0 held by the replica's actor, which
 started this process); ranks 1..N-1 as `WorkerActor`s, each scheduled into its own bundle
 (PlacementGroupSchedulingStrategy) and running the very worker main the process launcher's
-children run (servelm/parallel/worker.py `run`), told its place by a codec WorkerStart frame
-(rank, world, and rank 0's rendezvous: this node's Ray address and a free port); and
+children run (servelm/parallel/worker.py `run`, with the RankMain's build), told its place
+by a codec WorkerStart frame (rank, world, and rank 0's rendezvous: this node's Ray address
+and a free port); and
 `RayWorkerSet`, the WorkerSet of actors: a rank whose actor died or whose main returned is
 dead, so ParallelRunner fails the replica exactly as for a dead process, and teardown kills
 the actors and removes the placement group (only one it reserved itself). Never: starts,
 stops or sizes the cluster (`ray start`; the router's Ray backend,
-servelm/router/ray_backend.py, places whole replicas), or sends pickled objects to the workers (Ray carries the frame's bytes).
+servelm/router/ray_backend.py, places whole replicas), or sends pickled objects to the
+workers but the build function, by name (Ray carries the frame's bytes).
 
     this process (node A): rank 0            placement group, one bundle per rank
     +--------------------------------+       +-----------------------------------+
@@ -31,6 +33,7 @@ import logging
 import os
 import socket
 import time
+from typing import Callable
 
 import msgspec
 import torch
@@ -43,7 +46,7 @@ from servelm.core.codec import WorkerStart
 # the actor's own. Not a user option: a handoff down one process tree, like $RAY_ADDRESS.
 from servelm.launch.ray_cluster import PLACEMENT_GROUP_ENV
 from servelm.parallel.group import ParallelGroup
-from servelm.parallel.launcher import JOIN_TIMEOUT_S, WorkerSet, split_cpus
+from servelm.parallel.launcher import JOIN_TIMEOUT_S, RankMain, WorkerSet, split_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,10 @@ class PlacementError(RuntimeError):
 class WorkerActor:
     """One rank of a replica inside a Ray actor (a process Ray started in the rank's
     bundle): first `where`, then `run` for as long as the replica lives. Both speak codec
-    bytes (Ray carries them; nothing pickled of ours)."""
+    bytes (Ray carries them); `build` (the RankMain's, pickled by name) builds its shard."""
+
+    def __init__(self, build: Callable):
+        self.build = build
 
     def where(self) -> bytes:
         """A WorkerPlace: its node's address, its pid, its group, the GPUs Ray gave it."""
@@ -90,7 +96,7 @@ class WorkerActor:
         """The worker main (servelm/parallel/worker.py) for the WorkerStart in frame."""
         from servelm.parallel import worker
 
-        return worker.run(codec.worker_start_decoder.decode(frame))
+        return worker.run(codec.worker_start_decoder.decode(frame), self.build)
 
 
 class RayWorkerSet(WorkerSet):
@@ -219,7 +225,7 @@ def _given_group(ray, group_id: str, world: int):
     return pg, bundles
 
 
-def _start_actors(ray, pg, bundles: list[dict]) -> dict:
+def _start_actors(ray, pg, bundles: list[dict], build: Callable) -> dict:
     """Ranks 1.. as WorkerActors, each holding all of its bundle (its CPUs or its GPU)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -227,7 +233,7 @@ def _start_actors(ray, pg, bundles: list[dict]) -> dict:
     return {rank: cls.options(
         num_cpus=bundles[rank].get("CPU", 0.0), num_gpus=bundles[rank].get("GPU", 0.0),
         max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank)).remote()
+            pg, placement_group_bundle_index=rank)).remote(build)
         for rank in range(1, len(bundles))}
 
 
@@ -241,10 +247,10 @@ def _rank0_gpu(places: dict, here: str) -> str:
     return f"cuda:{free[0]}"
 
 
-def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
+def start_workers(args: EngineArgs, main: RankMain) -> tuple[EngineArgs, ParallelGroup]:
     """Reserve the placement group (or take the one the router's Ray backend reserved),
-    start ranks 1..N-1 in it, join as rank 0. Returns rank 0's EngineArgs (its share of the
-    threads, its GPU) and its group, `.workers` set."""
+    start ranks 1..N-1 in it (main.build builds each shard), join as rank 0. Returns rank
+    0's EngineArgs (its share of the threads, its GPU) and its group, `.workers` set."""
     ray = _connect()
     parallel = args.parallel_config()
     world, gpu = parallel.world_size, torch.device(args.device).type == "cuda"
@@ -256,7 +262,7 @@ def start_workers(args: EngineArgs) -> tuple[EngineArgs, ParallelGroup]:
     else:
         bundles = _bundles(world, threads, gpu)
         pg = _reserve(ray, args, bundles)
-    actors = _start_actors(ray, pg, bundles)
+    actors = _start_actors(ray, pg, bundles, main.build)
     workers = RayWorkerSet(ray, pg, actors, {}, {}, owns_group=not given)
     try:
         wheres = [_place_decoder.decode(b) for b in ray.get(

@@ -1,17 +1,18 @@
 """A model-parallel worker process: one rank of a replica, driven by rank 0's broadcasts.
 
 Owns: reading the WorkerStart frame (stdin), dying with its parent, joining the group,
-building this rank's shard of the engine (servelm/engine_builder.py, the same code as rank
-0), and the loop: receive a step, decode it with the contract's codec, run it on the local
-ModelRunner, drop the result (rank 0's is the replica's). Never: schedules, talks to a front
-end, or keeps running once rank 0 is gone (a broadcast from a dead peer raises; the parent's
-death also ends it).
+building this rank's shard with the `build` it is given (the engine builder's build_engine,
+the same code as rank 0), and the loop: receive a step, decode it with the contract's codec,
+run it on the local ModelRunner, drop the result (rank 0's is the replica's). Never:
+schedules, talks to a front end, keeps running once rank 0 is gone (a broadcast from a dead
+peer raises; the parent's death also ends it), or imports the engine builder (it sits above
+this package: the process's entry, servelm/core_process/worker.py, hands it over).
 
-Run as `python -m servelm.parallel.worker` by servelm/parallel/launcher.py (a WorkerStart
-frame on stdin), or on another machine as
+Run as `python -m servelm.core_process.worker` by servelm/parallel/launcher.py (a
+WorkerStart frame on stdin), or on another machine as
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=host MASTER_PORT=port [LOCAL_RANK=i] \
-        python -m servelm.parallel.worker --from-env MODEL [engine flags]
+        python -m servelm.core_process.worker --from-env MODEL [engine flags]
 
 (torchrun's variables; the same engine flags as rank 0's `servelm serve`, whose
 --parallel-master is host:port): it then joins rank 0 there and serves until rank 0 goes.
@@ -25,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 from servelm.core import codec
 
@@ -72,7 +74,7 @@ def spec_from_env(argv: list[str]) -> codec.WorkerStart:
 
     from servelm.config import add_engine_cli_args, engine_args_from_cli
 
-    p = argparse.ArgumentParser(prog="python -m servelm.parallel.worker --from-env")
+    p = argparse.ArgumentParser(prog="python -m servelm.core_process.worker --from-env")
     p.add_argument("model")
     add_engine_cli_args(p)
     args = engine_args_from_cli(p.parse_args(argv))
@@ -90,18 +92,20 @@ def spec_from_env(argv: list[str]) -> codec.WorkerStart:
                              int(env["MASTER_PORT"]), parent_pid=-1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, build: Callable) -> int:
+    """The rank's process: its WorkerStart from argv (--from-env) or stdin, then `run`."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--from-env"]:
         spec = spec_from_env(argv[1:])
     else:
         spec = read_spec()
         _die_with_parent(spec.parent_pid)
-    return run(spec)
+    return run(spec, build)
 
 
-def run(spec: codec.WorkerStart) -> int:
-    """Be rank spec.rank until rank 0 stops (0) or goes away (1). Also what a Ray actor runs
+def run(spec: codec.WorkerStart, build: Callable) -> int:
+    """Be rank spec.rank until rank 0 stops (0) or goes away (1); build(args, parallel=group)
+    returns this rank's engine shard. Also what a Ray actor runs
     (servelm/parallel/ray_launcher.py)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[servelm worker rank {spec.rank} %(process)d] %(message)s")
@@ -109,13 +113,12 @@ def run(spec: codec.WorkerStart) -> int:
         os.sched_setaffinity(0, spec.cpus)
     import torch
 
-    from servelm.engine_builder import build_engine
     from servelm.parallel.group import ParallelGroup
 
     args = spec.engine_args
     group = ParallelGroup.join(spec.rank, args.parallel_config(), torch.device(args.device),
                                spec.master_addr, spec.master_port, spec.timeout_s)
-    engine = build_engine(args, parallel=group)
+    engine = build(args, parallel=group)
     try:
         serve_steps(group, engine.runner)
     except Exception:  # rank 0 is gone or sent garbage: nothing to serve any more
@@ -124,6 +127,3 @@ def run(spec: codec.WorkerStart) -> int:
     group.leave()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

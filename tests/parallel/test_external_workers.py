@@ -20,7 +20,7 @@ def test_a_worker_started_by_environment_variables_joins_rank_0(tmp_path):
         port = s.getsockname()[1]
     # the launcher's torchrun-style variant: the rank told its place by environment variables
     spec = ProcessSpec("external worker rank 1", (
-        sys.executable, "-m", "servelm.parallel.worker", "--from-env", path,
+        sys.executable, "-m", "servelm.core_process.worker", "--from-env", path,
         "--tensor-parallel-size", "2", "--block-size", "4"),
         resources=Resources(env=torchrun_env(1, 2, "127.0.0.1", port, local_rank=1)))
     supervisor = Supervisor(stop_at_exit=False)

@@ -135,7 +135,7 @@ def test_the_launcher_is_chosen_by_name(tmp_path):
     import argparse
 
     from servelm.config import EngineArgs, add_engine_cli_args, engine_args_from_cli
-    from servelm.parallel.launcher import start_workers
+    from servelm.parallel.launcher import RankMain, start_workers
     from servelm.protocol import InvalidParameterError
 
     p = argparse.ArgumentParser()
@@ -152,5 +152,6 @@ def test_the_launcher_is_chosen_by_name(tmp_path):
         EngineArgs(model="m", parallel_placement="pack")
     with pytest.raises(InvalidParameterError) as e:
         start_workers(EngineArgs(model="m", tensor_parallel_size=2, parallel_launcher="ray",
-                                 parallel_master="127.0.0.1:1"))
+                                 parallel_master="127.0.0.1:1"),
+                      RankMain("servelm.core_process.worker", build=lambda *a, **k: None))
     assert e.value.param == "parallel_master"

@@ -212,7 +212,7 @@ def test_a_shape_that_does_not_split_fails_the_build_and_stops_the_workers(model
         for task in Path(f"/proc/{os.getpid()}/task").iterdir():
             for pid in (task / "children").read_text().split():
                 proc = Path(f"/proc/{pid}")
-                if (b"servelm.parallel.worker" in (proc / "cmdline").read_bytes()
+                if (b"servelm.core_process.worker" in (proc / "cmdline").read_bytes()
                         and (proc / "stat").read_text().split(")")[1].split()[0] != "Z"):
                     out.append(int(pid))
         return out

@@ -22,7 +22,7 @@ from test_engine_core_process import _alive, _children, _wait
 
 def _workers(core_pid: int) -> list[int]:
     return [c for c in _children(core_pid)
-            if b"servelm.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if b"servelm.core_process.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 class _Stream(threading.Thread):
