@@ -24,7 +24,7 @@ from servelm.protocol import InvalidParameterError, SamplingParams
 _SUBCOMMANDS = {"models": "servelm.loader.cli", "bench": "servelm.bench.cli",
                 "plan": "servelm.planner.cli", "serve": "servelm.serve.cli",
                 "config": "servelm.serve.config_file",
-                "quantize": "servelm.quant.cli", "eval": "servelm.evals.cli",
+                "quantize": "servelm.quant_tools.cli", "eval": "servelm.evals.cli",
                 "sim": "servelm.sim.cli", "router": "servelm.router.cli",
                 "doctor": "servelm.doctor.cli", "kernels": "servelm.cpu_kernels.cli",
                 "spec": "servelm.spec_tools.cli"}

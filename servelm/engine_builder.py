@@ -22,13 +22,12 @@ from servelm.engine.engine import Engine
 from servelm.engine.kv_connector import KVConnector, combine
 from servelm.layers.linear import can_pack, pack_linears
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.loader import (iter_weights, load_model_config, load_tokenizer, prepared,
-                            resolve_model)
+from servelm.loader import (iter_weights, kquant_default, load_model_config, load_tokenizer,
+                            prepared, resolve_model)
+from servelm.loader.community_checkpoint import METHODS as CODES_METHODS
 from servelm.models import get_model_class
 from servelm.parallel import build as parallel_build
 from servelm.protocol import InvalidParameterError
-from servelm.quant import kquant_default
-from servelm.quant.community import METHODS as CODES_METHODS
 from servelm.runner.host_memory import keep_freed_memory
 from servelm.runner.model_runner import ModelRunner, available_memory_bytes, num_kv_blocks
 
@@ -246,7 +245,7 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
         tokenizer = load_tokenizer(source)
     checkpoint = None
     if source.kind == "hf":
-        from servelm.quant.checkpoint import read_quantized_checkpoint
+        from servelm.loader.quantized_checkpoint import read_quantized_checkpoint
 
         checkpoint = read_quantized_checkpoint(source.path)
     if checkpoint is not None:  # its method, before --dtype auto reads it

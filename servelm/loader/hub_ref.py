@@ -40,7 +40,7 @@ _SIDE_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "preprocessor_config.json",
-    "quantize_config.json",  # older AutoGPTQ checkpoints' settings (quant/checkpoint.py)
+    "quantize_config.json",  # older AutoGPTQ checkpoints' settings (loader/quantized_checkpoint.py)
 )
 
 # llama.cpp's `-hf` default when a repository holds several quantizations and no tag is given.

@@ -15,7 +15,7 @@ layout: the model decides which layers are linear and which one is the lm_head.
     gguf-mixed   both: gguf's codes for steps of at most 4 rows (memory-bound), the
                  dequantized weights in the model's dtype above (servelm/quant/mixed_linear.py)
     gptq, awq, compressed-tensors   such a checkpoint's codes as they are stored (int4 /
-                 int8 layers; servelm/quant/community.py), never a float model's
+                 int8 layers; servelm/loader/community_checkpoint.py), never a float model's
     fp8          W8A8: e4m3 weights (scale per channel) and activations (scale per token)
                  via torch._scaled_mm, GPU only (CUDA >= 8.9; refused elsewhere)  ~1 byte
 
@@ -47,7 +47,8 @@ _METHODS: dict[str, tuple[str, dict]] = {
     "gguf-mixed": ("servelm.quant.methods:GGUFMixedMethod", {}),
     # W8A8: e4m3 weights and per-token activations through torch._scaled_mm; CUDA sm89+ only.
     "fp8": ("servelm.quant.fp8_linear:Fp8Method", {}),
-    # a GPTQ / AWQ / compressed-tensors checkpoint's own codes (servelm/quant/community.py)
+    # a GPTQ / AWQ / compressed-tensors checkpoint's own codes
+    # (servelm/loader/community_checkpoint.py reads them)
     **{name: ("servelm.quant.codes_method:CodesMethod", {})
        for name in ("gptq", "awq", "compressed-tensors")},
 }

@@ -18,7 +18,7 @@ preceding norm), so the codes are all there is. Other `version`s (gemv, gemv_fas
 exllama, ipex) store the same codes in kernel-specific layouts and are refused by name, as is
 `zero_point: false`.
 
-Never: reads files (servelm/quant/community.py does) or builds layers.
+Never: reads files (servelm/loader/community_checkpoint.py does) or builds layers.
 """
 
 from __future__ import annotations

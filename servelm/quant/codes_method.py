@@ -11,8 +11,8 @@ lm_head: its publisher left it unquantized, and servelm computes the model the c
 describes rather than requantizing parts of it.
 
 Never: quantizes a float weight. `--quantization gptq` (or awq, compressed-tensors) on
-anything but such a checkpoint is refused where the engine is built (servelm/quant/community.py
-says which checkpoints those are).
+anything but such a checkpoint is refused where the engine is built
+(servelm/loader/community_checkpoint.py says which checkpoints those are).
 """
 
 from __future__ import annotations

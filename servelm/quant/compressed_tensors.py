@@ -28,7 +28,7 @@ with its own int8 activations per 32 columns under `--quant-activations int8`; t
 checkpoint's input scales are read past. A scheme with float (fp8 / fp4) weights or
 activations, a sparsity or transform config, or another format is refused by name.
 
-Never: reads files (servelm/quant/community.py does) or builds layers.
+Never: reads files (servelm/loader/community_checkpoint.py does) or builds layers.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ with z the stored zero point plus one in the original format ("checkpoint_format
 GPTQModel's "format": "gptq", or none: AutoGPTQ subtracted 1 before packing, so a stored 15
 reads back as 16, the "v1 off-by-one" every GPTQ kernel reproduces) and as stored in
 GPTQModel's "gptq_v2". Older AutoGPTQ checkpoints keep these fields in quantize_config.json
-beside config.json (servelm/quant/checkpoint.py reads it there).
+beside config.json (servelm/loader/quantized_checkpoint.py reads it there).
 
 Act-order (`desc_act`) quantizes columns in the order of the Hessian's diagonal, so g_idx
 scatters each group's columns over the row. servelm's int4 kernels take groups of
@@ -27,10 +27,10 @@ gathers its activations into that order each call (a `perm`: servelm/quant/
 permuted_linear.py; exact, and a 4-bit layer's bytes, where float would be 8x them). A g_idx
 that is the plain k // group_size (act-order with one group a row, or columns left in order)
 needs no perm. Where the method building the layers cannot take a perm (a family's
-registered int4-gN fallback, servelm/quant/community.py), such a layer is dequantized to
-float instead: exact, at float's bytes.
+registered int4-gN fallback, servelm/loader/community_checkpoint.py), such a layer is
+dequantized to float instead: exact, at float's bytes.
 
-Never: reads files (servelm/quant/community.py does) or builds layers.
+Never: reads files (servelm/loader/community_checkpoint.py does) or builds layers.
 """
 
 from __future__ import annotations

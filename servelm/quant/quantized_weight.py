@@ -13,7 +13,8 @@ and the int4 codes' on-disk packing (two codes a byte, `pack_int4` / `unpack_int
 With `perm` (GPTQ act-order), the codes' columns are the layer's inputs in that order:
 column i of q multiplies x[perm[i]] (servelm/quant/permuted_linear.py gathers x first).
 
-Never: builds layers (a QuantMethod does) or reads files (servelm/quant/checkpoint.py does).
+Never: builds layers (a QuantMethod does) or reads files
+(servelm/loader/quantized_checkpoint.py does).
 """
 
 from __future__ import annotations

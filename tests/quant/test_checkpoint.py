@@ -16,7 +16,7 @@ from servelm.config import EngineArgs
 from servelm.engine_builder import build_engine
 from servelm.protocol import InvalidParameterError
 from servelm.quant import methods
-from servelm.quant.checkpoint import quantize_checkpoint
+from servelm.quant_tools.quantize import quantize_checkpoint
 from servelm.quant.int4_linear import Int4Linear
 from servelm.quant.int8_head import Int8Head
 from servelm.quant.int8_linear import Int8Linear

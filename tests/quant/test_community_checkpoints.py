@@ -325,7 +325,7 @@ def test_dtype_auto_reads_the_checkpoints_method(tmp_path):
 
 
 def test_servelm_quantize_refuses_a_gptq_checkpoint(tmp_path):
-    from servelm.quant.checkpoint import quantize_checkpoint
+    from servelm.quant_tools.quantize import quantize_checkpoint
 
     cc.write_gptq(_hf(), tmp_path / "m", 4, 128)
     with pytest.raises(InvalidParameterError, match="already a quantized") as e:

@@ -152,7 +152,7 @@ def test_default_keeps_a_k_quant_files_codes_where_gguf_keeps_every_matrix_exact
     quant=torch."""
     from servelm.config import EngineArgs
     from servelm.loader import resolve_model
-    from servelm.quant.kquant_default import default_method
+    from servelm.loader.kquant_default import default_method
 
     q4 = _file("Q4_K_M")
     llm = LLM(str(q4), kv_cache_memory=32 * 2**20, max_model_len=512)

@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
 
 
 def handler(args) -> int:
-    from servelm.quant.checkpoint import quantize_checkpoint
+    from servelm.quant_tools.quantize import quantize_checkpoint
 
     s = quantize_checkpoint(args.model, args.method, args.out, overwrite=args.overwrite)
     formats = ", ".join(f"{n} {k}" for k, n in sorted(s.formats.items()))
