@@ -190,7 +190,9 @@ def test_backend_step_matches_torch_path():
 @needs_kernel
 def test_a_window_layer_in_a_kernel_step_builds_its_slots_on_first_use():
     """The kernel's step skips the per-sequence context slots; a sliding-window layer (which
-    the kernel does not take) builds them when it first runs, and matches the torch path."""
+    the prefill kernel does not take) builds them when it first runs. Its prefill rows are
+    the torch path's bit for bit; its decodes run on the C++ decode kernel, which takes the
+    window (as the decode stack runs them), so they match within bfloat16 rounding."""
     _, backends, batch, (q, k, v) = _backends_and_step(torch.Generator().manual_seed(2))
     outs = {}
     for path, backend in backends.items():
@@ -199,7 +201,9 @@ def test_a_window_layer_in_a_kernel_step_builds_its_slots_on_first_use():
         outs[path] = backend.forward(0, q, k, v, batch, window=8)
         assert batch.attn_metadata.prefill_slots is not None
     assert backends["kernel"].prefill_kernel_calls == 0
-    torch.testing.assert_close(outs["kernel"], outs["torch"], atol=0, rtol=0)
+    nd = batch.num_decodes
+    torch.testing.assert_close(outs["kernel"][nd:], outs["torch"][nd:], atol=0, rtol=0)
+    torch.testing.assert_close(outs["kernel"][:nd], outs["torch"][:nd], atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
