@@ -107,7 +107,6 @@ class Scheduler:
         self.policy = None
         self._prefill_left: int | None = None
         self._pause_prefills = False  # this step's cap goes to the waiting queue's head
-        self._held: set[int] = set()  # ids of background sequences sitting this step out
 
     @property
     def has_unfinished(self) -> bool:
@@ -120,11 +119,8 @@ class Scheduler:
         batch = ScheduledBatch()
         self.encoder_budget.reset()
         self._pause_prefills = False
-        self._held = set()
         if self.policy is not None:
             self.policy.order(self.waiting, self.running, self.config.max_num_batched_tokens)
-            # background rows run only in the headroom the higher classes leave
-            self._held = self.policy.hold(self.running, self.waiting)
             if self.config.enable_chunked_prefill:
                 self._prefill_left = self.policy.prefill_cap(
                     self.running, self.config.max_num_batched_tokens, self.waiting)
@@ -140,11 +136,6 @@ class Scheduler:
                 # The head the prefills paused for was not admitted (no blocks or seat for
                 # it yet): they go on, or the step would idle with them holding the blocks.
                 self._resume_paused(batch, paused, budget)
-        if batch.is_empty and self._held and not batch.preempted:
-            # Nothing else could run (the higher class's work waits for blocks or seats
-            # the held rows have): they run rather than the step idling.
-            self._held = set()
-            self._schedule_running(batch, self.config.max_num_batched_tokens)
         return batch
 
     def _take_prefill(self, num_new: int) -> int:
@@ -167,9 +158,6 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._held and id(seq) in self._held:
-                i += 1  # a background row held for the higher classes: blocks kept
-                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._prefill_left is not None or self._pause_prefills:
                 num_new = self._take_prefill(num_new)
@@ -188,8 +176,7 @@ class Scheduler:
                 spec = 0  # no room for drafts: a plain decode, rather than preempt for them
             num_new += spec
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self._victim()
-                self.running.remove(victim)
+                victim = self.running.pop()  # youngest: the tail of the running list
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -199,27 +186,6 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
-
-    def _victim(self) -> Sequence:
-        """The sequence to preempt for blocks: the youngest background row held this step
-        (recomputed later, when there is headroom), else the youngest running one."""
-        if self._held:
-            for seq in reversed(self.running):
-                if id(seq) in self._held:
-                    return seq
-        return self.running[-1]
-
-    def _preempt_held(self, batch: ScheduledBatch) -> bool:
-        """Preempt the youngest held background row (its blocks and seat go to the
-        higher class waiting at the head); False when none is held."""
-        victim = next((s for s in reversed(self.running) if id(s) in self._held), None)
-        if victim is None:
-            return False
-        self._held.discard(id(victim))
-        self.running.remove(victim)
-        self._preempt(victim)
-        batch.preempted.append(victim)
-        return True
 
     def _resume_paused(self, batch: ScheduledBatch, paused: list[Sequence],
                        budget: int) -> None:
@@ -288,16 +254,8 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int,
                        skipped: list[Sequence]) -> int:
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.policy is not None and not self.policy.may_admit(seq):
-                skipped.append(self.waiting.popleft())  # background: no headroom this step
-                continue
-            # a held background row gives its seat and blocks to a higher-class head
-            outranks = bool(self._held) and not self.policy.is_background_now(seq)
-            if len(self.running) >= self.config.max_num_seqs and not (
-                    outranks and self._preempt_held(batch)):
-                break
             if seq.lora_id is not None and not self.loras.can_acquire(seq.lora_id):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -323,8 +281,6 @@ class Scheduler:
                     break
             reserve = self.admission_reserve if self.running else 0
             if not self.block_manager.can_allocate(seq, num_loaded + num_new, reserve, match):
-                if outranks and self._preempt_held(batch):
-                    continue
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_loaded + num_new, match)

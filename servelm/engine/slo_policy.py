@@ -40,19 +40,6 @@ of them (`waiting_first`): a batch prompt half prefilled does not hold an intera
 prompt that arrives behind it for the rest of its chunks. When the scheduler cannot admit
 that head in the step (no blocks or seat for it), the paused prefills go on in the step.
 
-Background work (the lowest class present, and best effort, while a higher class is live)
-runs only in the headroom the higher classes leave: every decode a step carries costs that
-step time, and on a few cores each extra row slows every interactive token. Each step
-(`hold`), while a higher-class prompt waits or prefills (its TTFT pending) no background row
-runs; otherwise background decodes run up to an allowance that keeps the step within
-`background_share` of the tightest TPOT target of the higher-class decodes: from the cost
-model where there is one, and always from the measured steps (`observe_step`: a step over
-that budget halves the allowance, one under it with the allowance used raises it by one).
-Held rows keep their blocks and seats and resume where they were. A background row held
-longer than its own class's TTFT target runs the next step, so a batch under sustained
-interactive load still moves (its completion window is paced where its lines are submitted,
-servelm/server/batch_pacer.py).
-
 Early refusal, at add time: the prompt tokens ahead of the new request (waiting work and
 prefills under way that order before it) plus its own, at the capped chunk per step, give its
 predicted TTFT; a request of a `reject_early` class whose prediction exceeds its target, but
@@ -89,8 +76,7 @@ def _pairs(start: int, n: int) -> int:
 
 class SLOPolicy:
     def __init__(self, clock: Callable[[], float], step_time: StepTime | None = None,
-                 min_chunk: int = 16, tpot_headroom: float = 0.9, ttft_share: float = 1 / 3,
-                 background_share: float = 0.8):
+                 min_chunk: int = 16, tpot_headroom: float = 0.9, ttft_share: float = 1 / 3):
         self.clock = clock
         self.step_time = step_time
         self.min_chunk = min_chunk
@@ -104,14 +90,6 @@ class SLOPolicy:
         self.tightest_ttft_s = math.inf
         self.num_rejected = 0
         self.last_prefill_cap: int | None = None  # the cap the last step ran with
-        # Background rows may make a step at most this share of the tightest higher-class
-        # TPOT target (measured steps vary: a step sized to the target would miss it often).
-        self.background_share = background_share
-        self.background_allowance: int | None = None  # background decodes a step may carry
-        self.num_background_held = 0  # background rows held in the last step
-        self._closed_below: float | None = None  # background priority rationed this step
-        self._admit_left: float = 0  # background prompts that may start this step
-        self._ran_at: dict[int, float] = {}  # background seq_id -> when it last ran
 
     # -- order -------------------------------------------------------------------------------
 
@@ -285,120 +263,6 @@ class SLOPolicy:
             return 0.0
         chunk, step_s = self._chunk_and_step(running, budget)
         return step_s / chunk
-
-    # -- background work ---------------------------------------------------------------------
-
-    @staticmethod
-    def _background_priority(running: list, waiting) -> float | None:
-        """Sequences of this priority or lower (and best effort) are background; None:
-        nothing to protect (one class and no best effort), everything runs."""
-        prios = {s.slo.priority for s in (*running, *waiting) if s.slo is not None}
-        if not prios:
-            return None
-        if len(prios) > 1:
-            return max(prios)
-        best_effort = any(s.slo is None for s in (*running, *waiting))
-        return math.inf if best_effort else None
-
-    @staticmethod
-    def _is_background(seq, low) -> bool:
-        return seq.slo is None or seq.slo.priority >= low
-
-    def hold(self, running: list, waiting) -> set[int]:
-        """ids of the running background sequences that sit this step out (blocks kept)."""
-        self.num_background_held = 0
-        self._closed_below = None
-        low = self._background_priority(running, waiting)
-        if low is None:
-            return set()
-        now = self.clock()
-        ids = {s.seq_id for s in running}
-        self._ran_at = {k: t for k, t in self._ran_at.items() if k in ids}
-        fore = [s for s in running if not self._is_background(s, low)]
-        back = [s for s in running if self._is_background(s, low)]
-        pending = any(s.num_computed_tokens < s.num_prompt_tokens for s in fore) or any(
-            not self._is_background(s, low) for s in waiting)
-        fore_dec = [s for s in fore if s.num_computed_tokens >= s.num_prompt_tokens]
-        back_dec = [s for s in back if s.num_computed_tokens >= s.num_prompt_tokens]
-        allow = 0 if pending else self._allowance(fore_dec, back_dec, now)
-        if pending or fore_dec:  # new background prompts only into room for more rows
-            self._closed_below = low
-            self._admit_left = allow - len(back_dec)
-        held: set[int] = set()
-        for seq in back:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                if pending:  # its chunk would delay the higher class's first token
-                    held.add(id(seq))
-                continue
-            last = self._ran_at.setdefault(seq.seq_id, now)
-            starving = seq.slo is not None and now - last > seq.slo.ttft_s
-            if allow > 0 or starving:
-                allow -= 1
-                self._ran_at[seq.seq_id] = now
-            else:
-                held.add(id(seq))
-        self.num_background_held = len(held)
-        return held
-
-    def is_background_now(self, seq) -> bool:
-        """Whether `seq` is of the class rationed this step."""
-        low = self._closed_below
-        return low is not None and self._is_background(seq, low)
-
-    def may_admit(self, seq) -> bool:
-        """Whether a waiting sequence may start this step (a background one waits while
-        the higher classes have no headroom)."""
-        low = self._closed_below
-        if low is None or not self._is_background(seq, low):
-            return True
-        if self._admit_left < 1:
-            return False
-        self._admit_left -= 1
-        return True
-
-    def _allowance(self, fore_dec: list, back_dec: list, now: float) -> float:
-        """Background decode rows a step may carry next to the higher-class decodes (more
-        than run now: room for another to start)."""
-        if not fore_dec:
-            return math.inf  # nothing decoding to slow: the idle capacity is theirs
-        allow = math.inf if self.background_allowance is None else self.background_allowance
-        if self.step_time is not None:
-            num, ctx = len(fore_dec), sum(s.num_tokens for s in fore_dec)
-            plain = self.step_time(num, num, ctx, 0, 0)
-            # a decode whose TPOT is out of reach even if every step left were plain
-            # counts for none (as for the chunk cap)
-            rooms = [(self._step_room(s, s.slo.tpot_s, now, plain), s.slo.tpot_s)
-                     for s in fore_dec]
-            rooms = [(r, self.background_share * t) for r, t in rooms if r < math.inf]
-            if not rooms:
-                return allow
-            room = min(min(r, b) for r, b in rooms)
-            k = 0  # the running rows in order, then one more of the same context
-            for seq in (*back_dec, *back_dec[-1:]) if back_dec else (None,):
-                ctx += seq.num_tokens if seq is not None else 0
-                if self.step_time(num + k + 1, num + k + 1, ctx, 0, 0) > room:
-                    break
-                k += 1
-            allow = min(allow, k)
-        return allow
-
-    def observe_step(self, seqs: list, step_s: float) -> None:
-        """A step ran `seqs` (the engine's Sequences) in `step_s` seconds: adjust the
-        background allowance from how long it took (only steps that carried higher-class
-        decodes say anything about their TPOT)."""
-        low = self._background_priority(seqs, ())
-        if low is None:
-            return
-        fore = [s for s in seqs if not self._is_background(s, low) and s.num_output_tokens > 0]
-        if not fore:
-            return
-        rows = sum(1 for s in seqs if self._is_background(s, low)
-                   and s.num_computed_tokens > s.num_prompt_tokens)
-        budget = self.background_share * min(s.slo.tpot_s for s in fore)
-        if step_s > budget:
-            self.background_allowance = rows // 2
-        elif self.background_allowance is not None and rows >= self.background_allowance:
-            self.background_allowance = rows + 1
 
     # -- early refusal -----------------------------------------------------------------------
 
