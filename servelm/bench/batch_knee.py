@@ -212,16 +212,10 @@ def _wait(proc: subprocess.Popen, what: str) -> None:
 
 
 def measured_knee(sweep: dict, plan: BatchKneePlan) -> float:
-    """The highest swept rate whose goodput meets the target; one at either end of the
-    sweep is not bracketed, and the record stops rather than run at a wrong knee."""
-    summary = sweep["summary"]
-    best = summary["max_rate_meeting_target"]
-    if best is None or best == max(summary["rates"]):
-        where = "below the lowest" if best is None else "at or above the highest"
-        raise RuntimeError(f"the knee is {where} of the swept rates {list(plan.sweep_rates)} "
-                           f"(goodput {[p['goodput'] for p in summary['points']]}): give "
-                           f"--sweep-rates around it, or --knee")
-    return float(best)
+    """The highest swept rate whose goodput meets the target (bench/sweep.py)."""
+    from servelm.bench.sweep import bracketed_max_rate
+
+    return bracketed_max_rate(sweep["summary"], "give --sweep-rates around it, or --knee")
 
 
 class BatchWatch:

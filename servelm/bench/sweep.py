@@ -194,3 +194,16 @@ def plot_sweep(summary: dict[str, Any], path: Path, title: str, slo_ttft_ms: flo
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def bracketed_max_rate(summary: dict, retry_hint: str) -> float:
+    """The highest swept rate whose goodput meets the target, where the sweep brackets it.
+    A rate at either end of the sweep is not bracketed, and the caller's record stops rather
+    than run at a wrong knee (retry_hint: the flags that fix it)."""
+    best = summary["max_rate_meeting_target"]
+    if best is None or best == max(summary["rates"]):
+        where = "below the lowest" if best is None else "at or above the highest"
+        raise RuntimeError(f"the knee is {where} of the swept rates {summary['rates']} "
+                           f"(goodput {[p['goodput'] for p in summary['points']]}): "
+                           f"{retry_hint}")
+    return float(best)

@@ -261,17 +261,13 @@ def _run_task(plan, server, task: Task, out: Path, manifest: dict, progress: Pro
 
 
 def _measured_knee(path: Path, plan: ValidationPlan) -> float:
-    """The highest swept rate whose goodput meets the target (the earlier records' knee).
-    A knee at either end of the sweep is not bracketed: the record stops there rather than
-    spend its half hour at multiples of a wrong knee."""
-    summary = json.loads(path.read_text())["summary"]
-    best = summary["max_rate_meeting_target"]
-    if best is None or best == max(summary["rates"]):
-        where = "below the lowest" if best is None else "at or above the highest"
-        raise RuntimeError(f"the knee is {where} of the swept rates {list(plan.sweep_rates)} "
-                           f"(goodput {[p['goodput'] for p in summary['points']]}): give "
-                           f"--sweep-rates around it")
-    return float(best)
+    """The highest swept rate whose goodput meets the target (the earlier records' knee;
+    bench/sweep.py): the record stops rather than spend its half hour at multiples of a
+    wrong knee."""
+    from servelm.bench.sweep import bracketed_max_rate
+
+    return bracketed_max_rate(json.loads(path.read_text())["summary"],
+                              "give --sweep-rates around it")
 
 
 # -- the replay and the judgement ---------------------------------------------------------
