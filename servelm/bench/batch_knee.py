@@ -29,7 +29,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from servelm.launch import DEVNULL, ProcessHandle, ProcessSpec, Supervisor
 from servelm.loader.model_cache import DEFAULT_MODEL
 
 SERVER_START_S = 35.0  # stop, load the model, answer /v1/models (estimate)
@@ -189,8 +189,9 @@ def batch_input(plan: BatchKneePlan, seed: int) -> tuple[bytes, int]:
 
 
 def interactive(plan: BatchKneePlan, url: str, rate: float | None, out: Path,
-                log: Path) -> subprocess.Popen:
-    """`servelm bench serve` at `rate` for --duration (None: the knee sweep)."""
+                log: Path) -> ProcessHandle:
+    """`servelm bench serve` at `rate` for --duration (None: the knee sweep), started by the
+    launcher; its stderr is appended to `log`."""
     cmd = [sys.executable, "-m", "servelm.cli", "bench", "serve", "--base-url", url,
            "--model", plan.model, "--label", "servelm", "--prompt-format", "ids",
            "--input-len", plan.input_len, "--output-len", plan.output_len,
@@ -202,13 +203,15 @@ def interactive(plan: BatchKneePlan, url: str, rate: float | None, out: Path,
                 "--num-prompts", str(plan.sweep_prompts)]
     else:
         cmd += ["--request-rate", f"{rate:g}", "--duration", f"{plan.duration_s:g}"]
-    with open(log, "a") as f:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+    spec = ProcessSpec(f"batch-knee client {out.name}", tuple(cmd), stdout=DEVNULL,
+                       stderr=str(log))
+    return Supervisor(stop_at_exit=False).start(spec)
 
 
-def _wait(proc: subprocess.Popen, what: str) -> None:
-    if proc.wait() != 0:
-        raise RuntimeError(f"{what} exited with status {proc.returncode} (see clients.log)")
+def _wait(proc: ProcessHandle, what: str) -> None:
+    code = proc.wait_or_kill(None)
+    if code != 0:
+        raise RuntimeError(f"{what} exited with status {code} (see clients.log)")
 
 
 def measured_knee(sweep: dict, plan: BatchKneePlan) -> float:
@@ -255,7 +258,7 @@ class BatchWatch:
 
 
 def watch(batch: BatchWatch, plan: BatchKneePlan, progress: Progress,
-          proc: subprocess.Popen | None = None) -> float | None:
+          proc: ProcessHandle | None = None) -> float | None:
     """Poll until the batch is final (and `proc` has exited); returns the seconds since
     submission at which `proc` exited (None without one)."""
     said, proc_s = time.monotonic(), None
