@@ -16,6 +16,8 @@ from servelm.spec.eagle import (UnsupportedDrafterError, load_drafter, read_conf
 from servelm.spec.train_eagle import (TrainOptions, fit, new_drafter, sample_features,
                                       target_features, train)
 
+from spec_outputs import assert_same_as, run_checked
+
 MAX_TOKENS = 24
 REF = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -101,22 +103,7 @@ def _eagle_engine(hf, path):
 
 
 def _run(engine, prompts, params=GREEDY):
-    outs = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
-    engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return outs
-
-
-def _assert_same_as(reference, outs):
-    for ref, out in zip(reference, outs, strict=True):
-        ids = out.outputs[0].token_ids
-        for i, (x, y) in enumerate(zip(ref.token_ids, ids)):
-            if x != y:  # a near-tie decided by float order: the reference's logprobs say
-                top = dict(ref.logprobs[i].top)
-                assert y in top and abs(top[x] - top[y]) < 1e-3, f"diverged at {i}"
-                break
-        else:
-            assert len(ids) == len(ref.token_ids)
+    return run_checked(engine, prompts, params)
 
 
 def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path):
@@ -124,7 +111,7 @@ def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path)
     save_drafter(_drafter(engine), str(tmp_path))
     spec = _eagle_engine(hf, tmp_path)
     outs = _run(spec, prompts + prompts[:2])  # the repeats hit the prefix cache
-    _assert_same_as(reference + reference[:2], outs)
+    assert_same_as(reference + reference[:2], outs)
     assert spec.stats.spec_num_proposed > 0
     # the target's plain decode steps on the C++ stack, which hands the drafter its features
     assert spec.runner.cpu_stack is not None and spec.runner.cpu_stack.steps > 0
@@ -133,7 +120,7 @@ def test_greedy_with_eagle3_equals_plain_decoding(hf, engine, prompts, tmp_path)
 def _acceptance(hf, path, prompts, reference) -> float:
     """Acceptance over greedy runs of `prompts`, whose tokens must be the reference's."""
     spec = _eagle_engine(hf, path)
-    _assert_same_as(reference, _run(spec, prompts))
+    assert_same_as(reference, _run(spec, prompts))
     st = spec.stats
     return st.spec_num_accepted / st.spec_num_proposed
 

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from servelm.config import EngineArgs, ModelConfig, SpeculativeConfig
-from servelm.llm import LLM
 from servelm.protocol import InvalidParameterError, SamplingParams
+
+from spec_outputs import assert_same_as, run_checked
 
 MAX_TOKENS = 20
 REF = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
@@ -87,22 +88,7 @@ def prompts(hf):
 
 
 def _run(engine, prompts, params=GREEDY):
-    outs = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
-    engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return outs
-
-
-def _assert_same_as(reference, outs):
-    for ref, out in zip(reference, outs, strict=True):
-        ids = out.outputs[0].token_ids
-        for i, (x, y) in enumerate(zip(ref.token_ids, ids)):
-            if x != y:  # a near-tie decided by float order: the reference's logprobs say
-                top = dict(ref.logprobs[i].top)
-                assert y in top and abs(top[x] - top[y]) < 1e-3, f"diverged at {i}"
-                break
-        else:
-            assert len(ids) == len(ref.token_ids)
+    return run_checked(engine, prompts, params)
 
 
 def test_greedy_with_mtp_equals_plain_decoding(checkpoint, prompts):
@@ -111,7 +97,7 @@ def test_greedy_with_mtp_equals_plain_decoding(checkpoint, prompts):
     # DeepSeek's MLA layers are not in the C++ decode stack: the target runs eagerly
     assert spec.runner.cpu_stack is None and "MLAttention" in spec.runner.cpu_stack_refusal
     outs = _run(spec, prompts + prompts[:2])  # the repeats hit the prefix cache
-    _assert_same_as(reference + reference[:2], outs)
+    assert_same_as(reference + reference[:2], outs)
     assert spec.stats.spec_num_proposed > 0
 
 
@@ -218,7 +204,7 @@ def test_drafter_catches_up_after_accepted_chains(checkpoint, hf, prompts):
     for ids, ref in zip(prompts[:2], _run(_engine(checkpoint), prompts[:2], REF)):
         full[:] = ids + ref.outputs[0].token_ids
         seen.clear()
-        _assert_same_as([ref.outputs[0]], _run(spec, [ids]))
+        assert_same_as([ref.outputs[0]], _run(spec, [ids]))
         assert len(seen) >= 3
         for before, drafts in seen:
             assert drafts == _reference_drafts(hf, tensors, before, len(drafts))

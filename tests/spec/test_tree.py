@@ -21,6 +21,8 @@ from servelm.spec.chain import SeqKV
 from servelm.spec.proposer import Proposal, Proposer
 from servelm.spec.tree import draft_tree, path_from_tokens, static_widths, tree_depth
 
+from spec_outputs import assert_same_as, run_checked
+
 MAX_TOKENS = 20
 REF = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -53,22 +55,7 @@ def reference(engine, prompts):
 
 
 def _run(engine, prompts, params=GREEDY):
-    outs = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
-    engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return outs
-
-
-def _assert_same_as(reference, outs):
-    for ref, out in zip(reference, outs, strict=True):
-        ids = out.outputs[0].token_ids
-        for i, (x, y) in enumerate(zip(ref.token_ids, ids)):
-            if x != y:  # a near-tie decided by float order: the reference's logprobs say
-                top = dict(ref.logprobs[i].top)
-                assert y in top and abs(top[x] - top[y]) < 1e-3, f"diverged at {i}"
-                break
-        else:
-            assert len(ids) == len(ref.token_ids)
+    return run_checked(engine, prompts, params)
 
 
 class OracleTree(Proposer):
@@ -107,7 +94,7 @@ def test_oracle_tree_keeps_the_accepted_paths_kv(hf, prompts, reference):
     conts = {tuple(p): list(p) + list(r.token_ids) for p, r in zip(prompts, reference)}
     oracle = spec.runner.proposer = OracleTree(conts, hf.config.vocab_size)
     outs = _run(spec, prompts)
-    _assert_same_as(reference, outs)
+    assert_same_as(reference, outs)
     st = spec.stats
     assert oracle.num_trees > 0
     # three of six nodes accepted on most steps: only possible with the KV moved
@@ -136,7 +123,7 @@ def test_greedy_with_an_eagle3_tree_equals_plain_decoding(hf, engine, prompts, r
     spec = _eagle_tree_engine(hf, engine, tmp_path, mode)
     assert "tree" in spec.runner.proposer.name
     outs = _run(spec, prompts + prompts[:2])  # the repeats hit the prefix cache
-    _assert_same_as(reference + reference[:2], outs)
+    assert_same_as(reference + reference[:2], outs)
     assert spec.runner.proposer.num_trees > 0
     assert spec.stats.spec_num_proposed > 0
 
