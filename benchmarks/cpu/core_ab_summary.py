@@ -23,6 +23,11 @@ def main() -> None:
     p.add_argument("dir")
     p.add_argument("--before", required=True)
     p.add_argument("--command", required=True)
+    p.add_argument("--after", default=None, help="B's commit when B ran from a checkout of it "
+                   "(else this working tree's HEAD, marked +dirty where it has edits)")
+    p.add_argument("--what", default="engine on a thread of the HTTP process|"
+                   "step contract (deltas) + engine core process",
+                   help="what A and B are, 'A|B'")
     args = p.parse_args()
     out = Path(args.dir)
     rows, machine = {}, None
@@ -38,19 +43,23 @@ def main() -> None:
         a, b = row["A"]["median"], row["B"]["median"]
         row["b_over_a"] = round(b / a, 4) if a and b else None
         rows[prefix] = row
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    what_a, what_b = args.what.split("|", 1)
     summary = {"kind": "core-ab", "command": args.command, "machine": machine,
-               "A": {"commit": args.before, "what": "engine on a thread of the HTTP process"},
-               "B": {"commit": commit + ("+dirty" if dirty else ""),
-                     "what": "step contract (deltas) + engine core process"},
+               "A": {"commit": args.before, "what": what_a},
+               "B": {"commit": args.after or _head(), "what": what_b},
                "metrics": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(rows, out / "summary.png", machine)
     for r in rows.values():
         print(f"{r['label']:45s} A {r['A']['runs']} B {r['B']['runs']}  B/A {r['b_over_a']}")
+
+
+def _head() -> str:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return commit + ("+dirty" if dirty else "")
 
 
 def _plot(rows: dict, path: Path, machine: dict | None) -> None:
@@ -69,7 +78,7 @@ def _plot(rows: dict, path: Path, machine: dict | None) -> None:
         ax.set_title(row["label"], fontsize=9)
         ax.set_ylim(bottom=0)
     cpu = (machine or {}).get("cpu", "?")
-    fig.suptitle(f"engine core boundary A/B (medians, dots = runs), {cpu}, 2 threads",
+    fig.suptitle(f"A/B (medians, dots = runs), {cpu}, 2 threads",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
