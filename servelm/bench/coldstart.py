@@ -1,26 +1,24 @@
 """`servelm bench coldstart`: how long `servelm serve` takes to become useful, stage by stage.
 
-Each run starts `servelm serve MODEL` on a free port and measures, from just before the
-process is created: the first 200 from /health (`health_s`) and the first token of a one-token
-completion (`first_token_s`); it then reads the server's own stages from /metrics
-(`servelm_startup_stage_seconds{stage}`, servelm/startup.py, which sum to its `ready_s`) and
-stops the server. With --cold-first the first run starts without this model's caches (the
-GGUF index and the prepared weights are removed first), as on a machine that has not served
-it yet; the C++ kernels stay built (a first build on a machine takes about a minute and is
-logged as the `kernels` stage). Writes JSON and a PNG of the stages per run.
+Each run starts `servelm serve MODEL` on a free port (through the launcher, servelm/launch/)
+and measures, from just before the process is created: the first 200 from /health
+(`health_s`) and the first token of a one-token completion (`first_token_s`); it then reads
+the server's own stages from /metrics (`servelm_startup_stage_seconds{stage}`,
+servelm/startup.py, which sum to its `ready_s`) and stops the server. With --cold-first the
+first run starts without this model's caches (the GGUF index and the prepared weights are
+removed first), as on a machine that has not served it yet; the C++ kernels stay built (a
+first build on a machine takes about a minute and is logged as the `kernels` stage). Writes
+JSON and a PNG of the stages per run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -73,33 +71,27 @@ def parse_stages(metrics_text: str) -> tuple[dict[str, float], float | None]:
 def one_run(model: str, serve_args: list[str], timeout_s: float, cold: bool) -> dict:
     import httpx
 
+    from servelm.launch import DEVNULL, HttpHealth, ProcessSpec, Resources, Supervisor
+
     removed = clear_model_caches(model) if cold else []
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "servelm.cli", "serve", model, "--port", str(port),
            "--no-log-requests", *serve_args]
-    log = []
+    log: list[str] = []
+    # /health probed every 10 ms, so health_s is the start-up's, not the poll's; the server's
+    # stderr lines kept (the notes), SIGINT to stop it as Ctrl-C would
+    spec = ProcessSpec(f"servelm serve {url}", tuple(cmd),
+                       resources=Resources(env={"PYTHONUNBUFFERED": "1"}),
+                       readiness=HttpHealth(url + "/health", probe_timeout_s=5.0),
+                       ready_timeout_s=timeout_s, ready_poll_s=0.01, stdout=DEVNULL,
+                       stderr=DEVNULL, on_stderr_line=log.append, stop_signal=signal.SIGINT)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
-    reader.start()
+    # LaunchError if it dies first (with its last stderr lines) or misses timeout_s
+    handle = Supervisor(stop_at_exit=False).start(spec)
+    health_s = time.time() - t0
     try:
-        health_s = None
         with httpx.Client(timeout=5.0) as client:
-            while time.time() - t0 < timeout_s:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"servelm serve exited with {proc.returncode}:\n"
-                                       + "".join(log[-20:]))
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        health_s = time.time() - t0
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.01)
-            if health_s is None:
-                raise RuntimeError(f"no /health within {timeout_s:g} s")
             served = client.get(url + "/v1/models").json()["data"][0]["id"]
             r = client.post(url + "/v1/completions", timeout=60.0,
                             json={"model": served, "prompt": "Hello", "max_tokens": 1})
@@ -107,12 +99,7 @@ def one_run(model: str, serve_args: list[str], timeout_s: float, cold: bool) -> 
             first_token_s = time.time() - t0
             stages, ready = parse_stages(client.get(url + "/metrics").text)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        handle.stop(grace_s=60.0)
     notes = [line.strip() for line in log if "start-up:" in line or "serving" in line]
     return {"cold": cold, "caches_removed": removed, "health_s": round(health_s, 4),
             "first_token_s": round(first_token_s, 4), "ready_s": ready, "stages_s": stages,

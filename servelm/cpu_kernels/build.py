@@ -17,9 +17,10 @@ One build of a library at a time, on a machine:
                                                                clear the partial build, build
 
 The lock is an OS lock (fcntl.flock), so it goes with its holder however the holder dies: no
-age rule, no stale lock to wait on. The compiler runs in a child session of its own (the child
-dies with its parent, PR_SET_PDEATHSIG), so a builder that is killed leaves at most compiler
-jobs that the next holder kills before it writes into the same directory. A build is
+age rule, no stale lock to wait on. The compiler runs in a child session of its own, started
+by the launcher (servelm/launch/: the child dies with its parent, PR_SET_PDEATHSIG), so a
+builder that is killed leaves at most compiler jobs that the next holder kills before it
+writes into the same directory. A build is
 done when its marker file is written after the library linked; a directory without the marker
 is a partial build and is cleared.
 
@@ -36,7 +37,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 DONE = "built.ok"  # written into a build directory once its library linked
 _SAY_AFTER_S = 2.0  # a wait or build shorter than this stays quiet
 _PROGRESS_EVERY_S = 15.0
+_KILL_GRACE_S = 10.0
 
 
 class Level(NamedTuple):
@@ -223,16 +224,20 @@ def _progress(spec: BuildSpec, elapsed: float) -> str:
 
 
 def _run_child(spec: BuildSpec, what: str) -> None:
-    """Compile in a child of this process (its own process group, dying with this process),
-    reporting progress; raises RuntimeError with the log's tail when it fails."""
+    """Compile in a child of this process, started by the launcher (a session of its own,
+    SIGKILLed when this process ends, its output appended to build.log), reporting progress;
+    raises RuntimeError with the log's tail when it fails."""
+    from servelm.launch import TO_STDERR, ProcessSpec, Supervisor
+
     log_path = spec.build_dir / "build.log"
-    argv = [sys.executable, "-m", "servelm.cpu_kernels.build", json.dumps(
+    # the job stays on the command line: _works_in finds a stray build by it
+    argv = (sys.executable, "-m", "servelm.cpu_kernels.build", json.dumps(
         {"name": spec.name, "sources": list(spec.sources), "cflags": list(spec.cflags),
-         "build_dir": str(spec.build_dir), "parent": os.getpid()})]
+         "build_dir": str(spec.build_dir)}))
     start = time.monotonic()
-    with open(log_path, "wb") as log:
-        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    child = Supervisor(stop_at_exit=False).start(ProcessSpec(
+        f"the build of {what}", argv, stdout=TO_STDERR, stderr=str(log_path),
+        new_session=True))
     try:
         fd = os.open(_lock_path(spec), os.O_RDWR)
         try:
@@ -241,27 +246,29 @@ def _run_child(spec: BuildSpec, what: str) -> None:
         finally:
             os.close(fd)  # a second descriptor of the same file: closing it keeps the lock
         last_said = start
-        while child.poll() is None:
+        while child.is_alive:
             time.sleep(0.2)
             now = time.monotonic()
             if now - last_said >= _PROGRESS_EVERY_S:
                 logger.warning("still building %s: %s", what, _progress(spec, now - start))
                 last_said = now
     finally:
-        if child.poll() is None:  # interrupted here (Ctrl-C): the compiler goes with us
+        if child.is_alive:  # interrupted here (Ctrl-C): the compiler goes with us
+            child.is_stopping = True
             _kill_session(child.pid, spec.build_dir)
-            child.wait()
-    if child.returncode != 0 or not spec.is_built:
+            child.wait_or_kill(_KILL_GRACE_S)
+    returncode = child.death(settle_s=_KILL_GRACE_S).returncode  # and build.log is complete
+    if returncode != 0 or not spec.is_built:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-        raise RuntimeError(f"building {what} failed (exit {child.returncode}; full log "
+        raise RuntimeError(f"building {what} failed (exit {returncode}; full log "
                            f"{log_path}):\n" + "\n".join(tail))
     logger.warning("built %s in %.0f s", what, time.monotonic() - start)
 
 
 def _child_main(job: dict) -> None:
-    """The build itself (in the child): torch's cpp_extension writes the ninja file and runs
-    ninja; the marker is written only once the library linked."""
-    _die_with_parent(job["parent"])
+    """The build itself (in the child, which the launcher made die with its parent): torch's
+    cpp_extension writes the ninja file and runs ninja; the marker is written only once the
+    library linked."""
     from torch.utils import cpp_extension
 
     put_pip_ninja_on_path()
@@ -270,16 +277,6 @@ def _child_main(job: dict) -> None:
                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
     (build_dir / DONE).write_text(json.dumps({"cflags": job["cflags"]}))
-
-
-def _die_with_parent(parent: int) -> None:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above
-        os._exit(1)
 
 
 def put_pip_ninja_on_path() -> None:

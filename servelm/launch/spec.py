@@ -17,9 +17,10 @@ Readiness is a small protocol so every topology waits the same way:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,9 +57,20 @@ class HttpHealth:
         import httpx
 
         try:
-            return httpx.get(self.url, timeout=self.probe_timeout_s).status_code == 200
+            return _probe_client().get(self.url, timeout=self.probe_timeout_s).status_code \
+                == 200
         except httpx.HTTPError:
             return False
+
+
+@functools.cache
+def _probe_client():
+    """One HTTP client for every health probe of this process (httpx's clients may be shared
+    between threads): a client per probe builds an SSL context each time, about 25 ms of CPU,
+    which a start-up probed every 10 ms would pay beside the process it times."""
+    import httpx
+
+    return httpx.Client()
 
 
 @dataclass
@@ -129,7 +141,11 @@ class ProcessSpec:
     parent's stderr through the supervisor, which keeps the last lines for the death report),
     INHERIT (straight to the parent's: what a child that logs after the parent is gone
     needs), DEVNULL or a file path (both through the supervisor too), or TO_STDERR (stdout
-    only: wherever stderr goes). `parent_death_signal` reaches
+    only: wherever stderr goes). `on_stderr_line` is also handed each line of stderr (without
+    its newline, on the supervisor's pump thread, so it must be quick; not with INHERIT):
+    what a caller that reads a child's log as it comes needs (`bench coldstart`'s notes).
+    `ready_poll_s` is how often the readiness condition is probed while it starts (a caller
+    that times the start-up polls often). `parent_death_signal` reaches
     the child when this process ends, however it ends (None: it outlives us). SIGKILL by
     default: a teed child cannot even log once our end of its stderr is gone (a print
     raises), so one that must finish something (the engine core freeing its blocks) gets a
@@ -142,8 +158,10 @@ class ProcessSpec:
     resources: Resources = field(default_factory=Resources)
     readiness: Readiness = field(default_factory=AtOnce)
     ready_timeout_s: float = 900.0
+    ready_poll_s: float = 0.2
     stdout: str = INHERIT
     stderr: str = TEE
+    on_stderr_line: Callable[[str], None] | None = None
     parent_death_signal: int | None = signal.SIGKILL
     new_session: bool = False
     stop_signal: int = signal.SIGTERM
@@ -153,6 +171,11 @@ class ProcessSpec:
             raise ValueError(f"argv of {self.name!r} is empty")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.ready_poll_s <= 0:
+            raise ValueError(f"ready_poll_s must be > 0, got {self.ready_poll_s}")
+        if self.on_stderr_line is not None and self.stderr == INHERIT:
+            raise ValueError("on_stderr_line needs stderr other than INHERIT (an inherited "
+                             "stderr never passes through the supervisor)")
         if self.stderr == TO_STDERR:
             raise ValueError("stderr cannot be TO_STDERR (only stdout can be merged)")
         if self.stdout == TEE:

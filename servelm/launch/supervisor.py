@@ -17,7 +17,8 @@ the *thread* that forked the child ends, so forking from whichever thread called
          ^                              |  lives until the process exits
          +------ ProcessHandle ---------+
     child's stderr --pipe--> pump thread --> the parent's stderr / a log file / nowhere,
-                                             keeping the last 8 KiB for the death report
+                                             keeping the last 8 KiB for the death report,
+                                             and each line to spec.on_stderr_line
 """
 
 from __future__ import annotations
@@ -149,13 +150,18 @@ _SPAWNER = _Spawner()
 
 class _Pump:
     """Forwards a child's stderr pipe as it comes (progress bars keep their \\r) and keeps
-    its tail; ends at EOF (the child and everything it started closed the pipe)."""
+    its tail; hands each line to `on_line`; ends at EOF (the child and everything it started
+    closed the pipe)."""
 
-    def __init__(self, fd: int, target: str, name: str):
+    def __init__(self, fd: int, target: str, name: str,
+                 on_line: Callable[[str], None] | None = None):
         self.tail = b""
+        self.name = name
         self._lock = threading.Lock()
         self._out = None if target in (TEE, DEVNULL) else open(target, "ab")
         self._to_stderr = target == TEE
+        self._on_line = on_line
+        self._partial = b""  # a line not yet ended, for on_line
         self._thread = threading.Thread(target=self._run, args=(fd,), daemon=True,
                                         name=f"servelm-pump-{name}"[:60])
         self._thread.start()
@@ -171,10 +177,27 @@ class _Pump:
                     elif self._out is not None:
                         self._out.write(chunk)
                         self._out.flush()
+                self._give_lines(chunk)
+            self._give_lines(b"", at_eof=True)
         finally:
             os.close(fd)
             if self._out is not None:
                 self._out.close()
+
+    def _give_lines(self, chunk: bytes, at_eof: bool = False) -> None:
+        if self._on_line is None:
+            return
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        if at_eof and self._partial:
+            lines.append(self._partial)
+        for line in lines:
+            try:
+                self._on_line(line.decode(errors="replace"))
+            except Exception:  # the pipe must still be drained, or the child blocks on it
+                logger.exception("%s: its stderr line callback failed; it gets no more lines",
+                                 self.name)
+                self._on_line = None
+                return
 
     def lines(self) -> tuple[str, ...]:
         with self._lock:
@@ -280,7 +303,8 @@ def _popen(spec: ProcessSpec) -> ProcessHandle:
             os.close(write_fd)
         if hasattr(stdout, "close"):
             stdout.close()
-    pump = _Pump(read_fd, spec.stderr, spec.name) if read_fd is not None else None
+    pump = (_Pump(read_fd, spec.stderr, spec.name, spec.on_stderr_line)
+            if read_fd is not None else None)
     handle = ProcessHandle(spec, proc, pump)
     if spec.config is not None:
         try:
@@ -346,7 +370,7 @@ class Supervisor:
                 logger.info("waiting for %s: %.0f s", ", ".join(
                     f"{h.name} ({h.spec.readiness.what})" for h in pending), now - start)
                 last_said = now
-            time.sleep(0.2)
+            time.sleep(min(h.spec.ready_poll_s for h in pending))
 
     def stop_all(self, grace_s: float = 10.0,
                  handles: Sequence[ProcessHandle] | None = None) -> None:

@@ -39,6 +39,21 @@ def test_cold_then_warm_start(default_model_path, tmp_path, monkeypatch):
     assert rec["warm_median"]["ready_s"] == warm["ready_s"]
 
 
+def test_a_server_that_dies_while_starting_is_told_with_its_last_lines(tmp_path, monkeypatch):
+    """The run's server is started by the launcher: a start that fails names the process,
+    how it ended and what it said last."""
+    from servelm.bench.coldstart import one_run
+    from servelm.launch import LaunchError
+
+    monkeypatch.setenv("SERVELM_HOME", str(tmp_path / "home"))
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(LaunchError, match="servelm serve .* exited with code 2 while starting"
+                       ) as info:
+        one_run(missing, ["--engine-core=thread", f"--state-store=sqlite:///{tmp_path}/s.db"],
+                300.0, cold=False)
+    assert f"cannot load model '{missing}'" in str(info.value)
+
+
 def test_a_cold_run_clears_the_prepared_weights_of_every_dtype(default_model_path, tmp_path,
                                                                monkeypatch):
     """--dtype auto runs bfloat16 on some CPUs and float32 on others: a cold run must not find

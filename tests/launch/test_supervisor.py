@@ -280,6 +280,41 @@ def test_output_to_a_file_with_stdout_merged(sup, tmp_path):
     assert log.read_text().splitlines() == ["to stdout", "to stderr"]
 
 
+def test_each_stderr_line_reaches_the_callback_and_the_log(sup, tmp_path):
+    log = tmp_path / "child.log"
+    lines, last = [], threading.Event()
+
+    def on_line(line: str) -> None:
+        lines.append(line)
+        if line == "three":  # the last one, without a newline: given at EOF
+            last.set()
+
+    script = ("import sys, time; sys.stderr.write('one\\ntw'); sys.stderr.flush(); "
+              "time.sleep(0.05); sys.stderr.write('o\\n\\nthree')")
+    sup.start(ProcessSpec("talker", (PY, "-c", script), stderr=str(log),
+                          on_stderr_line=on_line))
+    assert last.wait(HANG_GUARD_S)
+    assert lines == ["one", "two", "", "three"]
+    assert log.read_text() == "one\ntwo\n\nthree"
+
+
+def test_a_failing_line_callback_still_drains_the_pipe(sup, tmp_path):
+    """A callback that raises gets no more lines, but the child's output still flows: more
+    than a pipe's buffer of it, which would block the child if nobody read it."""
+    log = tmp_path / "child.log"
+    calls = []
+
+    def on_line(line: str) -> None:
+        calls.append(line)
+        raise RuntimeError("a broken callback")
+
+    script = "import sys\nfor _ in range(3000):\n    sys.stderr.write('x' * 99 + '\\n')"
+    handle = sup.start(ProcessSpec("verbose", (PY, "-c", script), stderr=str(log),
+                                   on_stderr_line=on_line))
+    assert handle.death(settle_s=HANG_GUARD_S).returncode == 0
+    assert calls == ["x" * 99]
+
+
 def test_cpus_pin_the_child(sup):
     cpu = sorted(os.sched_getaffinity(0))[-1]
     r, w = os.pipe()
@@ -309,6 +344,9 @@ def test_accepted_readiness_hands_over_the_connection(sup, tmp_path):
 @pytest.mark.parametrize("bad, param", [
     (lambda: ProcessSpec("x", ()), "argv"),
     (lambda: ProcessSpec("x", ("true",), ready_timeout_s=0), "ready_timeout_s"),
+    (lambda: ProcessSpec("x", ("true",), ready_poll_s=0), "ready_poll_s"),
+    (lambda: ProcessSpec("x", ("true",), stderr=INHERIT, on_stderr_line=print),
+     "on_stderr_line"),
     (lambda: Resources(num_threads=0), "num_threads"),
     (lambda: Resources(cpus=(-1,)), "cpus"),
     (lambda: torchrun_env(2, 2, "h", 1), "rank"),
