@@ -3,8 +3,9 @@
     model.py    ModelConfig, the one description of a model's shape (HF config.json or GGUF)
     engine.py   EngineArgs and the parts it hands out: CacheConfig, KVTiersConfig,
                 SchedulerConfig, SpeculativeConfig, ParallelConfig
-    flags.py    the engine's CLI flags, built from EngineArgs' fields (option.py: the Flag
-                each field carries)
+    flags.py    CLI flags built from a config dataclass's fields (option.py: the Flag each
+                field carries): the engine's from EngineArgs, `servelm serve`'s own from
+                ServerConfig and TopologyConfig
     cpu_kernel_choice.py  the --cpu-kernels value parsed
     quant_choices.py  the --quantization methods' and --quant-activations' names
 

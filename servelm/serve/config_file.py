@@ -1,13 +1,14 @@
 """`servelm serve --config FILE.yaml` and `servelm config show`: serve options from a file.
 
 Owns: the config keys (every serve flag's long name, with dashes or underscores; the
-topology flags under one `topology:` section and only there), reading a file into typed
-values through the flags' own argparse types and choices (so a bad value gets the flag's
-error, naming the key and the file), the precedence (command line over file over default)
-and the effective configuration printed as YAML.
-Never: defines an option (a new serve flag is a new key with no edit here), starts a
-process or loads a model. Replicas get the parsed options as JSON (--options-from-stdin), so
-only the parent reads the file.
+topology flags, TopologyConfig's and the engine's model-parallel ones, under one `topology:`
+section and only there), reading a file into typed values through the flags' own argparse
+types and choices (so a bad value gets the flag's error, naming the key and the file), the
+precedence (command line over file over default) and the effective configuration printed
+as YAML.
+Never: defines an option (a new serve flag is a new key, a new TopologyConfig field a new
+topology key, with no edit here), starts a process or loads a model. Replicas get the
+parsed options as JSON (--options-from-stdin), so only the parent reads the file.
 """
 
 from __future__ import annotations
@@ -16,14 +17,24 @@ import argparse
 import difflib
 from typing import Any, NamedTuple
 
-# The flags that choose the processes and their layout (data-parallel replicas, Ray
-# replicas, prefill/decode roles, model-parallel ranks, where the engine core runs): in a
-# file they live under `topology:` and nowhere else, so a file says each thing one way.
-TOPOLOGY_KEYS = ("data-parallel-size", "disagg", "router-policy", "engine-core",
-                 "backend", "num-replicas", "ray-address", "replica-cpus", "replica-gpus",
-                 "autoscale", "tensor-parallel-size", "pipeline-parallel-size",
-                 "enable-expert-parallel", "parallel-master", "parallel-launcher",
-                 "parallel-placement", "role")
+# The engine's flags that choose its processes and their layout (model-parallel ranks,
+# the prefill/decode role: EngineArgs fields, config/engine.py).
+ENGINE_TOPOLOGY_KEYS = ("tensor-parallel-size", "pipeline-parallel-size",
+                        "enable-expert-parallel", "parallel-master", "parallel-launcher",
+                        "parallel-placement", "role")
+
+
+def _topology_keys() -> tuple[str, ...]:
+    from servelm.config.flags import flag_fields, flag_names
+    from servelm.serve.topology import TopologyConfig
+
+    return tuple(flag_names(field, flag)[0][2:] for field, flag in flag_fields(TopologyConfig))
+
+
+# The flags that choose the processes and their layout (TopologyConfig's: data-parallel
+# replicas, Ray replicas, disaggregation, where the engine core runs; and the engine's): in
+# a file they live under `topology:` and nowhere else, so a file says each thing one way.
+TOPOLOGY_KEYS = _topology_keys() + ENGINE_TOPOLOGY_KEYS
 TOPOLOGY = "topology"
 SOURCES = ("default", "file", "command line")
 # Flags that are no config key: the file itself, and the replicas' hidden channel.
