@@ -359,6 +359,8 @@ class Engine:
             self.stats.num_encoder_cache_hits += result.num_encoder_cache_hits
             self.stats.encoder_time_s += result.encoder_s
         shape = self._account(batch, now - start, result.spec, result.draft_s)
+        if self.scheduler.policy is not None:  # the step's time sizes background work
+            self.scheduler.policy.observe_step(batch.seqs, now - start)
         if self.speculator is not None:  # the target's part of the step, and its tokens
             self.speculator.observe_step(now - start - result.draft_s, *shape)
         # A speculating sequence gets several tokens; once one finishes it, the rest go.

@@ -13,6 +13,13 @@ With LoRA on (`loras`, servelm/lora/slots.py), a waiting sequence with an adapte
 only when its adapter is resident or can be made resident (a free slot, or an unpinned one to
 evict); one that cannot waits in place while the sequences behind it are considered. A
 running sequence pins its adapter's slot; preemption and finishing unpin it.
+
+Under the SLO policy's rationing of background work (servelm/engine/slo_policy.py `hold`):
+held running rows sit the step out with their blocks kept, waiting background prompts start
+only as the policy allows, and a sequence of a higher class that needs blocks or a seat
+takes them from background rows first (the youngest not in the step; one preempted for a
+waiting head waits behind it). A step the rationing would leave empty is scheduled again
+without it: held work runs rather than the engine idling.
 """
 
 from __future__ import annotations
@@ -107,6 +114,7 @@ class Scheduler:
         self.policy = None
         self._prefill_left: int | None = None
         self._pause_prefills = False  # this step's cap goes to the waiting queue's head
+        self._ration = None  # this step's rationing of background work (SLOPolicy.hold)
 
     @property
     def has_unfinished(self) -> bool:
@@ -119,11 +127,12 @@ class Scheduler:
         batch = ScheduledBatch()
         self.encoder_budget.reset()
         self._pause_prefills = False
+        self._ration = None
         if self.policy is not None:
             self.policy.order(self.waiting, self.running, self.config.max_num_batched_tokens)
+            self._ration = self.policy.hold(self.running, self.waiting)
             if self.config.enable_chunked_prefill:
-                self._prefill_left = self.policy.prefill_cap(
-                    self.running, self.config.max_num_batched_tokens, self.waiting)
+                self._cap_prefill()
                 # a waiting request that orders first takes this step's prompt tokens
                 self._pause_prefills = self.policy.waiting_first(
                     self.running, self.waiting, self.config.max_num_batched_tokens)
@@ -136,7 +145,34 @@ class Scheduler:
                 # The head the prefills paused for was not admitted (no blocks or seat for
                 # it yet): they go on, or the step would idle with them holding the blocks.
                 self._resume_paused(batch, paused, budget)
+        if batch.is_empty and not batch.preempted and self._ration is not None:
+            self._unrationed(batch)
         return batch
+
+    def _cap_prefill(self) -> None:
+        """This step's prompt tokens: the policy's chunk cap for the decodes that run (held
+        rows sit the step out), within what the ration leaves background prompts."""
+        ration, running = self._ration, self.running
+        if ration is not None and ration.held:
+            running = [s for s in running if id(s) not in ration.held]
+        self._prefill_left = self.policy.prefill_cap(
+            running, self.config.max_num_batched_tokens, self.waiting)
+        bg = ration.prompt_tokens if ration is not None else None
+        if bg is not None:
+            self._prefill_left = bg if self._prefill_left is None else min(bg, self._prefill_left)
+
+    def _unrationed(self, batch: ScheduledBatch) -> None:
+        """Schedule the (empty) step again without the ration: nothing of a higher class
+        could run (it waits for blocks, a seat, an adapter or its KV), and holding the
+        background work too would only idle the engine."""
+        self._ration = None
+        self.policy.unhold()
+        self._pause_prefills = False
+        if self.config.enable_chunked_prefill:
+            self._cap_prefill()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
 
     def _take_prefill(self, num_new: int) -> int:
         """Prompt tokens a running sequence may compute this step within the policy's chunk
@@ -155,9 +191,13 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int,
                           paused: list[Sequence] | None = None) -> int:
         k_step = self._draft_len()
+        held = self._ration.held if self._ration is not None else ()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if held and id(seq) in held:
+                i += 1  # background held for the higher classes: its blocks kept
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._prefill_left is not None or self._pause_prefills:
                 num_new = self._take_prefill(num_new)
@@ -176,7 +216,10 @@ class Scheduler:
                 spec = 0  # no room for drafts: a plain decode, rather than preempt for them
             num_new += spec
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running.pop()  # youngest: the tail of the running list
+                if self._ration is None:
+                    victim = self.running.pop()  # youngest: the tail of the running list
+                else:
+                    victim, i = self._rationed_victim(batch, i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -186,6 +229,36 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _rationed_victim(self, batch: ScheduledBatch, i: int) -> tuple[Sequence, int]:
+        """Under a ration, the sequence to preempt for blocks (taken out of the running
+        list) and the index the running pass goes on from: the youngest background row
+        not in this step (it may sit before index i, held), else the youngest."""
+        victim = self._background_victim(batch)
+        if victim is None:
+            return self.running.pop(), i
+        j = next(k for k in range(len(self.running) - 1, -1, -1)
+                 if self.running[k] is victim)
+        del self.running[j]
+        return victim, i - 1 if j < i else i
+
+    def _background_victim(self, batch: ScheduledBatch) -> Sequence | None:
+        """The youngest running background row that this step does not carry."""
+        carried = {id(s.seq) for s in batch.seqs}
+        return next((s for s in reversed(self.running)
+                     if self._ration.is_background(s) and id(s) not in carried), None)
+
+    def _displace_background(self, batch: ScheduledBatch, skipped: list[Sequence]) -> bool:
+        """Preempt a background row for the higher-class head of the waiting queue (its
+        seat and blocks); the victim waits behind that head. False: none to preempt."""
+        victim = self._background_victim(batch)
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        batch.preempted.append(victim)
+        skipped.append(self.waiting.popleft())  # _preempt put it at the head
+        return True
 
     def _resume_paused(self, batch: ScheduledBatch, paused: list[Sequence],
                        budget: int) -> None:
@@ -206,7 +279,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = next(s for s in reversed(self.running) if id(s) not in carried)
+                victim = self._background_victim(batch) if self._ration is not None else None
+                if victim is None:
+                    victim = next(s for s in reversed(self.running) if id(s) not in carried)
                 self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -254,8 +329,18 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int,
                        skipped: list[Sequence]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        ration = self._ration
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            fore = ration is not None and not ration.is_background(seq)
+            if ration is not None and not fore and not self.policy.may_admit(
+                    ration, seq, self.config.enable_chunked_prefill):
+                skipped.append(self.waiting.popleft())  # background: no headroom for it
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                if fore and self._displace_background(batch, skipped):
+                    continue
+                break
             if seq.lora_id is not None and not self.loras.can_acquire(seq.lora_id):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -281,6 +366,8 @@ class Scheduler:
                     break
             reserve = self.admission_reserve if self.running else 0
             if not self.block_manager.can_allocate(seq, num_loaded + num_new, reserve, match):
+                if fore and self._displace_background(batch, skipped):
+                    continue  # looked at afresh: its prefix match may have changed
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_loaded + num_new, match)

@@ -3,10 +3,13 @@
 Owns: the order of the waiting queue (by whether a request can still meet its TTFT, its class
 priority, then its deadline slack), the cap on prompt tokens per step that keeps the running
 decodes within their TPOT targets (0: none this step), which prompt the step's chunk goes to
-when a waiting request orders before the prefills under way, and the early refusal of a request whose TTFT cannot be met
-behind the current queue (`SLOUnattainableError`, a 429 over HTTP).
+when a waiting request orders before the prefills under way, which background work (the
+lowest class) sits a step out so that it fills only the higher classes' headroom, and the
+early refusal of a request whose TTFT cannot be met behind the current queue
+(`SLOUnattainableError`, a 429 over HTTP).
 Never: imports torch, allocates blocks, preempts, or decides what a step runs beyond that
-order and that cap: the Scheduler still admits in order, within its token budget and blocks.
+order, that cap and those held rows: the Scheduler still admits in order, within its token
+budget and blocks, and picks its victims.
 
 Each request carries its targets (`EngineRequest.slo`, a `RequestSLO` resolved from the SLO
 spec, servelm/slo.py); one without (best effort) goes after every request that has one.
@@ -40,6 +43,32 @@ of them (`waiting_first`): a batch prompt half prefilled does not hold an intera
 prompt that arrives behind it for the rest of its chunks. When the scheduler cannot admit
 that head in the step (no blocks or seat for it), the paused prefills go on in the step.
 
+Background work: when more than one class is live, the lowest (and best effort beside any
+class) is background, and it runs only in what the higher classes leave (`hold`, each step):
+on a few cores every extra row slows every token of the step it joins. While a higher-class
+prompt waits or prefills (its TTFT pending) no background row runs. Beside higher-class
+decodes, background rows and prompt tokens run within an allowance that keeps the step
+within `background_share` of the decodes' tightest TPOT target:
+  - measured, always (`observe_step`): the allowance is in background tokens (a decode row
+    one, a prompt token one) and only a step whose higher-class part was decodes alone
+    counts: over the budget it halves to what the step carried, under it with the
+    allowance used it grows by one (AIMD: it finds the headroom, and leaves it when the
+    interactive load takes it back); without a cost model, while any higher-class
+    decode's TPOT so far is over `tpot_headroom` of its target, the allowance is none;
+  - with a step-cost model, also the rows whose predicted step fits the smallest room of
+    the decodes (`_step_room`, the banked time), and the prompt tokens within the chunk
+    cap above; with no decode's TPOT in reach (as for the cap) there is nothing to
+    protect and no limit.
+With no higher-class work running or waiting, the capacity is idle and background runs
+freely. Held rows keep their blocks and seats; a higher-class request that needs a seat or
+blocks preempts background rows first (the scheduler's victims). A background row is never
+held past its own class's targets: a decode that has waited `tpot_headroom` of its TPOT
+since its last token, or a prompt waiting half its TTFT since arrival, runs (so a class
+with a real TPOT still meets it, and a batch under sustained load still moves; its window
+is paced where its lines are submitted, servelm/server/batch_pacer.py). And a step that
+the rationing would leave empty runs without it: holding work while nothing runs would
+only idle the engine (and stall a simulated clock forever).
+
 Early refusal, at add time: the prompt tokens ahead of the new request (waiting work and
 prefills under way that order before it) plus its own, at the capped chunk per step, give its
 predicted TTFT; a request of a `reject_early` class whose prediction exceeds its target, but
@@ -47,8 +76,9 @@ that would meet it with nothing ahead, is refused with the prediction in the mes
 
 The step time comes from `step_time(num_seqs, num_decode_tokens, decode_context_tokens,
 prefill_tokens, prefill_pairs) -> seconds` (StepCostModel.step_time: the simulator's model,
-or a `servelm bench calibrate` file given with --slo-cost-model). Without one the policy only
-orders the queue (no chunk cap, no refusal): it has nothing to predict with.
+or a `servelm bench calibrate` file given with --slo-cost-model). Without one the policy
+orders the queue and rations background work from measured steps only (no chunk cap, no
+refusal): it has nothing to predict with.
 """
 
 from __future__ import annotations
@@ -56,6 +86,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from servelm.protocol import EngineRequest, InvalidParameterError
 
@@ -74,9 +105,25 @@ def _pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
+@dataclass
+class Ration:
+    """One step's rationing of background work (SLOPolicy.hold), read by the Scheduler."""
+
+    low: float  # sequences of this priority or lower, and best effort, are background
+    now: float
+    held: set[int] = field(default_factory=set)  # id() of running rows sitting it out
+    admit_left: float = 0  # background prompts that may start this step
+    # background prompt tokens the step may carry (None: only the chunk cap's limit)
+    prompt_tokens: int | None = None
+
+    def is_background(self, seq) -> bool:
+        return seq.slo is None or seq.slo.priority >= self.low
+
+
 class SLOPolicy:
     def __init__(self, clock: Callable[[], float], step_time: StepTime | None = None,
-                 min_chunk: int = 16, tpot_headroom: float = 0.9, ttft_share: float = 1 / 3):
+                 min_chunk: int = 16, tpot_headroom: float = 0.9, ttft_share: float = 1 / 3,
+                 background_share: float = 0.5):
         self.clock = clock
         self.step_time = step_time
         self.min_chunk = min_chunk
@@ -90,6 +137,16 @@ class SLOPolicy:
         self.tightest_ttft_s = math.inf
         self.num_rejected = 0
         self.last_prefill_cap: int | None = None  # the cap the last step ran with
+        # Background work may make a step carrying higher-class decodes at most this share
+        # of their tightest TPOT target: their TPOT also pays for the prompt chunks of their
+        # class, which the chunk cap sizes from the time the decode steps bank; background
+        # rows that took the steps to 0.8 of the target left too little of it (in the
+        # simulator, a batch backlog beside traffic at TPOT p50 15 ms cost 6 points of
+        # goodput in TTFT misses at 0.8, 1 at 0.5).
+        self.background_share = background_share
+        self.background_tokens = 0  # the measured allowance (AIMD, observe_step)
+        self.num_background_held = 0  # background rows held in the last step
+        self._rationed: Ration | None = None  # the last step's, for observe_step
 
     # -- order -------------------------------------------------------------------------------
 
@@ -264,6 +321,148 @@ class SLOPolicy:
         chunk, step_s = self._chunk_and_step(running, budget)
         return step_s / chunk
 
+    # -- background work ---------------------------------------------------------------------
+
+    @staticmethod
+    def _background_priority(running: list, waiting) -> float | None:
+        """Sequences of this priority or lower (and best effort) are background; None:
+        nothing to ration (one class and no best effort, or best effort alone)."""
+        prios = {s.slo.priority for s in (*running, *waiting) if s.slo is not None}
+        if not prios:
+            return None
+        if len(prios) > 1:
+            return max(prios)
+        best_effort = any(s.slo is None for s in (*running, *waiting))
+        return math.inf if best_effort else None
+
+    def rations(self, running: list, waiting) -> bool:
+        """Whether steps of this state may hold background work (the simulator advances
+        plain decodes in bulk only when not)."""
+        return self._background_priority(running, waiting) is not None
+
+    def hold(self, running: list, waiting) -> Ration | None:
+        """This step's rationing of background work (None: none, everything runs)."""
+        self._rationed = None
+        self.num_background_held = 0
+        low = self._background_priority(running, waiting)
+        if low is None:
+            return None
+        ration = Ration(low, self.clock())
+        pending = any(not ration.is_background(s) for s in waiting)
+        fore_dec, back = [], []
+        for seq in running:
+            if ration.is_background(seq):
+                back.append(seq)
+            elif seq.num_uncomputed_tokens > 1:
+                pending = True  # a higher-class prompt prefilling: its TTFT is pending
+            else:
+                fore_dec.append(seq)
+        if not pending and not fore_dec:
+            return None  # nothing of a higher class to slow: the idle capacity is theirs
+        self._rationed = ration
+        rows, tokens = (0, 0) if pending else self._allowance(fore_dec, back, ration.now)
+        overdue = False
+        for seq in back:
+            if self._overdue(seq, ration.now):
+                overdue = True
+            elif seq.num_uncomputed_tokens > 1:
+                if pending or tokens < 1:  # its chunk would take the higher class's time
+                    ration.held.add(id(seq))
+            elif rows >= 1 and tokens >= 1:
+                rows, tokens = rows - 1, tokens - 1
+            else:
+                ration.held.add(id(seq))
+        ration.admit_left = min(rows, 1 if tokens >= 1 else 0)
+        # Not pending, every prompt the step may carry is background. An overdue one is
+        # not held to a chunk of the allowance.
+        ration.prompt_tokens = None if pending or overdue or tokens == math.inf else int(tokens)
+        self.num_background_held = len(ration.held)
+        return ration
+
+    def unhold(self) -> None:
+        """The Scheduler ran the step without its ration (it would have been empty)."""
+        self._rationed = None
+        self.num_background_held = 0
+
+    def may_admit(self, ration: Ration, seq, chunked: bool) -> bool:
+        """Whether waiting background `seq` may start this step (one that waited half its
+        class's TTFT always may)."""
+        if self._overdue(seq, ration.now):
+            return True
+        if ration.admit_left < 1:
+            return False
+        if not chunked and ration.prompt_tokens is not None and (
+                seq.num_uncomputed_tokens > ration.prompt_tokens):
+            return False  # its whole prompt would go in one step, past the allowance
+        ration.admit_left -= 1
+        return True
+
+    def _overdue(self, seq, now: float) -> bool:
+        """A background sequence held as long as its own class's targets allow: one with
+        tokens out (decoding, or recomputing after a preemption) `tpot_headroom` of its
+        TPOT since its last token, a prompt half its TTFT since it arrived (best effort has
+        no targets: never)."""
+        slo = seq.slo
+        if slo is None:
+            return False
+        t = seq.timings
+        if seq.num_output_tokens > 0 and t.last_token_time is not None:
+            return now - t.last_token_time >= self.tpot_headroom * slo.tpot_s
+        return now - t.arrival_time >= slo.ttft_s / 2
+
+    def _allowance(self, fore_dec: list, back: list, now: float) -> tuple[float, float]:
+        """(background decode rows, background tokens) a step beside the higher-class
+        decodes `fore_dec` may carry: the measured allowance; without a cost model none
+        while one of them is behind its TPOT, with one the rows whose step fits their
+        rooms (which know how far behind each is; none in reach: no limit)."""
+        tokens: float = self.background_tokens
+        if self.step_time is None:
+            for seq in fore_dec:
+                first, n = seq.timings.first_token_time, seq.num_output_tokens
+                if first is not None and n >= 2 and (
+                        (now - first) / (n - 1) > self.tpot_headroom * seq.slo.tpot_s):
+                    return 0, 0  # its TPOT so far is past the headroom: every step is its
+            return tokens, tokens
+        num, ctx = len(fore_dec), sum(s.num_tokens for s in fore_dec)
+        plain = self.step_time(num, num, ctx, 0, 0)
+        # a decode whose TPOT is out of reach even if every step left were plain counts
+        # for none (as for the chunk cap): with none in reach there is nothing to protect
+        rooms = [self._step_room(s, s.slo.tpot_s, now, plain) for s in fore_dec]
+        room = min((min(r, self.background_share * s.slo.tpot_s)
+                    for r, s in zip(rooms, fore_dec) if r < math.inf), default=math.inf)
+        if room == math.inf:
+            return math.inf, math.inf
+        back_dec = [s for s in back if s.num_uncomputed_tokens <= 1]
+        k = 0  # the running rows in order, then one more of the last one's context
+        for seq in (*back_dec, *back_dec[-1:]) if back_dec else (None,):
+            ctx += seq.num_tokens if seq is not None else 0
+            if self.step_time(num + k + 1, num + k + 1, ctx, 0, 0) > room:
+                break
+            k += 1
+        return min(k, tokens), tokens
+
+    def observe_step(self, seqs: list, step_s: float) -> None:
+        """A step ran `seqs` (the Scheduler's ScheduledSeqs) in `step_s` seconds: adjust the
+        measured background allowance. Only a rationed step whose higher-class part was
+        decodes alone says how much background its decodes' TPOT can take."""
+        ration = self._rationed
+        if ration is None:
+            return
+        used, tpot = 0, math.inf
+        for s in seqs:
+            if ration.is_background(s.seq):
+                used += s.num_new_tokens
+            elif s.start < s.seq.num_prompt_tokens or s.num_new_tokens - s.num_spec > 1:
+                return  # a higher-class prompt in the step: its time is not background's
+            elif s.seq.slo is not None:
+                tpot = min(tpot, s.seq.slo.tpot_s)
+        if tpot == math.inf:
+            return
+        if step_s > self.background_share * tpot:
+            self.background_tokens = used // 2
+        elif used >= self.background_tokens:
+            self.background_tokens = used + 1
+
     # -- early refusal -----------------------------------------------------------------------
 
     def check_admission(self, scheduler, request: EngineRequest) -> None:
@@ -313,4 +512,4 @@ def make_scheduling_policy(name: str, clock: Callable[[], float]) -> SLOPolicy |
     raise ValueError(f"scheduling_policy must be one of ('fcfs', 'slo'), got {name!r}")
 
 
-__all__ = ["SLOPolicy", "SLOUnattainableError", "make_scheduling_policy"]
+__all__ = ["Ration", "SLOPolicy", "SLOUnattainableError", "make_scheduling_policy"]

@@ -8,7 +8,8 @@ mixed_step (steps whose other work, prefill chunks, finishing decodes and admiss
 through the real Scheduler and Engine.step) and finish_run (catch everything up).
 Never: schedules, admits, preempts, finishes or prefills itself: that work is the real
 Scheduler's and Engine.step's, as is every step of an engine this module does not know
-(speculation, a tokenizer, stop tokens, and the SLO policy for mixed steps).
+(speculation, a tokenizer, stop tokens, and the SLO policy for mixed steps and for steps
+in which it may hold background work).
 
 The head. Between steps it is a prefix of the scheduler's running list, in that order: a
 sequence joins when everything before it in the list is in the head and it is a plain
@@ -315,7 +316,10 @@ def advance_decodes(rep, until_s: float, records: dict, defer: bool = False) -> 
     engine = rep.engine
     sched = engine.scheduler
     running = sched.running
-    if not running or not _is_plain(engine):
+    if not running or not _is_plain(engine) or (
+            sched.policy is not None and sched.policy.rations(running, sched.waiting)):
+        # (the SLO policy may hold background rows step by step: those steps are taken one
+        # at a time)
         finish_run(rep, records)
         return 0
     head = _sync(rep, records)

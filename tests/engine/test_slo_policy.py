@@ -123,8 +123,9 @@ def test_waiting_work_is_ordered_by_class_then_slack():
     spec = SLOSpec.from_dict(SPEC)
     clock = Clock()
     engine = _engine(clock, max_num_batched_tokens=8, max_num_seqs=1, num_blocks=64)
-    # The first request fills the one running slot; the rest queue.
-    engine.add_request(_req("first", 4, "batch", spec, max_tokens=30))
+    # The first request fills the one running slot; the rest queue. (Interactive: an
+    # interactive request would take a batch request's seat.)
+    engine.add_request(_req("first", 4, "interactive", spec, max_tokens=30))
     engine.step()
     engine.add_request(_req("b-early", 4, "batch", spec, arrival=0.0))
     engine.add_request(_req("i-late", 4, "interactive", spec, arrival=0.002))
@@ -170,13 +171,14 @@ def _long_tokens(batch) -> list[int]:
 def test_prefill_chunks_are_capped_by_what_the_running_decodes_can_take():
     spec = SLOSpec.from_dict(SPEC)  # interactive TPOT 20 ms: steps within 0.9 x 20 = 18 ms
     # step = 10 ms + 1 ms per token. Decodes with one token left: their next step is their
-    # last gap, so 4 decodes + c prompt tokens <= 18 ms -> c <= 4.
-    engine = _four_decodes_and_a_long_prompt(spec)
+    # last gap, so 4 decodes + c prompt tokens <= 18 ms -> c <= 4. (An interactive prompt:
+    # a batch one waits for headroom beside them, test_background_headroom.py.)
+    engine = _four_decodes_and_a_long_prompt(spec, long="interactive")
     assert _long_tokens(engine.scheduler.schedule()) == [4]
     assert engine.scheduler.policy.last_prefill_cap == 4  # not the 60 the budget allows
     # Two tokens left each: this step and one plain one (14 ms) share 2 x 18 ms, so this
     # one may take 22 ms: c <= 8. The faster-than-target steps after it pay for it.
-    engine = _four_decodes_and_a_long_prompt(spec, max_tokens=3)
+    engine = _four_decodes_and_a_long_prompt(spec, max_tokens=3, long="interactive")
     assert _long_tokens(engine.scheduler.schedule()) == [8]
     # FCFS on the same state takes the whole prompt.
     fcfs = make_engine(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=128)
