@@ -71,14 +71,13 @@ MLA_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def mla_decode_kernel_for(cache: torch.Tensor, mode: str | None = None) -> Callable | None:
-    """The kernel for MLA decodes over `cache` ([num_slots, 1, E] entries), or None where
-    the torch path must run: not the CPU, not float32/bfloat16, E not a multiple of 16,
-    mode 'torch', or a failed build in mode 'auto'. The latent width is checked per call."""
+    """The kernel for MLA decodes over `cache` ([num_slots, 1, E] entries, any E), or None
+    where the torch path must run: not the CPU, not float32/bfloat16, mode 'torch', or a
+    failed build in mode 'auto'."""
     mode = cpu_kernels.mode(PART) if mode is None else mode
     if mode not in cpu_kernels.MODES:
         raise ValueError(f"cpu_kernels: {PART}={mode!r}: choose one of {cpu_kernels.MODES}")
-    if (cache.device.type != "cpu" or cache.dtype not in MLA_CACHE_DTYPES
-            or cache.shape[-1] % 16):
+    if cache.device.type != "cpu" or cache.dtype not in MLA_CACHE_DTYPES:
         return None
     ops = cpu_kernels.ops_for_mode(PART, mode)
     return None if ops is None else ops.paged_decode_mla

@@ -332,7 +332,7 @@ class TorchAttentionBackend:
         return decode_out, prefill_out
 
     def _mla_kernel_takes(self, q: torch.Tensor, latent_dim: int) -> bool:
-        return (self.mla_decode_kernel is not None and latent_dim % 16 == 0
+        return (self.mla_decode_kernel is not None
                 and q.dtype in (torch.float32, torch.bfloat16))
 
     # -- sliding window and soft-capping --------------------------------------------------

@@ -21,9 +21,17 @@
 //   (tensor parallel: o_proj's and the MLP's outputs all-reduced, see set_all_reduce)
 //   ... final: add_rms_norm(x, residual, norm)
 //
-// Each layer's variant is data: its flags (window, sandwich norms, activation, MLP kind) and
-// tensors come from the model's description of itself (servelm/models/fast_path.py), never
-// from its type. (1 + w) norms come as their scale tensor; the embedding's scale and the
+// Multi-head latent attention (DeepSeek-V2/V3, servelm/models/deepseek.py MLAttention) in
+// place of the q..o lines, absorbed as its eager decode runs it:
+//   q = q_proj(h) | q_b_proj(rms_norm(q_a_proj(h)));  [q_nope | q_pe] per head
+//   [c | k_pe] = kv_a_proj(h); c = rms_norm(c); q_pe, k_pe reordered (rope pairs) and rotary_
+//   store [c | k_pe] (the latent cache's entry); q_lat = [q_nope W_k | q_pe]
+//   a = paged_decode_mla(q_lat, entries, scale) W_v;  o_proj(a)
+// (W_k, W_v: kv_b's rows per head; the einsums are the eager path's.)
+//
+// Each layer's variant is data: its flags (attention kind, window, sandwich norms,
+// activation, MLP kind) and tensors come from the model's description of itself
+// (servelm/models/fast_path.py), never from its type. (1 + w) norms come as their scale tensor; the embedding's scale and the
 // logits' soft-cap are outside the stack (servelm/runner/cpu_decode.py, the model's head).
 //
 // Linears are float (at::linear), oneDNN-packed float (PackedLinear), int4 (int4_gemm on
@@ -77,6 +85,9 @@ struct Ops {
   using PagedDecode = at::Tensor(T, T, T, T, T, int64_t, double, OptT, OptT, int64_t, double);
   c10::TypedOperatorHandle<PagedDecode> paged_decode =
       find_op<PagedDecode>("servelm_cpu::paged_decode");
+  using PagedDecodeMla = at::Tensor(T, T, T, T, int64_t, double, int64_t);
+  c10::TypedOperatorHandle<PagedDecodeMla> paged_decode_mla =
+      find_op<PagedDecodeMla>("servelm_cpu::paged_decode_mla");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int4_gemm =
       find_op<at::Tensor(T, T, T, int64_t, int64_t)>("servelm_cpu::int4_gemm");
   c10::TypedOperatorHandle<at::Tensor(T, T, T, int64_t, int64_t)> int8_gemm =
@@ -119,6 +130,7 @@ struct Linear {
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 enum MlpKind : int64_t { kDense = 0, kMoE = 1 };
+enum AttentionKind : int64_t { kGqa = 0, kMla = 1 };
 
 // A gated MLP: down(act(gate_up(x))).
 struct Mlp {
@@ -140,14 +152,29 @@ struct MoE {
   c10::optional<Linear> shared_gate;
 };
 
+// Multi-head latent attention (servelm/models/fast_path.py StackMLA).
+struct Mla {
+  int64_t heads = 0, nope = 0, rope = 0, v_dim = 0, latent = 0;
+  double scale = 1.0;  // the softmax's (YaRN's mscale folded in)
+  bool low_rank = false;  // q = q_b(rms_norm(q_a(h))); else q = q(h)
+  at::Tensor q_a_norm, kv_a_norm;
+  at::Tensor kv_b;  // [heads * (nope + v_dim), latent]: each head's W_k rows, then W_v's
+  at::Tensor perm;  // [rope] int64: the rope channels in rotate-half order
+  Linear q, q_b, kv_a, o;  // q: q_proj, or q_a_proj when low_rank
+};
+
 struct Layer {
+  bool sandwich = false;  // rms norms after attention and after the MLP as well
+  int64_t attn_kind = kGqa;
+  at::Tensor in_norm, post_norm, pre_ff_norm, post_ff_norm, k_cache, v_cache;
+  at::Tensor cos, sin;  // the layer's rotary table [positions, D/2] (MLA: R/2)
+  // GQA
   int64_t window = 0;  // keys a query attends (0: all)
   double softcap = 0.0, q_mult = 1.0;
-  bool sandwich = false;  // rms norms after attention and after the MLP as well
-  at::Tensor cos, sin;  // the layer's rotary table [positions, D/2]
-  at::Tensor in_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, k_cache, v_cache;
+  at::Tensor q_norm, k_norm;
   at::Tensor k_scale, v_scale;  // an fp8 cache's scales per KV head [K]; else undefined
   Linear qkv, o;
+  Mla mla;  // kMla: the cache is the latent one ([slots, 1, latent + rope]), v_cache empty
   int64_t mlp_kind = kDense;
   Mlp mlp;
   MoE moe;
@@ -160,10 +187,10 @@ class DecodeStack : public torch::CustomClassHolder {
   // Three flat lists, read in this order (servelm/runner/cpu_decode.py writes them):
   //   ints: num_layers, heads, kv_heads, head_dim, block_size; floats: rms eps, attention
   //   scale; tensors: the final norm's scale. Then per layer:
-  //     ints window, sandwich, MLP kind; floats softcap, q_mult;
-  //     tensors cos, sin, in norm, post-attention norm, pre-ffw norm, post-ffw norm, q norm,
-  //     k norm, K cache, V cache, K scale, V scale (absent ones empty);
-  //     linears qkv, o; then the MLP: dense (read_mlp) or MoE (read_moe).
+  //     ints sandwich, MLP kind, attention kind;
+  //     tensors in norm, post-attention norm, pre-ffw norm, post-ffw norm, K cache, V cache
+  //     (absent ones empty); then the attention: GQA (read_gqa) or latent (read_mla); then
+  //     the MLP: dense (read_mlp) or MoE (read_moe).
   // A linear is 3 tensors (a, b, bias) and 4 ints (kind, n, group, k_padded), then those of
   // the linears it holds (kParts, kPermuted; see layers/decode_entry.py).
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
@@ -279,7 +306,9 @@ class DecodeStack : public torch::CustomClassHolder {
       } else {
         std::tie(h, residual) = ops_.add_rms_norm.call(x, residual, l.in_norm, eps_);
       }
-      const at::Tensor o = attention(l, h, positions, slots, tables, seq_lens);
+      const at::Tensor o = l.attn_kind == kMla
+                               ? mla_attention(l, h, positions, slots, tables, seq_lens)
+                               : attention(l, h, positions, slots, tables, seq_lens);
       if (l.sandwich) {  // as DecoderLayer.forward with sandwich norms
         std::tie(h, residual) = ops_.add_rms_norm.call(ops_.rms_norm.call(o, l.post_norm, eps_),
                                                        residual, l.pre_ff_norm, eps_);
@@ -325,6 +354,38 @@ class DecodeStack : public torch::CustomClassHolder {
                                              block_size_, scale_, ks, vs, l.window, l.softcap);
     if (attn.scalar_type() != h.scalar_type()) attn = attn.to(h.scalar_type());  // fp32 out
     return all_reduce(linear(l.o, attn.view({B, q_size})));
+  }
+
+  // o_proj(latent attention(h)), all-reduced: as MLAttention.forward and the torch backend's
+  // forward_mla for a step of decodes (absorbed; the C++ latent kernel), op for op.
+  at::Tensor mla_attention(const Layer& l, const at::Tensor& h, const at::Tensor& positions,
+                           const at::Tensor& slots, const at::Tensor& tables,
+                           const at::Tensor& seq_lens) {
+    const Mla& m = l.mla;
+    const int64_t B = h.size(0), H = m.heads;
+    // the norms as RMSNorm.forward runs them on row-contiguous input: the fused kernel over
+    // x.contiguous()
+    at::Tensor q = linear(m.q, h);
+    if (m.low_rank) q = linear(m.q_b, ops_.rms_norm.call(q.contiguous(), m.q_a_norm, eps_));
+    const std::vector<at::Tensor> qs =
+        q.view({B, H, m.nope + m.rope}).split_with_sizes({m.nope, m.rope}, -1);
+    const std::vector<at::Tensor> kv =
+        linear(m.kv_a, h).split_with_sizes({m.latent, m.rope}, -1);
+    const at::Tensor latent = ops_.rms_norm.call(kv[0].contiguous(), m.kv_a_norm, eps_);
+    at::Tensor q_pe = qs[1].index_select(-1, m.perm).contiguous();
+    at::Tensor k_pe = kv[1].index_select(-1, m.perm).reshape({B, 1, m.rope}).contiguous();
+    ops_.rotary.call(q_pe, k_pe, positions, l.cos, l.sin);
+    const at::Tensor entry = at::cat({latent, k_pe.select(1, 0)}, -1);  // [B, L + R]
+    const at::Tensor w = m.kv_b.view({H, m.nope + m.v_dim, m.latent});
+    const at::Tensor q_lat =
+        at::cat({at::einsum("thn,hnl->thl", {qs[0], w.narrow(1, 0, m.nope)}), q_pe}, -1);
+    l.k_cache.index_copy_(0, slots, entry.unsqueeze(1).to(l.k_cache.scalar_type()));
+    const at::Tensor lat = ops_.paged_decode_mla
+                               .call(q_lat.contiguous(), l.k_cache.view({l.k_cache.size(0), -1}),
+                                     tables, seq_lens, block_size_, m.scale, m.latent)
+                               .to(h.scalar_type());  // float32 out
+    const at::Tensor out = at::einsum("thl,hvl->thv", {lat, w.narrow(1, m.nope, m.v_dim)});
+    return all_reduce(linear(m.o, out.reshape({B, H * m.v_dim})));
   }
 
   at::Tensor mlp_of(const Layer& l, const at::Tensor& h) {
@@ -414,24 +475,66 @@ class DecodeStack : public torch::CustomClassHolder {
 
   Layer read_layer(Reader& in) {
     Layer l;
-    l.window = in.integer(), l.sandwich = in.integer() != 0, l.mlp_kind = in.integer();
-    TORCH_CHECK(l.window >= 0 && (l.mlp_kind == kDense || l.mlp_kind == kMoE),
+    l.sandwich = in.integer() != 0, l.mlp_kind = in.integer(), l.attn_kind = in.integer();
+    TORCH_CHECK((l.mlp_kind == kDense || l.mlp_kind == kMoE) &&
+                    (l.attn_kind == kGqa || l.attn_kind == kMla),
                 "DecodeStack: bad layer flags");
-    l.softcap = in.real(), l.q_mult = in.real();
-    l.cos = in.tensor(), l.sin = in.tensor();
     l.in_norm = in.tensor(), l.post_norm = in.tensor();
     l.pre_ff_norm = optional(in.tensor()), l.post_ff_norm = optional(in.tensor());
     TORCH_CHECK(!l.sandwich || (l.pre_ff_norm.defined() && l.post_ff_norm.defined()),
                 "DecodeStack: sandwich norms without their weights");
-    l.q_norm = optional(in.tensor()), l.k_norm = optional(in.tensor());
     l.k_cache = in.tensor(), l.v_cache = in.tensor();
-    l.k_scale = optional(in.tensor()), l.v_scale = optional(in.tensor());
-    l.qkv = read_linear(in), l.o = read_linear(in);
+    if (l.attn_kind == kMla)
+      read_mla(in, l);
+    else
+      read_gqa(in, l);
     if (l.mlp_kind == kMoE)
       l.moe = read_moe(in);
     else
       l.mlp = read_mlp(in);
     return l;
+  }
+
+  // ints window; floats softcap, q_mult; tensors cos, sin, q norm, k norm, K scale, V scale
+  // (absent ones empty); linears qkv, o.
+  void read_gqa(Reader& in, Layer& l) {
+    l.window = in.integer();
+    TORCH_CHECK(l.window >= 0, "DecodeStack: bad window ", l.window);
+    l.softcap = in.real(), l.q_mult = in.real();
+    l.cos = in.tensor(), l.sin = in.tensor();
+    l.q_norm = optional(in.tensor()), l.k_norm = optional(in.tensor());
+    l.k_scale = optional(in.tensor()), l.v_scale = optional(in.tensor());
+    l.qkv = read_linear(in), l.o = read_linear(in);
+  }
+
+  // ints heads, nope, rope, v_dim, latent, low rank; floats scale; tensors cos, sin, q_a
+  // norm (empty unless low rank), kv_a norm, kv_b, the rope order; linears q_proj (or
+  // q_a_proj, q_b_proj), kv_a_proj, o_proj.
+  void read_mla(Reader& in, Layer& l) {
+    Mla& m = l.mla;
+    m.heads = in.integer(), m.nope = in.integer(), m.rope = in.integer();
+    m.v_dim = in.integer(), m.latent = in.integer(), m.low_rank = in.integer() != 0;
+    m.scale = in.real();
+    l.cos = in.tensor(), l.sin = in.tensor();
+    m.q_a_norm = optional(in.tensor()), m.kv_a_norm = in.tensor();
+    m.kv_b = in.tensor(), m.perm = in.tensor();
+    TORCH_CHECK(m.heads > 0 && m.nope > 0 && m.rope > 0 && m.rope % 2 == 0 && m.v_dim > 0 &&
+                    m.latent > 0 && m.low_rank == m.q_a_norm.defined(),
+                "DecodeStack: bad latent attention layer");
+    TORCH_CHECK(m.kv_b.dim() == 2 && m.kv_b.is_contiguous() &&
+                    m.kv_b.size(0) == m.heads * (m.nope + m.v_dim) && m.kv_b.size(1) == m.latent,
+                "DecodeStack: kv_b must be contiguous [heads * (nope + v_dim), latent]");
+    TORCH_CHECK(m.perm.dim() == 1 && m.perm.numel() == m.rope &&
+                    m.perm.scalar_type() == at::kLong,
+                "DecodeStack: the rope order must be int64 [rope]");
+    TORCH_CHECK(l.k_cache.dim() == 3 && l.k_cache.size(1) == 1 &&
+                    l.k_cache.size(2) == m.latent + m.rope && l.k_cache.is_contiguous(),
+                "DecodeStack: the latent cache must be contiguous [slots, 1, latent + rope]");
+    TORCH_CHECK(l.cos.dim() == 2 && l.cos.size(1) * 2 == m.rope,
+                "DecodeStack: the rope table must be [positions, rope / 2]");
+    m.q = read_linear(in);
+    if (m.low_rank) m.q_b = read_linear(in);
+    m.kv_a = read_linear(in), m.o = read_linear(in);
   }
 
   // ints: activation; linears gate_up, down.

@@ -13,8 +13,10 @@
 // positions; per head and tile the 16 scores, their max and exponentials, then the online
 // softmax update of the head's L-dim accumulator (fp32, in per-thread scratch: L is 512 for
 // DeepSeek, too big for registers across heads).
-// E and L must be multiples of 16. The cache holds float32 or bfloat16, q float32 or
-// bfloat16; the output is float32.
+// Any E and L (L <= E): a row's last chunk of fewer than 16 values is read lane by lane,
+// never past the row's end, its other lanes 0 (the tiny test checkpoints' E = 40); widths
+// that are multiples of 16 (DeepSeek's 576 and 512) take no partial chunk. The cache holds
+// float32 or bfloat16, q float32 or bfloat16; the output is float32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -44,16 +47,35 @@ struct MlaProblem {
   float* out;  // [B, H, L]
 };
 
+// The n (< 16) values at p in lanes 0..n-1, 0 in the others, reading p[0..n-1] only.
+template <typename V>
+inline f32x16 load_part(const V* p, int64_t n) {
+  V part[16] = {};
+  std::memcpy(part, p, size_t(n) * sizeof(V));
+  return load16(part);
+}
+
 template <typename KV>
 void mla_item(const MlaProblem& p, const at::Tensor& q, int64_t b, int64_t h0, int64_t heads,
               float scale, std::vector<f32x16>& qs, std::vector<f32x16>& acc) {
-  const int64_t ec = p.entry_dim / 16, lc = p.latent_dim / 16, E = p.entry_dim;
+  const int64_t E = p.entry_dim, L = p.latent_dim;
+  // whole chunks of 16, then the partial one (its size; 0: none)
+  const int64_t e_full = E / 16, e_tail = E % 16, l_full = L / 16, l_tail = L % 16;
+  const int64_t ec = e_full + (e_tail > 0), lc = l_full + (l_tail > 0);
+  const bool bf16_q = q.scalar_type() == at::kBFloat16;
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t c = 0; c < ec; ++c) {
       const int64_t off = b * q.stride(0) + (h0 + h) * q.stride(1) + 16 * c;
-      qs[h * ec + c] = (q.scalar_type() == at::kBFloat16
-                            ? load16(q.data_ptr<at::BFloat16>() + off)
-                            : load16(q.data_ptr<float>() + off)) * scale;
+      const int64_t n = c < e_full ? 16 : e_tail;
+      f32x16 v;
+      if (bf16_q) {
+        const bf16* src = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>()) + off;
+        v = n == 16 ? load16(src) : load_part(src, n);
+      } else {
+        const float* src = q.data_ptr<float>() + off;
+        v = n == 16 ? load16(src) : load_part(src, n);
+      }
+      qs[h * ec + c] = v * scale;
     }
   }
   std::fill(acc.begin(), acc.begin() + heads * lc, splat(0.0f));
@@ -73,8 +95,9 @@ void mla_item(const MlaProblem& p, const at::Tensor& q, int64_t b, int64_t h0, i
       const f32x16* qh = &qs[h * ec];
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int t = 0; t < n; ++t) {
-        f32x16 d = qh[0] * load16(rows[t]);
-        for (int64_t c = 1; c < ec; ++c) d += qh[c] * load16(rows[t] + 16 * c);
+        f32x16 d = e_full ? qh[0] * load16(rows[t]) : splat(0.0f);
+        for (int64_t c = 1; c < e_full; ++c) d += qh[c] * load16(rows[t] + 16 * c);
+        if (e_tail) d += qh[e_full] * load_part(rows[t] + 16 * e_full, e_tail);
         scores[t] = lane_sum(d);
         tile_max = std::max(tile_max, scores[t]);
       }
@@ -91,17 +114,27 @@ void mla_item(const MlaProblem& p, const at::Tensor& q, int64_t b, int64_t h0, i
       e = keep_first(e, n, 0.0f);  // lanes past the context weigh nothing
       sum[h] += lane_sum(e);
       // chunk by chunk, so one accumulator vector stays in a register over the tile's rows
-      for (int64_t c = 0; c < lc; ++c) {
+      for (int64_t c = 0; c < l_full; ++c) {
         f32x16 v = a[c] * alpha;
         for (int t = 0; t < n; ++t) v += e[t] * load16(rows[t] + 16 * c);
         a[c] = v;
+      }
+      if (l_tail) {
+        f32x16 v = a[l_full] * alpha;
+        for (int t = 0; t < n; ++t) v += e[t] * load_part(rows[t] + 16 * l_full, l_tail);
+        a[l_full] = v;
       }
     }
   }
   float* out = p.out + (b * p.num_heads + h0) * p.latent_dim;
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.0f / sum[h];
-    for (int64_t c = 0; c < lc; ++c) store16(out + h * p.latent_dim + 16 * c, acc[h * lc + c] * inv);
+    for (int64_t c = 0; c < l_full; ++c) store16(out + h * L + 16 * c, acc[h * lc + c] * inv);
+    if (l_tail) {
+      float part[16];
+      store16(part, acc[h * lc + l_full] * inv);
+      std::memcpy(out + h * L + 16 * l_full, part, size_t(l_tail) * sizeof(float));
+    }
   }
 }
 
@@ -115,10 +148,8 @@ void check_mla(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& b
                   (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
               "paged_decode_mla: cache must be contiguous float32 or bfloat16 [num_slots, E]");
   const int64_t E = cache.size(1);
-  TORCH_CHECK(q.size(2) == E && E % 16 == 0 && latent_dim % 16 == 0 && latent_dim > 0 &&
-                  latent_dim <= E,
-              "paged_decode_mla: q's last dim must equal the entry's, both E and latent_dim "
-              "multiples of 16 with latent_dim <= E");
+  TORCH_CHECK(q.size(2) == E && latent_dim > 0 && latent_dim <= E,
+              "paged_decode_mla: q's last dim must equal the entry's E, and 0 < latent_dim <= E");
   check_paged_tables("paged_decode_mla", block_tables, seq_lens, q.size(0), cache.size(0),
                      block_size);
 }
@@ -143,7 +174,7 @@ at::Tensor paged_decode_mla(const at::Tensor& q, const at::Tensor& cache,
   const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<f32x16> qs(kHeads * (E / 16)), acc(kHeads * (latent_dim / 16));
+    std::vector<f32x16> qs(kHeads * ((E + 15) / 16)), acc(kHeads * ((latent_dim + 15) / 16));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / groups, h0 = (i % groups) * heads_per_item;

@@ -13,6 +13,7 @@ up-projects c to each head's key (nope part, W_k [H, Dn, L]) and value (W_v [H, 
 Both give softmax((q_nope.k_nope + q_pe.k_pe) * scale) v exactly. DeepSeek's rope rotates
 interleaved pairs (x0, x1), (x2, x3), ...; q_pe and k_pe are permuted to the rotate-half layout
 (evens, then odds) before the rotary and stay so: a dot product does not see the order.
+The C++ decode stack runs the same decode ops (models/fast_path.py StackMLA).
 
 Multi-token prediction (DeepSeek-V3, `num_nextn_predict_layers`): the checkpoint stores its MTP
 modules as layers past the decoder's (model.layers.{L}.*: enorm, hnorm, eh_proj, a full decoder
@@ -61,6 +62,12 @@ def mla_softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
+def rope_permutation(rope: int) -> torch.Tensor:
+    """The channel order that takes DeepSeek's interleaved rope pairs (x0, x1), (x2, x3), ...
+    to the rotate-half layout: evens, then odds (the decode stack takes the same order)."""
+    return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+
+
 class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend):
         super().__init__()
@@ -96,7 +103,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], -1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], -1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        perm = torch.cat((torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)))
+        perm = rope_permutation(self.rope)
         q_pe = q_pe.index_select(-1, perm.to(q_pe.device)).contiguous()
         k_pe = k_pe.index_select(-1, perm.to(k_pe.device)).reshape(t, 1, self.rope)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.contiguous())

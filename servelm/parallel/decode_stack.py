@@ -39,13 +39,15 @@ class TensorParallelDecodeStack(CpuDecodeStack):
                  ) -> TensorParallelDecodeStack | None:
         """The stack for this rank's TensorParallelModel, or None where it does not apply:
         pipeline stages wait on the previous stage's hidden states between layers, so they
-        run eagerly; so do mixtures of experts and every model the plain stack refuses."""
+        run eagerly; so do mixtures of experts, latent attention and every model the plain
+        stack refuses."""
         if group.num_stages > 1:
             return None
         spec = model.model.fast_path()
-        if getattr(spec, "has_experts", False):
+        if getattr(spec, "has_experts", False) or getattr(spec, "has_mla", False):
             # the experts' sums are the expert-parallel all-to-all's (layers/parallel_moe.py),
-            # which the stack does not make
+            # which the stack does not make; a rank's share of latent attention's heads is
+            # not tested on the stack
             return None
         plain = CpuDecodeStack.for_model(model.model, kv_cache, backend, mode)
         if plain is None:

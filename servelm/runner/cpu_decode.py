@@ -24,8 +24,9 @@ Applies when: the model describes itself to the stack (`model.fast_path()`, a
 DecodeStackSpec: servelm/models/fast_path.py; a family whose layers the stack cannot take
 gives the reason instead, and it is logged at start-up with the layer), on the CPU in float32
 or bfloat16, with a KV cache in the model's dtype or fp8 read by the C++ decode kernel
-(TorchAttentionBackend), and every linear of the layers has a stack form
-(quant/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
+(TorchAttentionBackend; a latent-attention model's cache by the latent kernel, outside
+deterministic mode, which MLA does not support), and every linear of the layers has a stack
+form (quant/decode_entry.py): an nn.Linear, a PackedLinear (oneDNN) or, in float32, a quantized
 layer on servelm's C++ kernels (Int4Linear / Int8Linear with kernel "cpu", also behind a
 PermutedLinear's gather) or a DetLinear, in bfloat16 a DotLinear (an AmxLinear alone in
 deterministic mode); in either a GGUF K-quant matrix (KQuantLinear) and a fused layer of
@@ -231,7 +232,14 @@ def refusal(model, kv_cache, backend) -> str | None:
         return f"a {embed.dtype} model on {embed.device.type} (float32 or bfloat16 CPU only)"
     if kv_cache.k.dtype != embed.dtype and not kv_cache.is_fp8:
         return f"a {kv_cache.k.dtype} KV cache for a {embed.dtype} model"
-    if backend.kv_cache is not kv_cache or backend.decode_kernel is None:
+    if backend.kv_cache is not kv_cache:
+        return "the attention backend reads another KV cache"
+    if spec.has_mla:
+        if backend.mla_decode_kernel is None:
+            return "the attention backend has no C++ latent-attention decode kernel"
+        if backend.deterministic:  # as the eager path (TorchAttentionBackend.forward_mla)
+            return "deterministic mode does not support multi-head latent attention"
+    elif backend.decode_kernel is None:
         return "the attention backend has no C++ decode kernel over this cache"
     for i, layer in enumerate(spec.layers):
         for name, m in layer.named_linears():
@@ -265,7 +273,7 @@ def _build(model, kv_cache, backend, form: str = "full"):
     """The C++ stack over the model's current tensors (its spec now: the runner may have
     replaced linears since), each MixedLinear in `form`. The flat lists' order is the one
     DecodeStack's constructor reads (cpu_kernels/decode_stack.cpp): a header, then per layer
-    its flags, tensors, attention linears and MLP."""
+    its flags and tensors, its attention (GQA or latent) and its MLP."""
     cpu_kernels.load()
     spec = model.fast_path()
     ints = [len(spec.layers), spec.num_heads, spec.num_kv_heads, spec.head_dim,
@@ -275,17 +283,15 @@ def _build(model, kv_cache, backend, form: str = "full"):
     out = (tensors, ints, floats)
     for layer in spec.layers:
         k_cache, v_cache = kv_cache.layer(layer.kv_layer)
-        k_scale, v_scale = kv_cache.layer_scales(layer.kv_layer)  # fp8; else (None, None)
-        moe = layer.has_experts
-        ints += [layer.window, int(layer.sandwich), int(moe)]
-        floats += [layer.softcap, layer.q_mult]
+        ints += [int(layer.sandwich), int(layer.has_experts), int(layer.is_mla)]
         tensors += [_or_none(t) for t in (
-            layer.cos, layer.sin, layer.input_norm, layer.post_attention_norm,
-            layer.pre_feedforward_norm, layer.post_feedforward_norm, layer.q_norm,
-            layer.k_norm, k_cache, v_cache, k_scale, v_scale)]
-        _add_linear(out, layer.qkv_proj, form)
-        _add_linear(out, layer.o_proj, form)
-        if moe:
+            layer.input_norm, layer.post_attention_norm, layer.pre_feedforward_norm,
+            layer.post_feedforward_norm, k_cache, v_cache)]
+        if layer.is_mla:
+            _add_mla(out, layer.attention, form)
+        else:
+            _add_attention(out, layer.attention, kv_cache.layer_scales(layer.kv_layer), form)
+        if layer.has_experts:
             _add_moe(out, layer.mlp, form)
         else:
             _add_mlp(out, layer.mlp, form)
@@ -303,6 +309,30 @@ def _add_linear(out, m, form: str) -> None:
     entry = decode_entry(forms(m)[form])
     out[0].extend(entry.tensors)
     out[1].extend(entry.ints)
+
+
+def _add_attention(out, attn, scales, form: str) -> None:
+    """GQA: its flags, rotary table, q/k norms, an fp8 cache's scales (else empty), qkv, o."""
+    tensors, ints, floats = out
+    ints.append(attn.window)
+    floats += [attn.softcap, attn.q_mult]
+    tensors += [_or_none(t) for t in (attn.cos, attn.sin, attn.q_norm, attn.k_norm, *scales)]
+    _add_linear(out, attn.qkv_proj, form)
+    _add_linear(out, attn.o_proj, form)
+
+
+def _add_mla(out, mla, form: str) -> None:
+    """Latent attention: its shape, scale, rope table, norms, kv_b, rope order, linears."""
+    tensors, ints, floats = out
+    low_rank = mla.q_proj is None
+    ints += [mla.num_heads, mla.nope, mla.rope, mla.v_dim, mla.latent, int(low_rank)]
+    floats.append(mla.scale)
+    tensors += [mla.cos, mla.sin, _or_none(mla.q_a_norm), mla.kv_a_norm, mla.kv_b_weight,
+                mla.rope_perm]
+    for m in ((mla.q_a_proj, mla.q_b_proj) if low_rank else (mla.q_proj,)):
+        _add_linear(out, m, form)
+    _add_linear(out, mla.kv_a_proj, form)
+    _add_linear(out, mla.o_proj, form)
 
 
 def _add_mlp(out, mlp, form: str) -> None:

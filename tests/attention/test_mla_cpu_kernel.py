@@ -1,7 +1,8 @@
 """The C++ MLA decode kernel (servelm/cpu_kernels/mla_attention.cpp): it computes what the
 torch path (gather + SDPA over [latent | rope key] entries) computes, for head counts across
-its 16-head work items, contexts across its 16-position tiles and float32/bfloat16 caches;
-and a tiny DeepSeek-V3 served through it matches transformers."""
+its 16-head work items, contexts across its 16-position tiles, entry and latent widths with a
+partial chunk of 16, and float32/bfloat16 caches; and a tiny DeepSeek-V3 served through it
+matches transformers."""
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def _reference(q, cache, tables, lens, bs, scale, latent):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,entry,latent", [(4, 48, 32), (20, 96, 64), (16, 576, 512)])
+@pytest.mark.parametrize("heads,entry,latent", [(4, 48, 32), (20, 96, 64), (16, 576, 512),
+                                                (4, 40, 32), (3, 44, 24), (2, 12, 8)])
 def test_kernel_matches_the_torch_path(dtype, heads, entry, latent):
     g = torch.Generator().manual_seed(heads)
     bs, num_blocks = 4, 80
@@ -47,7 +49,7 @@ def test_bad_inputs_are_refused():
     q = torch.zeros(1, 4, 48)
     tables = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="latent_dim"):
-        ops.paged_decode_mla(q, cache, tables, torch.tensor([3]), 4, 1.0, 40)
+        ops.paged_decode_mla(q, cache, tables, torch.tensor([3]), 4, 1.0, 56)
     with pytest.raises(RuntimeError, match="seq_lens"):
         ops.paged_decode_mla(q, cache, tables, torch.tensor([17]), 4, 1.0, 32)
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -60,9 +62,10 @@ def test_tiny_deepseek_v3_through_the_kernel_matches_transformers():
     from servelm.llm import LLM
     from servelm.protocol import SamplingParams
 
-    # a rope key of 16 makes the entry 32 + 16 = 48, a width the kernel takes
-    hf = make_tiny_family_model("deepseek_v3", qk_rope_head_dim=16)
-    engine = make_tiny_engine(hf)
+    # the entry 32 + 8 = 40: two chunks of 16 and a partial one
+    hf = make_tiny_family_model("deepseek_v3")
+    # the backend's own decodes (the C++ decode stack's: tests/models/test_family_parity.py)
+    engine = make_tiny_engine(hf, cpu_kernels="decode=torch")
     backend = engine.runner.backend
     assert backend.mla_decode_kernel is not None
     prompt = [5, 17, 99, 3, 250, 11, 42]

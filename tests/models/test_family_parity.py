@@ -3,9 +3,10 @@ random-weight checkpoints transformers builds: prefill logits, 32 greedy decode 
 their top logprobs, and the same tokens when requests are batched, chunked, hit the prefix
 cache and are preempted. The planner's parameter counts equal the loaded model's. The C++
 decode stack takes a family's decode steps with the eager model's bits (sliding windows,
-soft-caps, sandwich norms, GeGLU and mixtures of experts included; float32, and bfloat16 for
-the variant and expert families), or the start-up log names the layer and the part it cannot
-take; an early exit at N layers is the first N layers of the full model.
+soft-caps, sandwich norms, GeGLU, mixtures of experts and DeepSeek's latent attention
+included; float32, and bfloat16 for the variant, expert and latent families), or the start-up
+log names the layer and the part it cannot take; an early exit at N layers is the first N
+layers of the full model.
 """
 
 import logging
@@ -25,7 +26,7 @@ ALL = sorted(FAMILIES)
 # else words of the reason its fast path (models/fast_path.py) gives
 STACK = {"phi3_full": None, "qwen2_yarn": None, "mistral_window": None, "phi3": None,
          "gemma2": None, "gemma3": None, "mixtral": None, "qwen2_moe": None, "qwen3_moe": None,
-         "deepseek_v2": "MLAttention", "deepseek_v3": "MLAttention"}
+         "deepseek_v2": None, "deepseek_v3": None}
 
 
 @pytest.fixture(scope="module", params=ALL)
@@ -156,12 +157,29 @@ def test_decode_stack_runs_the_family_bit_for_bit_or_says_why_not(family, hf, ca
     _assert_stack_equals_eager(hf, engine)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen2_moe", "deepseek_v2", "deepseek_v3"])
 def test_decode_stack_runs_variants_and_experts_bit_for_bit_in_bfloat16(name):
     hf = make_tiny_family_model(name)
     engine = make_tiny_engine(hf, cpu_kernels="decode=kernel", dtype="bfloat16")
     assert engine.runner.cpu_stack_refusal is None
     _assert_stack_equals_eager(hf, engine, dtype="bfloat16")
+
+
+def test_decode_stack_runs_latent_attention_with_yarn_as_eager_and_transformers():
+    """DeepSeek's YaRN: mscale / mscale_all_dim in the rope table and mscale_all_dim squared
+    in the softmax scale, which the stack takes from the model (no scale of its own)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+            "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    hf = make_tiny_family_model("deepseek_v3", rope_parameters=yarn)
+    engine = make_tiny_engine(hf, cpu_kernels="decode=kernel")
+    attn = engine.runner.model.layers[0].self_attn
+    assert attn.scale > 1.2 * (attn.nope + attn.rope) ** -0.5  # (1 + 0.1 ln 4)^2 ~ 1.29
+    assert engine.runner.cpu_stack_refusal is None
+    _assert_stack_equals_eager(hf, engine)
+    prompt = [5, 17, 99, 3, 250, 11, 42]
+    out = LLM(engine=engine).generate(prompt, SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 24)[0]
 
 
 def test_decode_stack_counts_the_tokens_routed_to_each_expert():

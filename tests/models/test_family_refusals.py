@@ -1,5 +1,6 @@
 """What servelm does not implement is refused at load with an error naming the field, never
-run wrong; and the families the CPU decode stack does not cover (MLA) run eagerly."""
+run wrong; and where the CPU decode stack cannot run a family's steps, they run eagerly and the
+start-up reason says why."""
 
 from types import SimpleNamespace
 
@@ -92,11 +93,13 @@ def test_backend_without_variants_is_refused_for_a_window_or_softcap():
         attn._variants(Batch())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_cpu_decode_stack_leaves_latent_attention_families_eager(family):
-    engine = make_tiny_engine(make_tiny_family_model(family))
+def test_cpu_decode_stack_leaves_latent_attention_eager_without_its_kernel():
+    """The stack runs latent attention on the C++ latent kernel only; with the attention
+    backend on torch (--cpu-kernels attention=torch) the steps run eagerly, and say why."""
+    engine = make_tiny_engine(make_tiny_family_model("deepseek_v2"),
+                              cpu_kernels="attention=torch")
     assert engine.runner.cpu_stack is None
-    assert "MLAttention" in engine.runner.cpu_stack_refusal
+    assert "latent-attention decode kernel" in engine.runner.cpu_stack_refusal
 
 
 def test_cpu_decode_stack_still_takes_llama_with_yarn():
@@ -122,7 +125,6 @@ def test_mla_cache_holds_the_latent_and_rope_key_only():
     assert kv_elems_per_token_layer(config) == config.kv_lora_rank + config.qk_rope_head_dim
     per_block = KVCache.bytes_per_block(config, cache.block_size, cache.k.dtype)
     assert per_block * cache.num_blocks == cache.k.numel() * cache.k.element_size()
-    assert engine.runner.cpu_stack is None
 
 
 def test_fp8_kv_cache_is_refused_for_mla():
