@@ -1,7 +1,8 @@
 """`servelm bench batch-knee`: a batch beside interactive traffic at the knee, as a record.
 
-Owns: the record's schedule on one server (the knee, measured by a sweep unless given;
-interactive traffic at the knee for a fixed time without a batch; the same traffic again with
+Owns: the record's schedule on one server (the knee, measured by a sweep unless given, then
+confirmed over the long duration; interactive traffic at the knee for a fixed time without a
+batch; the same traffic again with
 a batch of --batch-lines requests submitted through the official `openai` client's files and
 batches API at its start; the same batch alone on the idle server), the progress lines and the
 time estimate, and the record: batch-knee.json, batch-knee.md, batch-knee.png under
@@ -14,6 +15,15 @@ The server runs the batch lines as the lowest SLO class (servelm/server/batch_ru
 `--scheduling-policy slo` with a two-class spec (interactive, batch), without the prefix cache
 (the two interactive runs send the same seeded requests; a cache would help the second).
 Interactive traffic is `servelm bench serve` (its own process) at --knee req/s for --duration.
+
+The sustained knee. A short sweep (128 requests a rate, ~40 s) does not see a queue that
+builds for minutes, so its knee can be past what the server sustains for --duration. Unless
+--confirm-trials is 0, the knee (the sweep's, or --knee) is confirmed by runs as long as the
+measured ones: a run at the knee whose goodput meets --goodput-target confirms it; one that
+misses it bisects down between 0 and that rate (`sustained_knee`), at most --confirm-trials
+runs, until the bracket is within --confirm-tol of its top; the highest rate that met it is
+the knee, and its run is the interactive run without the batch. No rate met in the trials:
+an error (give a lower --knee).
 
     idle capacity    the batch alone: lines/s and output tokens/s the server finishes
     idle share       1 - interactive output tok/s (without the batch) / the batch's alone
@@ -28,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -64,6 +75,8 @@ class BatchKneePlan:
     goal_points: float = 5.0  # interactive goodput may drop at most this much with the batch
     batch_max_inflight: int = 8
     idle_run: bool = True  # the batch alone after (its idle capacity)
+    confirm_trials: int = 4  # long runs to confirm the knee (0: take it as it is)
+    confirm_tol: float = 0.1  # bisection stops within this share of the bracket's top
     poll_s: float = 2.0
     serve_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -76,6 +89,10 @@ class BatchKneePlan:
             if not getattr(self, flag) > 0:
                 name = "--duration" if flag == "duration_s" else "--poll"
                 raise ValueError(f"{name}: must be positive, got {getattr(self, flag)}")
+        if self.confirm_trials < 0:
+            raise ValueError(f"--confirm-trials: must be >= 0, got {self.confirm_trials}")
+        if not 0 < self.confirm_tol < 1:
+            raise ValueError(f"--confirm-tol: must be in (0, 1), got {self.confirm_tol}")
         for flag in ("batch_lines", "threads", "max_num_seqs", "sweep_prompts",
                      "batch_max_inflight"):
             if getattr(self, flag) < 1:
@@ -90,13 +107,17 @@ class BatchKneePlan:
 
 def estimate_s(plan: BatchKneePlan, knee: float | None = None) -> dict[str, float]:
     """Each phase's expected seconds: the batch alone at CAPACITY x the knee, beside the
-    interactive run at the (CAPACITY - 1) x knee it leaves."""
+    interactive run at the (CAPACITY - 1) x knee it leaves; the knee's confirmation as two
+    long runs (one missed, one met: up to --confirm-trials), the second of which is the
+    interactive run without the batch."""
     knee = knee or plan.knee_guess()
     cap = CAPACITY * knee
     out = {"server": SERVER_START_S}
     if plan.knee is None:
         out["sweep"] = sum(plan.sweep_prompts / min(r, cap) + DRAIN_S for r in plan.sweep_rates)
     out["interactive"] = plan.duration_s + DRAIN_S
+    if plan.confirm_trials > 1:
+        out["confirm"] = plan.duration_s + DRAIN_S  # the run before the one that met it
     beside = (cap - knee) * plan.duration_s
     out["with_batch"] = max(plan.duration_s + DRAIN_S, plan.duration_s
                             + max(0.0, plan.batch_lines - beside) / cap)
@@ -214,6 +235,30 @@ def _wait(proc: ProcessHandle, what: str) -> None:
         raise RuntimeError(f"{what} exited with status {code} (see clients.log)")
 
 
+def sustained_knee(start: float, sustains, max_trials: int, rel_tol: float
+                   ) -> tuple[float | None, list[tuple[float, bool]]]:
+    """The highest rate at most `start` that `sustains(rate)` (one long run: True when its
+    goodput met the target) confirms, by bisection down from `start` between 0 and the
+    lowest rate that missed: at most max_trials runs, stopping once the bracket [met,
+    missed] is within rel_tol of its top. Returns (that rate or None if none met, the
+    (rate, met) trials in order). Rates are rounded to 3 significant digits."""
+    trials: list[tuple[float, bool]] = []
+    lo, hi, rate = 0.0, start, start
+    while len(trials) < max_trials:
+        met = bool(sustains(rate))
+        trials.append((rate, met))
+        if met:
+            lo = rate
+        else:
+            hi = rate
+        if lo == start or (lo > 0 and hi - lo <= rel_tol * hi):
+            break
+        rate = float(f"{(lo + hi) / 2:.3g}")
+        if rate in (lo, hi):  # the rounding has no rate left between them
+            break
+    return (lo if lo > 0 else None), trials
+
+
 def measured_knee(sweep: dict, plan: BatchKneePlan) -> float:
     """The highest swept rate whose goodput meets the target (bench/sweep.py)."""
     from servelm.bench.sweep import bracketed_max_rate
@@ -294,8 +339,12 @@ def measure(plan: BatchKneePlan, out: Path, ready_timeout_s: float) -> dict[str,
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=2)
     try:
         knee = plan.knee or _sweep(plan, server.url, out, progress)
-        manifest["knee_req_s"] = knee
-        _interactive_alone(plan, server.url, knee, out, progress)
+        manifest["knee_req_s"] = manifest["start_knee_req_s"] = knee
+        if plan.confirm_trials:
+            knee, manifest["confirm"] = _confirm(plan, server.url, knee, out, progress)
+            manifest["knee_req_s"] = knee
+        else:
+            _interactive_alone(plan, server.url, knee, out, progress)
         _save(out, manifest)
         manifest["with_batch"] = _with_batch(plan, client, server.url, knee, out, progress)
         _save(out, manifest)
@@ -324,6 +373,35 @@ def _sweep(plan: BatchKneePlan, url: str, out: Path, progress: Progress) -> floa
     progress.done("sweep", time.monotonic() - t)
     progress.say(f"knee {knee:g} req/s")
     return knee
+
+
+def _confirm(plan: BatchKneePlan, url: str, start: float, out: Path,
+             progress: Progress) -> tuple[float, list[dict[str, Any]]]:
+    """The sustained knee (module doc); its run becomes interactive.json."""
+    runs: list[dict[str, Any]] = []
+
+    def sustains(rate: float) -> bool:
+        path = out / f"confirm-{rate:g}.json"
+        progress.say(f"confirming {rate:g} req/s for {plan.duration_s:g} s "
+                     f"(run {len(runs) + 1} of at most {plan.confirm_trials})")
+        t = time.monotonic()
+        _wait(interactive(plan, url, rate, path, out / "clients.log"), "a confirmation run")
+        goodput = json.loads(path.read_text())["goodput"]
+        met = goodput >= plan.goodput_target
+        runs.append({"rate": rate, "goodput": goodput, "met": met, "file": path.name})
+        progress.done("confirm" if "confirm" in progress.estimates else "interactive",
+                      time.monotonic() - t)
+        progress.say(f"{rate:g} req/s: goodput {goodput:.1%} over {plan.duration_s:g} s: "
+                     f"{'sustained' if met else 'not sustained'}")
+        return met
+
+    knee, _ = sustained_knee(start, sustains, plan.confirm_trials, plan.confirm_tol)
+    if knee is None:
+        raise RuntimeError(f"no rate met --goodput-target {plan.goodput_target:g} over "
+                           f"{plan.duration_s:g} s in {len(runs)} run(s) down to "
+                           f"{min(r['rate'] for r in runs):g} req/s: give a lower --knee")
+    shutil.copyfile(out / f"confirm-{knee:g}.json", out / "interactive.json")
+    return knee, runs
 
 
 def _interactive_alone(plan, url: str, knee: float, out: Path, progress: Progress) -> None:
@@ -405,13 +483,23 @@ def build_record(out: Path, manifest: dict, command: str) -> dict[str, Any]:
         "machine": machine_info(plan["threads"]), "commit": git_commit(),
         "started_at": manifest.get("started_at"), "plan": plan,
         "knee_req_s": manifest["knee_req_s"],
-        "knee_source": "given" if plan["knee"] else "sweep (sweep.json)",
+        "knee_source": _knee_source(plan, manifest), "knee_confirm": manifest.get("confirm"),
         "interactive": {"without_batch": alone, "with_batch": beside,
                         "goodput_drop_points": drop, "goal_points": plan["goal_points"],
                         "met": drop <= plan["goal_points"]},
         "batch": {"with_interactive": with_batch, "alone": batch_alone,
                   "idle_capacity": idle_capacity(with_batch, batch_alone, alone,
                                                  plan["duration_s"])}}
+
+
+def _knee_source(plan: dict, manifest: dict) -> str:
+    source = "given" if plan["knee"] else "sweep (sweep.json)"
+    runs = manifest.get("confirm")
+    if runs:
+        start = manifest.get("start_knee_req_s", runs[0]["rate"])
+        source += (f" {start:g} req/s, sustained at {manifest['knee_req_s']:g} req/s over "
+                   f"{plan['duration_s']:g} s ({len(runs)} confirmation run(s))")
+    return source
 
 
 def render_markdown(rec: dict[str, Any]) -> str:
@@ -432,7 +520,13 @@ def render_markdown(rec: dict[str, Any]) -> str:
         f"- knee: {rec['knee_req_s']:g} req/s ({rec['knee_source']}); interactive runs "
         f"{plan['duration_s']:g} s each, input {plan['input_len']}, output "
         f"{plan['output_len']} tokens; SLO TTFT {plan['slo_ttft_ms']:g} ms, TPOT "
-        f"{plan['slo_tpot_ms']:g} ms", "",
+        f"{plan['slo_tpot_ms']:g} ms"]
+    if rec.get("knee_confirm"):
+        lines.append("- confirmation runs: " + ", ".join(
+            f"{r['rate']:g} req/s {r['goodput']:.1%} ({'met' if r['met'] else 'missed'})"
+            for r in rec["knee_confirm"]))
+    lines += [
+        "",
         "| interactive | goodput | TTFT p50 / p99 ms | TPOT p50 / p99 ms | req/s |",
         "|---|---|---|---|---|"]
     for name, d in (("without the batch", a), ("with the batch", b)):
@@ -520,6 +614,7 @@ def _plan_from_args(args: argparse.Namespace) -> BatchKneePlan:
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         goodput_target=args.goodput_target, goal_points=args.goal_points,
         batch_max_inflight=args.batch_max_inflight, idle_run=args.idle_run,
+        confirm_trials=args.confirm_trials, confirm_tol=args.confirm_tol,
         poll_s=args.poll, serve_args=tuple(args.serve_arg or ()))
 
 
@@ -599,6 +694,13 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="the most interactive goodput may drop with the batch (points)")
     p.add_argument("--batch-max-inflight", type=int, default=d.batch_max_inflight,
                    help="the server's batch seats (serve --batch-max-inflight)")
+    p.add_argument("--confirm-trials", type=int, default=d.confirm_trials, metavar="N",
+                   help="long runs (--duration each) that confirm the knee, bisecting down "
+                   "from it while it is not sustained (0: take the knee as it is; default "
+                   "%(default)s)")
+    p.add_argument("--confirm-tol", type=float, default=d.confirm_tol, metavar="SHARE",
+                   help="stop bisecting once the bracket is within this share of its top "
+                   "(default %(default)s)")
     p.add_argument("--no-idle-run", dest="idle_run", action="store_false",
                    help="skip the batch alone on the idle server (no idle-capacity figure)")
     p.add_argument("--poll", type=float, default=d.poll_s, metavar="S",
