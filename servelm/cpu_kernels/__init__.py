@@ -18,7 +18,8 @@
     amx_gemm.cpp          amx_linear: bfloat16 linears on AMX tiles, weights packed as the tiles
                           read them
     dot_gemm.cpp          dot_linear: the same packed weights on avx512_bf16 dot products
-    decode_stack.cpp      DecodeStack (a class): a Llama decode step through all layers in one call
+    decode_stack.cpp      DecodeStack (a class): a decode step through all of a decoder's
+                          layers in one call (GQA or latent attention, dense MLP or MoE)
     det_gemm.cpp          det_pack, det_linear: the batch-invariant float32 linear of
                           deterministic mode (one fixed-order sum per output element)
     vec16.h               16-lane vectors, exp and fma shared by all
