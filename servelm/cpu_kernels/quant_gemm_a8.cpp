@@ -27,6 +27,9 @@
 //         nibble) and q[16p+j][8i+4+b] (high nibble); so [P, G, 2, 16]: (scale, offset)
 //   int8: codes [P, Kp/4, 16, 4] u8: byte b of lane j in block i is q[16p+j][4i+b] + 128;
 //         scale [16P] (per row) or [P, G, 16] (per `group` columns, group % 32 == 0)
+//   int8 also in the float kernels' panels ([P, K, 16] int8, quant_gemm.cpp), each panel
+//   turned into the order above as the call reaches it (panel_to_vnni): one copy of a layer's
+//   codes serves both kernels
 // Kp is a multiple of 32; x may have K <= Kp columns (Kp - 32 < K): the rest count as 0.
 // Padded rows have scale 0 (and offset 0).
 //
@@ -49,6 +52,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "vec16.h"
 
@@ -336,30 +340,74 @@ inline void store_panel(const Out16* out, float* y, int64_t m, int64_t N, int64_
 
 #if defined(SERVELM_A8_KERNELS)
 // Rows in tiles of 4, 2, 1 against each panel (one loaded code vector serves R rows); the
-// threads share out panels.
-template <typename PanelFn>
+// threads share out panels. codes(p, scratch): panel p's codes in the kernels' order, the
+// tensor's own or converted into `scratch` (scratch_bytes a thread), once for all the rows.
+template <typename PanelFn, typename CodesFn>
 void run_panels(const RowsA8& x, int64_t M, int64_t N, int64_t P, int64_t panel_bytes,
-                float* y, PanelFn panel) {
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, panel_bytes));
+                float* y, PanelFn panel, CodesFn codes, int64_t scratch_bytes = 0) {
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, panel_bytes));
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> scratch(scratch_bytes);
     Out16 out[4];
     for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* c = codes(p, scratch.data());
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
-        panel(std::integral_constant<int, 4>(), x, m, p, out);
+        panel(std::integral_constant<int, 4>(), x, m, p, c, out);
         store_panel<4>(out, y, m, N, p);
       }
       if (M - m >= 2) {
-        panel(std::integral_constant<int, 2>(), x, m, p, out);
+        panel(std::integral_constant<int, 2>(), x, m, p, c, out);
         store_panel<2>(out, y, m, N, p);
         m += 2;
       }
       if (M - m == 1) {
-        panel(std::integral_constant<int, 1>(), x, m, p, out);
+        panel(std::integral_constant<int, 1>(), x, m, p, c, out);
         store_panel<1>(out, y, m, N, p);
       }
     }
   });
+}
+
+// One int8 panel in the float kernels' layout (quant_gemm.cpp: [K, 16] int8, a column's 16
+// rows together) into the VNNI order above ([Kp/4, 16, 4] u8, codes + 128; columns K..Kp
+// code 0): a byte transpose of each 4 columns, so that a layer holds its codes once for both
+// kernels (servelm/quant/int8_linear.py). Done per panel per call, into a buffer the panel's
+// rows then read from L1/L2: a step of many rows pays it once for all of them.
+void panel_to_vnni(const int8_t* src, int64_t K, int64_t Kp, uint8_t* dst) {
+  int64_t k = 0;
+#if defined(__AVX512VBMI__)
+  alignas(64) uint8_t order[64];  // byte 4j + b of a block <- column b's row j
+  for (int j = 0; j < 16; ++j)
+    for (int b = 0; b < 4; ++b) order[4 * j + b] = uint8_t(16 * b + j);
+  const __m512i idx = _mm512_load_si512(order), flip = _mm512_set1_epi8(char(0x80));
+  for (; k + 4 <= K; k += 4) {
+    const __m512i v = _mm512_loadu_si512(src + k * kLanes);
+    _mm512_storeu_si512(dst + k * kLanes,
+                        _mm512_xor_si512(_mm512_permutexvar_epi8(idx, v), flip));
+  }
+#else
+  const __m128i flip = _mm_set1_epi8(char(0x80));
+  for (; k + 4 <= K; k += 4) {
+    const __m128i* s = reinterpret_cast<const __m128i*>(src + k * kLanes);
+    const __m128i c0 = _mm_loadu_si128(s), c1 = _mm_loadu_si128(s + 1);
+    const __m128i c2 = _mm_loadu_si128(s + 2), c3 = _mm_loadu_si128(s + 3);
+    // rows 0-7 / 8-15 as (column 0, column 1) and (column 2, column 3) byte pairs, then the
+    // pairs' 16-bit halves interleaved: 4 rows x 4 columns a vector
+    const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpackhi_epi8(c0, c1);
+    const __m128i c = _mm_unpacklo_epi8(c2, c3), d = _mm_unpackhi_epi8(c2, c3);
+    __m128i* o = reinterpret_cast<__m128i*>(dst + k * kLanes);
+    _mm_storeu_si128(o, _mm_xor_si128(_mm_unpacklo_epi16(a, c), flip));
+    _mm_storeu_si128(o + 1, _mm_xor_si128(_mm_unpackhi_epi16(a, c), flip));
+    _mm_storeu_si128(o + 2, _mm_xor_si128(_mm_unpacklo_epi16(b, d), flip));
+    _mm_storeu_si128(o + 3, _mm_xor_si128(_mm_unpackhi_epi16(b, d), flip));
+  }
+#endif
+  for (; k < Kp; ++k)
+    for (int64_t j = 0; j < kLanes; ++j)
+      dst[(k / 4) * 4 * kLanes + j * 4 + k % 4] =
+          uint8_t((k < K ? int(src[k * kLanes + j]) : 0) + 128);
 }
 
 inline RowsA8 rows_from(const RowsA8& x, int64_t m) {
@@ -446,10 +494,12 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t panel_bytes = Kp / 2 * kLanes;
   with_scales(so, [&](auto* pso) {
     run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
-               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, Out16* out) {
-                 int4_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
+               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, const uint8_t* c,
+                   Out16* out) {
+                 int4_a8_panel<decltype(R)::value>(rows_from(xr, m), group, c,
                                                    pso + p * G * 2 * kLanes, out);
-               });
+               },
+               [&](int64_t p, uint8_t*) { return pc + p * panel_bytes; });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
@@ -457,13 +507,29 @@ at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
 #endif
 }
 
-// y[M, N] = x @ w.T, w the int8 panels (VNNI layout, codes + 128); group 0: one scale a row.
+// y[M, N] = x @ w.T, w the int8 panels: the VNNI layout (codes + 128, [P, Kp/4, 16, 4] u8)
+// or the float kernels' ([P, K, 16] int8, turned into the VNNI layout a panel at a time);
+// group 0: one scale a row.
 at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         int64_t N, int64_t group) {
-  check_panels(codes, 4, N, "int8_gemm_a8: codes");
+  const bool float_layout = codes.scalar_type() == at::kChar;
+  int64_t K = 0;
+  if (float_layout) {
+    check_cpu(codes, at::kChar, "int8_gemm_a8: codes");
+    TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kLanes,
+                "int8_gemm_a8: int8 codes must be the float kernels' panels [P, K, 16], got ",
+                codes.sizes());
+    const int64_t P = codes.size(0);
+    TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "int8_gemm_a8: codes: N=", N,
+                " does not fit ", P, " panels");
+    K = codes.size(1);
+  } else {
+    check_panels(codes, 4, N, "int8_gemm_a8: codes");
+  }
   TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && is_scale_dtype(scale),
               "int8_gemm_a8: scale must be a contiguous float32, bfloat16 or float16 CPU tensor");
-  const int64_t P = codes.size(0), Kp = codes.size(1) * 4;
+  const int64_t P = codes.size(0);
+  const int64_t Kp = float_layout ? (K + kAGroup - 1) / kAGroup * kAGroup : codes.size(1) * 4;
   TORCH_CHECK(group >= 0 && group % kAGroup == 0,
               "int8_gemm_a8: group must be 0 (a scale per row) or a multiple of 32");
   const int64_t G = group > 0 ? (Kp + group - 1) / group : 1;
@@ -474,14 +540,27 @@ at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   const RowsA8 rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), Kp,
                     Kp / kAGroup};
-  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  const uint8_t* pc = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const int64_t panel_bytes = Kp * kLanes;
+  auto panel = [&](const auto* ps) {
+    return [&, ps](auto R, const RowsA8& xr, int64_t m, int64_t p, const uint8_t* c,
+                   Out16* out) {
+      int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, c, ps + p * G * kLanes, out);
+    };
+  };
   with_scales(scale, [&](auto* ps) {
-    run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(),
-               [&](auto R, const RowsA8& xr, int64_t m, int64_t p, Out16* out) {
-                 int8_a8_panel<decltype(R)::value>(rows_from(xr, m), group, pc + p * panel_bytes,
-                                                   ps + p * G * kLanes, out);
-               });
+    if (float_layout) {
+      const int8_t* src = codes.data_ptr<int8_t>();
+      run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(), panel(ps),
+                 [&](int64_t p, uint8_t* scratch) {
+                   panel_to_vnni(src + p * K * kLanes, K, Kp, scratch);
+                   return static_cast<const uint8_t*>(scratch);
+                 },
+                 panel_bytes);
+    } else {
+      run_panels(rows, x.size(0), N, P, panel_bytes, y.data_ptr<float>(), panel(ps),
+                 [&](int64_t p, uint8_t*) { return pc + p * panel_bytes; });
+    }
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 #else
