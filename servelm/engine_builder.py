@@ -251,7 +251,7 @@ def _build_engine(args: EngineArgs, parallel, start: float, timer) -> Engine:
     if checkpoint is not None:  # its method, before --dtype auto reads it
         args = dataclasses.replace(args, quantization=checkpoint.method_for(args.quantization))
     elif args.quantization is None:  # a GGUF K-quant file keeps its codes (kquant_default.py)
-        args = dataclasses.replace(args, quantization=kquant_default.default_method(source, args))
+        args = kquant_default.default_args(source, args)
     args = _resolve_dtype(args, source)
     key = None
     if args.quantization is None and args.prepared_weights_cache and parallel is None:

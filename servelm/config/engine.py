@@ -298,14 +298,18 @@ class EngineArgs:
                                       "their bf16 values for larger ones (docs/quantization.md); "
                                       "'fp8' is W8A8 on CUDA sm89+ GPUs (default: float)",
                                       choices=QUANT_METHOD_NAMES)
-    # What the quantized CPU linears round activations to: "float" (float32) or "int8" (per
-    # 32 values, integer dot products where the CPU runs avx512_vnni; servelm/quant/int8_act.py).
+    # What the quantized CPU linears round activations to: "float" (float32), "int8" (per
+    # 32 values, integer dot products where the CPU runs avx512_vnni; servelm/quant/int8_act.py)
+    # or "auto" (by each step's rows).
     quant_activations: str = option("float",
                                     "quantized layers on the CPU: 'int8' rounds activations to "
                                     "int8 per 32 values and multiplies with integer dot products "
                                     "(where the CPU runs avx512_vnni, else float; "
                                     "docs/quantization.md has its accuracy cost), 'float' keeps "
-                                    "float32 (default %(default)s)",
+                                    "float32, 'auto' takes each step by its rows (float for "
+                                    "few, int8 for many, where this CPU's dot products win; "
+                                    "what a GGUF K-quant file runs without --quantization) "
+                                    "(default %(default)s)",
                                     choices=QUANT_ACTIVATIONS)
     # "fp8": KV blocks as float8_e4m3fn (CacheConfig)
     kv_cache_dtype: str = option("auto",

@@ -17,8 +17,9 @@ QUANT_METHOD_NAMES: tuple[str, ...] = (
     "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "gguf-mixed",
     "fp8", "gptq", "awq", "compressed-tensors")
 
-# What the quantized CPU linears compute with (servelm/quant/int8_act.py)
-QUANT_ACTIVATIONS: tuple[str, ...] = ("float", "int8")
+# What the quantized CPU linears compute with (servelm/quant/int8_act.py); "auto": each step
+# by its rows, float activations for few, int8 for many
+QUANT_ACTIVATIONS: tuple[str, ...] = ("float", "int8", "auto")
 
 
 def check_quant_activations(value: str, param: str = "quant_activations") -> str:

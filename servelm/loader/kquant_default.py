@@ -1,10 +1,15 @@
-"""kquant_default: whether a GGUF K-quant file served without --quantization keeps its codes.
+"""kquant_default: how a GGUF K-quant file served without --quantization runs.
 
 Owns: `default_method(source, args)`, "gguf" for a K-quant file (general.file_type a
 Q4_K / Q5_K / Q6_K mix) whose every matrix `gguf` keeps exactly (K-quants as KQuantLinear,
 Q4_0 / Q4_1 / Q5_0 / Q8_0 as int4 / int8 codes, float tensors as they are), on the CPU with
 servelm's quantized and decode-stack kernels; else None (the file's values in float, as
-before), with the reason logged either way.
+before), with the reason logged either way. And `default_args(source, args)`, the engine
+arguments that says: --quantization gguf with activations "auto" (servelm/quant/int8_act.py:
+each step by its rows, float activations for a few rows, int8 for batches and prompt chunks,
+as llama.cpp runs them, where this CPU's dot products win), unless --quant-activations int8
+was asked for (int8 at every step) or --deterministic (whose steps must not change form with
+the batch: float at every step).
 
 Why: on the C++ decode stack a Q4_K_M file's codes decode faster than its dequantized
 bfloat16 weights and hold the file's bytes instead of a float copy (docs/quantization.md has
@@ -16,6 +21,7 @@ Never: overrides an explicit --quantization, or reads a tensor's data (the index
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 logger = logging.getLogger(__name__)
@@ -23,11 +29,34 @@ logger = logging.getLogger(__name__)
 # the file types whose matrices are mostly K-quants (gguf-py's LlamaFileType names)
 KQUANT_FILE_TYPES = ("MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M", "MOSTLY_Q5_K_S", "MOSTLY_Q5_K_M",
                      "MOSTLY_Q6_K")
-# the types `gguf` keeps exactly (servelm/quant/methods.py GGUFMethod)
 # kquant_gemm.cpp's kPanelMinRows: steps of this many rows or more take the panels kernel
 PANEL_MIN_ROWS = 8
+# the types `gguf` keeps exactly (servelm/quant/methods.py GGUFMethod)
 EXACT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "F32", "F16",
                          "BF16"})
+
+
+def default_args(source, args):
+    """`args` (an EngineArgs without --quantization) with the K-quant default, if it applies:
+    quantization "gguf" and its activations (see the module doc)."""
+    method = default_method(source, args)
+    if method is None:
+        return args
+    activations = args.quant_activations
+    if activations == "float" and not args.deterministic:
+        activations = "auto"
+    logger.info("%s: %s", source.path, _activations_reason(activations))
+    return dataclasses.replace(args, quantization=method, quant_activations=activations)
+
+
+def _activations_reason(activations: str) -> str:
+    from servelm.quant.int8_act import auto_reason
+
+    if activations == "auto":
+        return "its int8 and int4 layers take " + auto_reason()
+    if activations == "int8":
+        return "its int8 and int4 layers take int8 activations at every step (as asked)"
+    return "its int8 and int4 layers take float activations at every step (--deterministic)"
 
 
 def default_method(source, args) -> str | None:

@@ -21,7 +21,8 @@ layout: the model decides which layers are linear and which one is the lm_head.
 
 Every weight-only method's CPU layers compute with float32 activations, or with int8 ones
 (`activations="int8"`, `--quant-activations int8`: servelm/quant/int8_act.py) where the CPU
-runs avx512_vnni's integer dot products.
+runs avx512_vnni's integer dot products, or each step by its rows (`auto`: float for a few
+rows, int8 for many; what a GGUF K-quant file runs by default).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def quant_method_names() -> list[str]:
 
 
 def get_quant_method(name: str, activations: str = "float") -> QuantMethod:
-    """The method `name`; activations: "float" | "int8", what its CPU kernels compute with
-    (servelm/quant/int8_act.py)."""
+    """The method `name`; activations: "float" | "int8" | "auto", what its CPU kernels
+    compute with (servelm/quant/int8_act.py)."""
     try:
         target, kwargs = _METHODS[name]
     except KeyError:

@@ -46,16 +46,20 @@ class CodesMethod(QuantMethod):
     def build(self, weight, bias):
         if not isinstance(weight, QuantizedWeight):
             return float_linear(weight, bias)
+        return self.by_rows(lambda acts: self._layer(weight, bias, acts))
+
+    def _layer(self, weight: QuantizedWeight, bias, activations: str):
         if weight.perm is not None:  # act-order: codes in group order (permuted_linear.py)
             from servelm.quant.permuted_linear import PermutedLinear
 
-            return PermutedLinear(self.build(weight._replace(perm=None), bias), weight.perm)
+            inner = self._layer(weight._replace(perm=None), bias, activations)
+            return PermutedLinear(inner, weight.perm)
         if weight.format == "int4":
             return Int4Linear(weight.q, weight.scale, weight.zero, weight.group_size, bias,
-                              self.compute_dtype, activations=self.activations)
+                              self.compute_dtype, activations=activations)
         compute = self.compute_dtype
         if not weight.group_size and not torch.equal(
                 weight.scale.to(compute).float(), weight.scale.float()):
             compute = torch.float32  # Int8Linear keeps a per-row scale in its compute dtype
         return Int8Linear(weight.q, weight.scale.float(), bias, compute,
-                          group_size=weight.group_size, activations=self.activations)
+                          group_size=weight.group_size, activations=activations)

@@ -16,6 +16,11 @@ integer dot products, the same scales (per row, or per group of a multiple of 32
 stored in the narrowest float type that holds them exactly (`scale32` is then float16 for
 Q8_0's d, bfloat16 for the per-row method's scales).
 
+`int8_twin()` is the same layer with int8 activations holding the same tensors: the
+int8-activation kernel takes the float kernel's panels too, turning each panel into its own
+order as it goes (a cost a step of many rows shares), so `--quant-activations auto`
+(servelm/quant/int8_act.py) keeps the codes once for both forms.
+
 Grouped int8 (`group_size` > 0: one float32 scale per `group_size` inputs of a row, GGUF's
 Q8_0 with group 32) runs as it is on the "cpu" kernel only; the aten and Triton paths take one
 scale per row, so there the weight is requantized per row at construction.
@@ -25,6 +30,9 @@ and moved to the GPU takes that path too.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -130,11 +138,26 @@ class Int8Linear(QuantizedLinear):
         y = torch.ops.aten._weight_int8pack_mm(xc, self.q, self.scale)
         return self._add_bias(y.to(x.dtype))
 
+    def int8_twin(self) -> Int8Linear | None:
+        """This layer with int8 activations on the same codes and scales (shared, not
+        copied), or None: a layer of another kernel or layout, groups the dot products do
+        not take, a CPU without them, or kernels that cannot read the float panels."""
+        if (self.kernel != "cpu" or self.activations != "float" or self.group_size % 32
+                or self.codes.dtype != torch.int8 or not a8_takes_float_panels()
+                or not use_int8("int8", f"int8 layer {self.out_features} x "
+                                        f"{self.in_features}")):
+            return None
+        twin = copy.copy(self)  # then its own module dicts, holding the same tensors
+        twin._parameters, twin._buffers = dict(self._parameters), dict(self._buffers)
+        twin._modules = dict(self._modules)
+        twin.activations = "int8"
+        return twin
+
     def codes_int8(self) -> torch.Tensor:
         """The int8 codes [out, in], whatever the layout."""
         if self.q is not None:
             return self.q
-        if self.activations == "int8":
+        if self.codes.dtype == torch.uint8:  # the dot products' own order
             return unpack_int8_vnni(self.codes, self.out_features, self.in_features)
         return unpack_int8_panels(self.codes, self.out_features)
 
@@ -150,3 +173,18 @@ class Int8Linear(QuantizedLinear):
         if self.q is None:
             return self.codes.numel() + self.scale32.numel() * self.scale32.element_size()
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+@functools.lru_cache(maxsize=1)
+def a8_takes_float_panels() -> bool:
+    """Whether the loaded int8_gemm_a8 reads the float kernel's panels ([P, K, 16] int8), as
+    servelm's kernels since they could do so; a library from before refuses them."""
+    ops = panel_ops()
+    if ops is None:
+        return False
+    x, codes = torch.ones(1, 32), torch.ones(1, 32, 16, dtype=torch.int8)
+    try:
+        y = ops.int8_gemm_a8(x, codes, torch.ones(16), 16, 0)
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(y, torch.full((1, 16), 32.0)))

@@ -2,7 +2,8 @@
 
 The codes are the file's bytes, unchanged: [out, in / 256 * block bytes] uint8, each row its
 256-column super-blocks (layouts in servelm/cpu_kernels/kquant_gemm.cpp). A step of at most
-`max_int8_rows` rows (by default every step, prefill chunks too, as llama.cpp runs these types)
+`max_int8_rows` rows (by default every step, prefill chunks too, as llama.cpp runs these
+types, where avx512_vnni runs the panels kernel; 32 rows elsewhere: `default_max_int8_rows`)
 runs `kquant_gemm`: the rows rounded to int8 per 256 columns (llama.cpp's q8_K), integer dot
 products with the codes, the super-blocks' scales applied once per 16 columns. A layer built
 with a smaller `max_int8_rows` dequantizes the matrix for larger steps into x's dtype and
@@ -27,10 +28,22 @@ from servelm.quant.quantized_linear import QuantizedLinear
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 SUPER_BLOCK = 256
 # Steps of up to this many rows take the int8-activation kernel; above, a dequantized GEMM.
-# Every step, by default: with the panels kernel (avx512_vnni) a 576 x 1536 Q4_K matrix at 256
-# rows took 2.1 ms against bfloat16's GEMM alone 4.4 ms and float32's 13 ms, before any
+# Every step, where the panels kernel runs: with it (avx512_vnni) a 576 x 1536 Q4_K matrix at
+# 256 rows took 2.1 ms against bfloat16's GEMM alone 4.4 ms and float32's 13 ms, before any
 # dequantization (ad hoc, one core, Zen 4; docs/quantization.md).
 MAX_INT8_ROWS = 1 << 30
+# Without avx512_vnni the kernel has no panels (every 4 rows decode the weights again), and a
+# dequantized float32 GEMM overtakes it: ad hoc, an x86-64-v3 (AVX2) build on Zen 4, one
+# thread, 576 x 1536 Q4_K, q8_K / dequantized GEMM 58 / 191 us at 1 row, 981 / 1303 at 16,
+# 5439 / 4102 at 64.
+NO_PANELS_MAX_INT8_ROWS = 32
+
+
+def default_max_int8_rows() -> int:
+    """The most rows a step rounds to q8_K on this CPU (MAX_INT8_ROWS where the panels run)."""
+    from servelm.cpu_kernels import isa
+
+    return MAX_INT8_ROWS if isa.usable("avx512_vnni") else NO_PANELS_MAX_INT8_ROWS
 
 
 def kquant_ops():
@@ -44,9 +57,10 @@ def kquant_ops():
 class KQuantLinear(QuantizedLinear):
     def __init__(self, type_name: str, codes: torch.Tensor, shape: tuple[int, int],
                  bias: torch.Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
-                 max_int8_rows: int = MAX_INT8_ROWS):
+                 max_int8_rows: int | None = None):
         """type_name: "Q4_K" | "Q5_K" | "Q6_K"; codes: the rows' super-blocks as the file
-        stores them, [out, in / 256 * block bytes] uint8; shape: (out, in)."""
+        stores them, [out, in / 256 * block bytes] uint8; shape: (out, in); max_int8_rows:
+        None for this CPU's (`default_max_int8_rows`)."""
         if type_name not in KQUANT_TYPES:
             raise ValueError(f"type_name {type_name!r} is not a K-quant kept as codes; "
                              f"supported: {sorted(KQUANT_TYPES)}")
@@ -60,7 +74,8 @@ class KQuantLinear(QuantizedLinear):
             raise ValueError("codes must be uint8 on the CPU")
         super().__init__(in_features, out_features, bias, compute_dtype)
         self.type_name, self.kind = type_name, kind
-        self.max_int8_rows = max_int8_rows
+        self.max_int8_rows = (default_max_int8_rows() if max_int8_rows is None
+                              else max_int8_rows)
         self.register_buffer("codes", codes.contiguous())
         if kquant_ops() is None:
             raise RuntimeError("KQuantLinear needs servelm's C++ CPU kernels (kquant_gemm)")

@@ -34,12 +34,18 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
+def runs_int8(layer: nn.Module) -> bool:
+    """Whether `layer` (or a layer it holds) computes with int8 activations."""
+    return any(getattr(m, "activations", None) == "int8" for m in layer.modules())
+
+
 class QuantMethod:
     """A named way to build linear layers; one instance is shared by a whole model.
 
     compute_dtype: the activations' dtype inside the quantized ops (bf16: the fast CPU path).
-    activations: "float" or "int8" (servelm/quant/int8_act.py): what the CPU kernels round the
-    activations to; the lm_head's method gets the same.
+    activations: "float", "int8" or "auto" (servelm/quant/int8_act.py): what the CPU kernels
+    round the activations to ("auto": by each step's rows, `by_rows`); the lm_head's method
+    gets the same.
     """
 
     # GGUF shards of one fused layer in different types become one layer each, side by
@@ -92,6 +98,32 @@ class QuantMethod:
         """QuantizedWeight.type_name values `build` takes."""
         return ()
 
+    def by_rows(self, make) -> nn.Module:
+        """The layer `make(activations)` builds ("float" or "int8") for this method's
+        activations. Under "auto" (servelm/quant/int8_act.py): both side by side, a
+        MixedLinear taking steps of fewer rows than `a8_min_rows()` with float activations
+        and larger ones with int8 (an Int8Linear's int8 form on the same codes: `int8_twin`;
+        other layers' codes are held in each kernel's layout); or the one form this CPU runs
+        at every step."""
+        if self.activations != "auto":
+            return make(self.activations)
+        from servelm.quant.int8_act import a8_min_rows
+        from servelm.quant.mixed_linear import MixedLinear
+
+        rows = a8_min_rows()
+        if rows is None:
+            return make("float")
+        if rows <= 1:  # int8 at every step (a layer without int8 activations keeps float)
+            return make("int8")
+        small = make("float")
+        twin = getattr(small, "int8_twin", None)
+        full = twin() if twin is not None else None
+        if full is None:
+            full = make("int8")
+        if not runs_int8(full):  # no int8 form: float at every step
+            return small
+        return MixedLinear(full, small, rows - 1)
+
     def lm_head_method(self) -> QuantMethod | None:
         """How the lm_head (tied or not) is quantized; None keeps it float.
 
@@ -124,8 +156,9 @@ class Int8Method(QuantMethod):
                                self.group_size)
 
     def build(self, weight, bias):
-        return self.layer_class(weight.q, weight.scale, bias, self.compute_dtype,
-                                group_size=weight.group_size, activations=self.activations)
+        return self.by_rows(lambda acts: self.layer_class(
+            weight.q, weight.scale, bias, self.compute_dtype, group_size=weight.group_size,
+            activations=acts))
 
     def accepted_formats(self):
         return (f"int8-g{self.group_size}",) if self.group_size else ("int8",)
@@ -153,8 +186,9 @@ class Int4Method(QuantMethod):
                                zero.to(self.compute_dtype), self.group_size)
 
     def build(self, weight, bias):
-        return Int4Linear(weight.q, weight.scale, weight.zero, weight.group_size, bias,
-                          self.compute_dtype, activations=self.activations)
+        return self.by_rows(lambda acts: Int4Linear(
+            weight.q, weight.scale, weight.zero, weight.group_size, bias, self.compute_dtype,
+            activations=acts))
 
     def accepted_formats(self):
         return (f"int4-g{self.group_size}",)
@@ -220,8 +254,9 @@ class GGUFMethod(QuantMethod):
             if weight.format == "int8":
                 return Int8Method("int8", self.compute_dtype, weight.group_size,
                                   self.activations).build(weight, bias)
-            return Int4Linear(weight.q, weight.scale, weight.zero, 32, bias,
-                              self.compute_dtype, activations=self.activations)
+            return self.by_rows(lambda acts: Int4Linear(
+                weight.q, weight.scale, weight.zero, 32, bias, self.compute_dtype,
+                activations=acts))
         return float_linear(weight, bias)
 
     def accepted_formats(self):
@@ -232,9 +267,14 @@ class GGUFMixedMethod(GGUFMethod):
     """`gguf-mixed`: each Q4_0/Q4_1/Q8_0 matrix as a MixedLinear (servelm/quant/
     mixed_linear.py): the file's codes, as `gguf` builds them, for steps of at most a few
     rows, and their values in the model's dtype for larger steps. Other types stay float, and
-    so does the lm_head (a tied one is the embedding, as without quantization)."""
+    so does the lm_head (a tied one is the embedding, as without quantization). Activations
+    "auto" are float here: the large steps' form is the float one already."""
 
     packs_float_layers = True  # the engine build packs the float forms for oneDNN
+
+    def __init__(self, name: str, compute_dtype: torch.dtype = torch.bfloat16,
+                 activations: str = "float"):
+        super().__init__(name, compute_dtype, "float" if activations == "auto" else activations)
 
     def lm_head_method(self):
         return None

@@ -12,6 +12,13 @@ The same two-form layer holds float32 weights too (servelm/layers/linear.py,
 pair_with_panels): oneDNN's packed GEMM for prefill chunks, servelm's panel GEMM (DetLinear's
 kernel, one pass over the weights) for decode steps of up to 16 rows on AVX-512 or 64 on AVX2.
 
+And one weight's codes in their two kernels' layouts (`--quant-activations auto`, what a
+GGUF K-quant file runs by default: QuantMethod.by_rows): the float-activation kernel for steps
+of a few rows, the int8-activation one (integer dot products) for larger steps; the rows
+where int8 takes over are measured per CPU path (servelm/quant/int8_act.py, A8_MIN_ROWS). The
+codes are held in both layouts (cpu_panels.py: the float kernel's panels, the dot products'
+VNNI order).
+
 Where one form overtakes the other is measured by benchmarks/cpu/mixed_crossover.py (the
 default model's 30 layers of linears with their weights in DRAM; docs/benchmarks.md has the
 record): MAX_ROWS is read off that curve.

@@ -67,7 +67,7 @@ class StagedLinear(nn.Module):
             part_bias = None if bias is None else bias[row:row + part.shape[0]]
             layers.append(self.quant.from_blocks(_to_device(part, self.weight.device),
                                                  part_bias, dtype=self.weight.dtype))
-        return RowPartsLinear(layers)
+        return _parts_by_rows(layers)
 
     def quantized_weight(self):
         """The codes (QuantizedWeight) or float weight `finalize` builds its layer from, as
@@ -84,6 +84,24 @@ class StagedLinear(nn.Module):
     def _whole_blocks(self) -> GGUFBlocks | QuantizedWeight | None:
         """The fused raw blocks when every row came as blocks of one supported type."""
         return fuse_row_blocks(self._blocks, self.out_features)
+
+
+def _parts_by_rows(layers: list[nn.Module]) -> nn.Module:
+    """The fused layer of `layers`' rows. Parts with a form per step's rows (MixedLinear,
+    --quant-activations auto) make the fused layer two: the parts' large-step forms side by
+    side and their small-step forms (a part of one form in both, shared), so that a step
+    takes one form through every part, as the decode stack takes a layer's."""
+    from servelm.quant.decode_entry import forms, is_mixed
+    from servelm.quant.mixed_linear import MixedLinear
+    from servelm.quant.row_parts_linear import RowPartsLinear
+
+    mixed = [m.max_rows for m in layers if is_mixed(m)]
+    if not mixed:
+        return RowPartsLinear(layers)
+    if len(set(mixed)) > 1:
+        raise ValueError(f"row parts switch forms at different rows {sorted(set(mixed))}")
+    return MixedLinear(RowPartsLinear([forms(m)["full"] for m in layers]),
+                       RowPartsLinear([forms(m)["small"] for m in layers]), mixed[0])
 
 
 def fuse_row_blocks(parts: dict[int, GGUFBlocks | QuantizedWeight], num_rows: int

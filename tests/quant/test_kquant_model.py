@@ -119,26 +119,38 @@ def test_q4_k_m_holds_about_the_files_bytes():
     assert held < 1.6 * path.stat().st_size
 
 
-@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("activations", ["float", "int8", "auto"])
 def test_q4_k_m_decodes_on_the_stack_as_eagerly(activations):
     """The Q4_K_M file with its codes kept (K-quant matrices, q/k/v and down as row parts of
     two types, Q5_0 / Q8_0 as int8 codes) decodes on the C++ stack with the eager path's
-    tokens and logprobs, exactly: the stack runs the same kernels."""
+    tokens and logprobs, exactly: the stack runs the same kernels. With activations "auto"
+    the steps of 3 rows take the int8 form and those of 1 row the float one (the boundary
+    set at 2 rows), in the stack as eagerly."""
+    from servelm.quant import int8_act
     from servelm.runner.cpu_decode import refusal
 
     path = _file("Q4_K_M")
     kwargs = dict(quantization="gguf", quant_activations=activations)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     outs = {}
-    for mode in ("kernel", "torch"):
-        llm = _llm(path, cpu_kernels=f"decode={mode}", **kwargs)
-        runner = llm.engine.runner
-        prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
-        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        if mode == "kernel":
-            assert runner.cpu_stack is not None, refusal(runner.model, runner.backend.kv_cache,
-                                                         runner.backend)
-            assert runner.cpu_stack.steps >= 15
+    int8_act.set_a8_min_rows(2 if int8_act.int8_dot_usable() else None)
+    try:
+        for mode in ("kernel", "torch"):
+            llm = _llm(path, cpu_kernels=f"decode={mode}", **kwargs)
+            runner = llm.engine.runner
+            prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
+            outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if activations == "auto":  # one row a step: the few-row form
+                outs[mode] += [o.outputs[0] for o in llm.generate(prompts[:1], params,
+                                                                  use_tqdm=False)]
+            if mode == "kernel":
+                assert runner.cpu_stack is not None, refusal(
+                    runner.model, runner.backend.kv_cache, runner.backend)
+                assert runner.cpu_stack.steps >= 15
+                if activations == "auto" and int8_act.int8_dot_usable():
+                    assert set(runner.cpu_stack._stacks) == {"small", "full"}
+    finally:
+        int8_act.set_a8_min_rows(None)
     for a, b in zip(outs["kernel"], outs["torch"]):
         assert a.token_ids == b.token_ids
         assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
@@ -154,10 +166,21 @@ def test_default_keeps_a_k_quant_files_codes_where_gguf_keeps_every_matrix_exact
     from servelm.loader import resolve_model
     from servelm.loader.kquant_default import default_method
 
+    from servelm.quant import int8_act
+    from servelm.quant.mixed_linear import MixedLinear
+
     q4 = _file("Q4_K_M")
     llm = LLM(str(q4), kv_cache_memory=32 * 2**20, max_model_len=512)
     runner = llm.engine.runner
     assert any(isinstance(m, KQuantLinear) for m in runner.model.modules())
+    # its int8 layers by each step's rows: float activations for few, int8 for many
+    rows = int8_act.a8_min_rows()
+    mixed = [m for m in runner.model.modules() if type(m) is MixedLinear]
+    if rows is not None and rows > 1:
+        assert mixed and all(m.max_rows == rows - 1 for m in mixed)
+        assert {m.full.activations for m in mixed if hasattr(m.full, "activations")} == {"int8"}
+    else:
+        assert not mixed
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                  use_tqdm=False)
     assert runner.cpu_stack is not None and runner.cpu_stack.steps >= 3
