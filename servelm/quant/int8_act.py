@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # at 1 row 23 / 30 us, 2 rows 27 / 39, 4 rows 45 / 44, 64 rows 1097 / 630; 1536 x 576 at 1
 # row 65 / 69, 2 rows 75 / 80, 4 rows 111 / 93, 64 rows 2390 / 1110. AVX2 (an x86-64-v3
 # build on the same CPU; its float kernel spends four instructions a weight): int8 in its own
-# layout wins at every row count, 576 x 576 at 1 row 33 / 34, 4 rows 58 / 49, 64 rows
+# layout ties or wins at every row count, 576 x 576 at 1 row 33 / 34, 4 rows 58 / 49, 64 rows
 # 1865 / 1142; 1536 x 576 at 1 row 83 / 60, 64 rows 5757 / 3224: int8 at every step, one copy.
 A8_MIN_ROWS = {"avx512_vnni": 4, "avx2": 1}
 
