@@ -105,7 +105,7 @@ def pair_with_panels(model: nn.Module, max_rows: int) -> int:
     def pair(weight, bias):
         return MixedLinear(PackedLinear(weight, bias), DetLinear(weight, bias), max_rows)
 
-    return _replace_float_linears(model, pair)
+    return _replace_float_linears(model, pair) + pack_float_experts(model, DetLinear)
 
 
 # Rows up to which servelm's AMX tile GEMM (cpu_kernels/amx_gemm.cpp) beats oneDNN's packed
@@ -137,12 +137,25 @@ def pack_dot_linears(model: nn.Module) -> int:
     Returns how many."""
     from servelm.layers.dot_linear import DotLinear
 
-    num = _replace_float_linears(model, DotLinear)
+    num = _replace_float_linears(model, DotLinear) + pack_float_experts(model, DotLinear)
     for module in model.modules():
         head = getattr(module, "lm_head", None)
         if type(head) is DotLinear:
             head.float_out()
     return num
+
+
+def pack_float_experts(model: nn.Module, make) -> int:
+    """Every float mixture of experts (layers/moe.py's Experts, on one rank) takes each
+    expert's matrices as make(weight, None) layers: float32 DetLinear, whose panel GEMM is
+    the same sums at any row count, so an expert's few routed rows give the same bits in a
+    decode step of any size, eager or in the C++ stack (a MixedLinear would pick its form
+    by the expert's rows eagerly but by the step's in the stack); bfloat16 DotLinear.
+    Returns how many layers."""
+    from servelm.layers.moe import Experts
+
+    return sum(m.pack_experts(make) for m in model.modules()
+               if type(m) is Experts and m.w13 is not None and m.w13.device.type == "cpu")
 
 
 def float_weight_bytes(model: nn.Module) -> int:

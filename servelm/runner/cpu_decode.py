@@ -85,12 +85,15 @@ class CpuDecodeStack:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self._stacks = {}  # form -> the C++ stack ("small": MixedLinears' few-row form)
         self._built_for = None  # (K cache pointer, number of layers) the stacks were built on
-        linears = model.fast_path().linears
+        spec = model.fast_path()
+        linears = spec.linears
         self._small_rows = min((m.max_rows for m in linears if is_mixed(m)), default=0)
         self.steps = 0  # steps run through the stack
         self.verify_steps = 0  # of which with speculative verifications
         self.split_steps = 0  # of which in slices of rows (row_parts)
-        self._row_split = self.row_split and all(
+        # not with experts: both slices would add to the experts' routed-token counts at
+        # once, and each would stream every expert its rows touch (not measured)
+        self._row_split = self.row_split and not spec.has_experts and all(
             decode_entry(forms(m)["full"]).kind == KIND_DOT for m in linears)
 
     # whether plain decode steps may run in slices of rows (row_parts); a tensor-parallel
