@@ -19,6 +19,10 @@ goal is every family within 20% of it (>= 0.8).
     .venv/bin/python benchmarks/cpu/family_stack.py --out benchmarks/results/family-stack-<ts>
     .venv/bin/python benchmarks/cpu/family_stack.py --out /tmp/x --tiny   (a dry run)
 
+--rounds N measures every family N times, the families in a rotated order each round (the
+machine's drift then lands on a different family each time), and keeps each cell's median
+step, with the rounds' tok/s beside it.
+
 Writes family-stack.json (command, machine, commit, per family, dtype, path and batch: tok/s,
 median step, bytes per step, the ratio) and family-stack.png into --out.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -162,6 +167,22 @@ def measure(family: str, args, dtypes: list[str], batches: list[int]) -> list[di
     return rows
 
 
+def merge_rounds(rounds: list[list[dict]], families: list[str]) -> list[dict]:
+    """One row per family, dtype, path and batch: the median of the rounds' median steps
+    (tok/s and bytes/s from it), the rounds' tok/s in `rounds_tok_s`, in `families` order."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r["family"], r["dtype"], r["path"], r["batch"]), []).append(r)
+    merged = []
+    for group in groups.values():
+        first, step_s = group[0], statistics.median(r["median_step_s"] for r in group)
+        merged.append(dict(first, median_step_s=step_s, decode_tok_s=first["batch"] / step_s,
+                           weight_bytes_per_s=first["weight_bytes_per_step"] / step_s,
+                           rounds_tok_s=[round(r["decode_tok_s"], 1) for r in group]))
+    return sorted(merged, key=lambda r: families.index(r["family"]))
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each row's weight bytes/s over the Llama row's of the same dtype, path and batch."""
     llama = {(r["dtype"], r["path"], r["batch"]): r["weight_bytes_per_s"] for r in rows
@@ -212,6 +233,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="every family this many times, in a rotated order each round; "
+                        "each cell the median")
     p.add_argument("--tiny", action="store_true",
                    help="a dry run at a tiny shape (checks the script, measures nothing)")
     p.add_argument("--out", required=True)
@@ -231,16 +255,21 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",")
               if d != "bfloat16" or isa.usable("avx512_bf16")]
     batches = [int(b) for b in args.batches.split(",")]
-    rows = []
-    for family in args.families.split(","):
-        rows += measure(family, args, dtypes, batches)
+    families = args.families.split(",")
+    rounds = []
+    for r in range(args.rounds):
+        order = families[r % len(families):] + families[:r % len(families)]
+        rounds.append([row for family in order
+                       for row in measure(family, args, dtypes, batches)])
+    rows = merge_rounds(rounds, families)
     add_ratios(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join(sys.argv), "machine": machine_info(torch.get_num_threads()),
               "commit": git_commit(), "shape": {k: getattr(args, k) for k in (
                   "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
-                  "prompt_len", "steps")}, "tiny": args.tiny, "rows": rows}
+                  "prompt_len", "steps")}, "tiny": args.tiny, "rounds": args.rounds,
+              "rows": rows}
     (out / "family-stack.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "family-stack.png")
     print(f"wrote {out / 'family-stack.json'} and family-stack.png", file=sys.stderr)
